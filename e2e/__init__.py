@@ -1,0 +1,1 @@
+"""A local Kubernetes made of real binaries, the node agent, and the engine simulator."""
