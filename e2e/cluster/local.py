@@ -1,0 +1,302 @@
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, kube-scheduler and
+kube-controller-manager as plain processes.
+
+There is no kubelet: Nodes are objects created by :func:`e2e.cluster.nodes.create_node`,
+and rota's node agent plays the kubelet's DRA part. To keep static Node objects
+schedulable, the ``TaintNodesByCondition`` admission plugin is disabled (it would taint
+every new Node ``not-ready``) and the node-lifecycle controller is not run (it would taint
+Nodes without heartbeats). The ``ServiceAccount`` admission plugin is disabled too: no
+kubelet mounts tokens, and a pod created right after its namespace would otherwise race the
+service-account controller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import socket
+import ssl
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from e2e.cluster import binaries, pki
+from e2e.cluster.processes import ManagedProcess, stop_pid
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "cluster.json"
+
+
+class ClusterStartError(RuntimeError):
+    """A component did not become ready in time; the message carries its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """What a cluster is started with."""
+
+    feature_gates: Mapping[str, bool] = field(default_factory=dict)
+    """Applied to kube-apiserver, kube-scheduler and kube-controller-manager alike."""
+    enable_admission_plugins: Sequence[str] = ()
+    """Added to the apiserver's default set."""
+    disable_admission_plugins: Sequence[str] = ("ServiceAccount", "TaintNodesByCondition")
+    start_timeout_s: float = 90.0
+    """The apiserver alone can take 60 s on two busy cores."""
+    run_scheduler: bool = True
+    run_controller_manager: bool = True
+
+
+def _gates_flag(gates: Mapping[str, bool]) -> list[str]:
+    if not gates:
+        return []
+    value = ",".join(f"{k}={'true' if v else 'false'}" for k, v in sorted(gates.items()))
+    return [f"--feature-gates={value}"]
+
+
+class LocalCluster:
+    """Starts and stops one local control plane. Use as a context manager or call
+    :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, workdir: Path | None = None, options: ClusterOptions | None = None,
+                 *, bin_dir: Path | None = None) -> None:
+        self._own_workdir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="rota-cluster-"))
+        self.options = options or ClusterOptions()
+        self._bin_dir = bin_dir
+        self.processes: dict[str, ManagedProcess] = {}
+        self.kubeconfig = self.workdir / "admin.kubeconfig"
+        self.server = ""
+        self.ports: dict[str, int] = {}
+        self._pki: pki.Pki | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    @property
+    def log_dir(self) -> Path:
+        return self.workdir / "logs"
+
+    def start(self, *, die_with_parent: bool = True) -> None:
+        started = time.monotonic()
+        bin_dir = self._bin_dir or binaries.locate()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._pki = pki.generate(self.workdir / "pki")
+        self.ports = {name: free_port() for name in
+                      ("etcd", "etcd_peer", "apiserver", "scheduler", "controller_manager")}
+        self.server = f"https://127.0.0.1:{self.ports['apiserver']}"
+        pki.write_kubeconfig(self.kubeconfig, server=self.server, pki=self._pki)
+        try:
+            self._start_etcd(bin_dir, die_with_parent)
+            self._start_apiserver(bin_dir, die_with_parent)
+            if self.options.run_scheduler:
+                self._start_scheduler(bin_dir, die_with_parent)
+            if self.options.run_controller_manager:
+                self._start_controller_manager(bin_dir, die_with_parent)
+            self._wait_components()
+        except BaseException:
+            self.stop()
+            raise
+        self._write_state()
+        log.info("cluster ready", extra={"server": self.server, "workdir": str(self.workdir),
+                                         "seconds": round(time.monotonic() - started, 2)})
+
+    def stop(self) -> None:
+        # Reverse start order: controllers first, etcd last.
+        for proc in reversed(list(self.processes.values())):
+            proc.stop()
+        self.processes.clear()
+
+    def cleanup(self) -> None:
+        """Stop and, when the working directory was ours, delete it."""
+        self.stop()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # -- components ----------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str], die_with_parent: bool) -> ManagedProcess:
+        proc = ManagedProcess(name=name, argv=argv, log_path=self.log_dir / f"{name}.log")
+        proc.start(die_with_parent=die_with_parent)
+        self.processes[name] = proc
+        return proc
+
+    def _start_etcd(self, bin_dir: Path, dwp: bool) -> None:
+        client = f"http://127.0.0.1:{self.ports['etcd']}"
+        peer = f"http://127.0.0.1:{self.ports['etcd_peer']}"
+        self._spawn("etcd", [
+            str(bin_dir / "etcd"), "--name=n0", f"--data-dir={self.workdir / 'etcd'}",
+            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=n0={peer}", "--unsafe-no-fsync=true",
+            "--listen-metrics-urls=", "--log-level=warn",
+            "--quota-backend-bytes=2147483648", "--auto-compaction-retention=1",
+        ], dwp)
+        self._wait_http(f"{client}/health", "etcd", tls=False)
+
+    def _start_apiserver(self, bin_dir: Path, dwp: bool) -> None:
+        assert self._pki is not None
+        p = self._pki
+        port = self.ports["apiserver"]
+        argv = [
+            str(bin_dir / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
+            "--bind-address=127.0.0.1", f"--secure-port={port}",
+            "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
+            f"--cert-dir={self.workdir / 'pki'}",
+            f"--tls-cert-file={p.serving_cert}", f"--tls-private-key-file={p.serving_key}",
+            f"--client-ca-file={p.ca_cert}",
+            f"--service-account-issuer=https://127.0.0.1:{port}",
+            f"--service-account-key-file={p.sa_public}",
+            f"--service-account-signing-key-file={p.sa_private}",
+            "--service-cluster-ip-range=10.0.0.0/24",
+            "--authorization-mode=RBAC", "--allow-privileged=true",
+            "--enable-priority-and-fairness=false",
+            "--max-requests-inflight=0", "--max-mutating-requests-inflight=0",
+            "--profiling=false", "-v=1",
+        ]
+        if self.options.disable_admission_plugins:
+            argv.append("--disable-admission-plugins="
+                        + ",".join(self.options.disable_admission_plugins))
+        if self.options.enable_admission_plugins:
+            argv.append("--enable-admission-plugins="
+                        + ",".join(self.options.enable_admission_plugins))
+        argv += _gates_flag(self.options.feature_gates)
+        self._spawn("kube-apiserver", argv, dwp)
+        self._wait_http(f"{self.server}/readyz", "kube-apiserver", tls=True, client_cert=True)
+
+    def _start_scheduler(self, bin_dir: Path, dwp: bool) -> None:
+        port = self.ports["scheduler"]
+        self._spawn("kube-scheduler", [
+            str(bin_dir / "kube-scheduler"), f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={port}",
+            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
+            f"--cert-dir={self.workdir / 'scheduler-certs'}", "-v=2",
+            *_gates_flag(self.options.feature_gates),
+        ], dwp)
+
+    def _start_controller_manager(self, bin_dir: Path, dwp: bool) -> None:
+        assert self._pki is not None
+        port = self.ports["controller_manager"]
+        self._spawn("kube-controller-manager", [
+            str(bin_dir / "kube-controller-manager"), f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={port}",
+            f"--cert-dir={self.workdir / 'kcm-certs'}",
+            f"--service-account-private-key-file={self._pki.sa_private}",
+            f"--root-ca-file={self._pki.ca_cert}",
+            "--controllers=*,-node-lifecycle-controller",
+            "--use-service-account-credentials=false",
+            "--kube-api-qps=200", "--kube-api-burst=400", "-v=1",
+            *_gates_flag(self.options.feature_gates),
+        ], dwp)
+
+    def _wait_components(self) -> None:
+        for name, key in (("kube-scheduler", "scheduler"),
+                          ("kube-controller-manager", "controller_manager")):
+            if name in self.processes:
+                self._wait_http(f"https://127.0.0.1:{self.ports[key]}/healthz", name, tls=True)
+
+    # -- readiness -----------------------------------------------------------------
+
+    def ssl_context(self, *, client_cert: bool) -> ssl.SSLContext:
+        assert self._pki is not None
+        ctx = ssl.create_default_context(cafile=str(self._pki.ca_cert))
+        if client_cert:
+            ctx.load_cert_chain(str(self._pki.admin_cert), str(self._pki.admin_key))
+        return ctx
+
+    def _wait_http(self, url: str, name: str, *, tls: bool, client_cert: bool = False) -> None:
+        deadline = time.monotonic() + self.options.start_timeout_s
+        if tls and client_cert:
+            ctx: ssl.SSLContext | None = self.ssl_context(client_cert=True)
+        elif tls:
+            # Scheduler and controller-manager serve self-signed certificates.
+            ctx = ssl._create_unverified_context()
+        else:
+            ctx = None
+        last = ""
+        delay = 0.05
+        while time.monotonic() < deadline:
+            proc = self.processes[name]
+            if not proc.alive():
+                raise ClusterStartError(f"{name} exited during start:\n{proc.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"HTTP {resp.status}"
+            except urllib.error.HTTPError as exc:
+                last = f"HTTP {exc.code}"
+            except OSError as exc:
+                last = repr(exc)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+        raise ClusterStartError(
+            f"{name} not ready at {url} within {self.options.start_timeout_s:.0f}s "
+            f"(last: {last}):\n{self.processes[name].log_tail()}"
+        )
+
+    # -- state file for the CLI ----------------------------------------------------
+
+    def _write_state(self) -> None:
+        state: dict[str, Any] = {
+            "server": self.server,
+            "kubeconfig": str(self.kubeconfig),
+            "logs": str(self.log_dir),
+            "processes": {
+                name: {"pid": proc.pid, "exe": Path(proc.argv[0]).name}
+                for name, proc in self.processes.items()
+            },
+        }
+        (self.workdir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    def resident_memory_bytes(self) -> dict[str, int]:
+        """RSS of each component, read from /proc."""
+        out: dict[str, int] = {}
+        for name, proc in self.processes.items():
+            try:
+                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        out[name] = int(line.split()[1]) * 1024
+            except OSError:
+                continue
+        return out
+
+
+def stop_from_state(workdir: Path) -> list[str]:
+    """Stop a cluster that ``rota-cluster up`` left running, by the pids it recorded."""
+    path = workdir / STATE_FILE
+    state = json.loads(path.read_text())
+    stopped = []
+    order = ["kube-controller-manager", "kube-scheduler", "kube-apiserver", "etcd"]
+    procs: dict[str, dict[str, Any]] = state.get("processes", {})
+    for name in sorted(procs, key=lambda n: order.index(n) if n in order else -1):
+        info = procs[name]
+        stop_pid(int(info["pid"]), expected_exe=str(info["exe"]))
+        stopped.append(name)
+    path.unlink()
+    return stopped

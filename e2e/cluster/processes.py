@@ -1,0 +1,124 @@
+"""Child processes of the local cluster: started with a death signal, stopped by pid.
+
+Every process is started so that it dies with the Python process that started it
+(``PR_SET_PDEATHSIG``), so a crashed or killed test run leaves nothing behind. A clean stop
+sends SIGTERM to exactly the pid that was started, waits, then SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+@dataclass
+class ManagedProcess:
+    """One started binary with its log file."""
+
+    name: str
+    argv: Sequence[str]
+    log_path: Path
+    env: Mapping[str, str] | None = None
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None, f"{self.name} was not started"
+        return self.popen.pid
+
+    def start(self, *, die_with_parent: bool = True) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as logf:
+            # PDEATHSIG fires when the *thread* that forked exits; only trust it on the
+            # main thread (pytest fixtures and the CLI both start from there).
+            on_main = threading.current_thread() is threading.main_thread()
+            use_pdeathsig = die_with_parent and on_main
+            self.popen = subprocess.Popen(
+                list(self.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=dict(self.env) if self.env is not None else None,
+                preexec_fn=_die_with_parent if use_pdeathsig else None,
+                start_new_session=True,
+            )
+        log.info("process started", extra={"process": self.name, "pid": self.popen.pid,
+                                            "log": str(self.log_path)})
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("process ignored SIGTERM; killing", extra={"process": self.name,
+                                                                  "pid": self.popen.pid})
+            self.popen.kill()
+            self.popen.wait(timeout=timeout_s)
+
+
+def stop_pid(pid: int, *, expected_exe: str | None, timeout_s: float = 15.0) -> bool:
+    """Stop a process that another invocation started, by pid.
+
+    ``expected_exe`` (the basename of the binary) guards against a recycled pid: the
+    process is only signalled when ``/proc/<pid>/exe`` still names that binary.
+    Returns True when the process is gone afterwards.
+    """
+    if expected_exe is not None:
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            return True  # already gone
+        if os.path.basename(exe).removesuffix(" (deleted)") != expected_exe:
+            log.warning("pid now belongs to another program; not signalling",
+                        extra={"pid": pid, "exe": exe, "expected": expected_exe})
+            return True
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists() or _is_zombie(pid):
+            return True
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"

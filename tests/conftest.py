@@ -1,0 +1,84 @@
+"""Fixtures shared by every test: the local cluster, a namespace per test, short socket dirs.
+
+The cluster is started once per test session from real binaries (built and cached by
+``e2e/build-k8s.sh`` on first use) and only when a test asks for it, so unit tests run
+without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client, config
+
+from e2e.cluster import LocalCluster
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    local = LocalCluster()
+    try:
+        local.start()
+        yield local
+    finally:
+        local.cleanup()
+
+
+@pytest.fixture(scope="session")
+def kube_api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
+    api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    try:
+        yield api
+    finally:
+        api.close()
+
+
+@pytest.fixture
+def namespace(kube_api: client.ApiClient) -> Iterator[str]:
+    """A fresh namespace, deleted (without waiting) after the test."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    core = client.CoreV1Api(kube_api)
+    core.create_namespace({"apiVersion": "v1", "kind": "Namespace",
+                           "metadata": {"name": name}})
+    try:
+        yield name
+    finally:
+        try:
+            core.delete_namespace(name)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short temporary directory: unix socket paths must stay under ~108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="rota-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_tasks() -> Iterator[None]:
+    """Fail a test that leaves asyncio tasks pending on a loop it ran."""
+    yield
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()
+               and t is not asyncio.current_task(loop)]
+    assert not pending, f"test leaked asyncio tasks: {pending}"
+
+
+def pytest_report_header() -> str:
+    return f"rota: ROTA_K8S_BIN={os.environ.get('ROTA_K8S_BIN', '(build cache)')}"
