@@ -1,0 +1,165 @@
+"""The driver's only door to the Kubernetes API.
+
+The official client is synchronous, so every call runs in a worker thread and the event
+loop never blocks. Objects travel as plain dicts (the API's JSON), which keeps rota
+independent of the client's generated model classes. Every call has a timeout; API
+exceptions become :mod:`driver.errors` classes here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kubernetes import client, config, watch
+
+from driver.errors import KubeConflictError, KubeError, KubeNotFoundError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Obj = dict[str, Any]
+
+RESOURCE_GROUP = "resource.k8s.io"
+RESOURCE_VERSION = "v1"
+_BODY_LIMIT = 256
+
+
+def load_api_client(kubeconfig: str | None) -> client.ApiClient:
+    """An ApiClient from a kubeconfig file, or from the pod's service account."""
+    if kubeconfig:
+        return config.new_client_from_config(config_file=kubeconfig)
+    config.load_incluster_config()
+    return client.ApiClient()
+
+
+def _translate(exc: client.ApiException, what: str) -> KubeError:
+    body = (exc.body or "")
+    if isinstance(body, bytes):
+        body = body.decode(errors="replace")
+    message = body
+    try:
+        message = json.loads(body).get("message", body)
+    except (ValueError, AttributeError):
+        pass
+    detail = f"{what}: HTTP {exc.status}: {str(message)[:_BODY_LIMIT]}"
+    if exc.status == 404:
+        return KubeNotFoundError(detail, status=404)
+    if exc.status == 409:
+        return KubeConflictError(detail, status=409)
+    return KubeError(detail, status=exc.status)
+
+
+class Kube:
+    """Async facade over the calls the driver makes. ``timeout_s`` bounds each call."""
+
+    def __init__(self, api: client.ApiClient, *, timeout_s: float = 10.0) -> None:
+        self.api = api
+        self.timeout_s = timeout_s
+        self._core = client.CoreV1Api(api)
+        self._objects = client.CustomObjectsApi(api)
+
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        kwargs.setdefault("_request_timeout", self.timeout_s)
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except client.ApiException as exc:
+            raise _translate(exc, what) from exc
+        except OSError as exc:  # connection refused, reset, timeouts from urllib3
+            raise KubeError(f"{what}: {exc}") from exc
+        except Exception as exc:
+            if type(exc).__module__.startswith("urllib3"):
+                raise KubeError(f"{what}: {exc}") from exc
+            raise
+
+    # -- core ------------------------------------------------------------------------
+
+    async def get_node(self, name: str) -> Obj:
+        resp = await self._call(f"get node {name}", self._core.read_node, name,
+                                _preload_content=False)
+        return dict(json.loads(resp.data))
+
+    # -- resource.k8s.io ----------------------------------------------------------------
+
+    async def get_claim(self, namespace: str, name: str) -> Obj:
+        return dict(await self._call(
+            f"get resourceclaim {namespace}/{name}",
+            self._objects.get_namespaced_custom_object,
+            RESOURCE_GROUP, RESOURCE_VERSION, namespace, "resourceclaims", name))
+
+    async def list_slices(self, *, driver: str, node: str) -> list[Obj]:
+        result = await self._call(
+            "list resourceslices", self._objects.list_cluster_custom_object,
+            RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices",
+            field_selector=f"spec.driver={driver},spec.nodeName={node}")
+        return [dict(item) for item in result.get("items", [])]
+
+    async def create_slice(self, body: Obj) -> Obj:
+        return dict(await self._call(
+            f"create resourceslice {body['metadata']['name']}",
+            self._objects.create_cluster_custom_object,
+            RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices", body))
+
+    async def replace_slice(self, body: Obj) -> Obj:
+        """Update with the resourceVersion in ``body`` (compare-and-swap)."""
+        name = body["metadata"]["name"]
+        return dict(await self._call(
+            f"update resourceslice {name}", self._objects.replace_cluster_custom_object,
+            RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices", name, body))
+
+    async def delete_slice(self, name: str, *, uid: str | None = None,
+                           resource_version: str | None = None) -> None:
+        preconditions: dict[str, str] = {}
+        if uid:
+            preconditions["uid"] = uid
+        if resource_version:
+            preconditions["resourceVersion"] = resource_version
+        body = {"apiVersion": "v1", "kind": "DeleteOptions",
+                "preconditions": preconditions} if preconditions else None
+        try:
+            await self._call(f"delete resourceslice {name}",
+                             self._objects.delete_cluster_custom_object,
+                             RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices", name,
+                             body=body)
+        except KubeNotFoundError:
+            return
+
+    def watch_slices(self, *, driver: str, node: str, on_event: Callable[[str, Obj], None],
+                     stop: threading.Event) -> threading.Thread:
+        """Watch our slices in a daemon thread; ``on_event(type, object)`` per event.
+
+        ``on_event`` runs in the watch thread: hand work to the loop with
+        ``loop.call_soon_threadsafe``. The watch re-opens after each server timeout and
+        backs off (bounded) after errors until ``stop`` is set.
+        """
+
+        def run() -> None:
+            backoff = 0.2
+            while not stop.is_set():
+                w = watch.Watch()
+                try:
+                    for event in w.stream(
+                        self._objects.list_cluster_custom_object,
+                        RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices",
+                        field_selector=f"spec.driver={driver},spec.nodeName={node}",
+                        timeout_seconds=30, _request_timeout=40,
+                    ):
+                        if stop.is_set():
+                            break
+                        on_event(str(event["type"]), dict(event["object"]))
+                        backoff = 0.2
+                except Exception as exc:
+                    log.warning("slice watch failed; reopening",
+                                extra={"error": str(exc)[:_BODY_LIMIT], "backoff_s": backoff})
+                    stop.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                finally:
+                    w.stop()
+
+        thread = threading.Thread(target=run, name="slice-watch", daemon=True)
+        thread.start()
+        return thread

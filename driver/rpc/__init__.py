@@ -1,0 +1,1 @@
+"""gRPC plumbing of the driver: sockets, service binding and the servicers."""

@@ -1,0 +1,147 @@
+"""The driver's settings: parsed once at start, passed explicitly, every flag also an env var.
+
+Nothing else in the driver reads ``os.environ``. Each field's description is its
+``--help`` text; the flag is ``--<field-with-dashes>`` and the environment variable
+``ROTA_<FIELD>`` (``NODE_NAME`` too for the node, as the downward API usually sets it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from driver import DRIVER_NAME
+from driver.errors import ConfigError
+
+
+class NvmlBackendKind(StrEnum):
+    REAL = "real"
+    FAKE = "fake"
+
+
+class DriverSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node_name: str = Field(description="Name of this Node (the pool name). Env NODE_NAME works "
+                                       "too.")
+    kubeconfig: str | None = Field(default=None, description="kubeconfig file; in-cluster "
+                                                             "service account when unset.")
+    sharing_mode: str = Field(default="shared", description="exclusive | shared | partitioned. "
+                              "shared publishes consumable capacity; the driver falls back to "
+                              "partitioned (then exclusive) when the API server drops fields.")
+    engines_per_gpu: int = Field(default=8, ge=1, le=64,
+                                 description="How many claimants may share one GPU (the "
+                                             "'engines' capacity; also the partition count).")
+    plugin_registry_dir: Path = Field(default=Path("/var/lib/kubelet/plugins_registry"),
+                                      description="The kubelet's plugin registration directory.")
+    plugin_data_dir: Path = Field(default=Path(f"/var/lib/kubelet/plugins/{DRIVER_NAME}"),
+                                  description="Directory of the DRA socket and the ledger.")
+    cdi_root: Path = Field(default=Path("/var/run/cdi"), description="Where CDI specs go.")
+    dev_root: Path = Field(default=Path("/dev"), description="Device node directory named in "
+                                                             "CDI specs.")
+    proc_root: Path = Field(default=Path("/proc"), description="procfs, for process cgroups.")
+    nvml_backend: NvmlBackendKind = Field(default=NvmlBackendKind.REAL,
+                                          description="real (pynvml) or fake (a JSON fixture).")
+    fake_nvml_fixture: Path | None = Field(default=None, description="GPU description for the "
+                                                                     "fake NVML backend.")
+    fake_nvml_proc_dir: Path | None = Field(default=None, description="Directory where "
+                                            "simulated engines register their GPU memory.")
+    http_address: str = Field(default="127.0.0.1:8081", description="host:port of /metrics, "
+                              "/healthz and /readyz; port 0 picks one.")
+    slice_resync_s: float = Field(default=30.0, gt=0, description="Re-check the published "
+                                  "slices at least this often, watch events aside.")
+    api_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of each API call.")
+    lock_timeout_s: float = Field(default=10.0, gt=0, description="Wait at most this long for "
+                                  "the node-wide prepare lock.")
+    log_level: str = Field(default="info", description="debug | info | warning | error")
+
+    @field_validator("sharing_mode")
+    @classmethod
+    def _known_mode(cls, value: str) -> str:
+        if value not in ("exclusive", "shared", "partitioned"):
+            raise ValueError("must be exclusive, shared or partitioned")
+        return value
+
+    @field_validator("node_name")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must not be empty (set --node-name or NODE_NAME)")
+        return value
+
+    @property
+    def dra_socket(self) -> Path:
+        return self.plugin_data_dir / "dra.sock"
+
+    @property
+    def registration_socket(self) -> Path:
+        return self.plugin_registry_dir / f"{DRIVER_NAME}-reg.sock"
+
+    @property
+    def inspect_socket(self) -> Path:
+        return self.plugin_data_dir / "inspect.sock"
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.plugin_data_dir / "ledger.json"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.plugin_data_dir / "prepare.lock"
+
+
+_ENV_ALIASES = {"node_name": ("NODE_NAME",)}
+
+
+def env_names(field: str, prefix: str = "ROTA_") -> tuple[str, ...]:
+    return (prefix + field.upper(), *_ENV_ALIASES.get(field, ()))
+
+
+def build_parser(model: type[BaseModel], prog: str, description: str
+                 ) -> argparse.ArgumentParser:
+    """One ``--flag`` per field of ``model``; help = description, env var and default."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for name, info in model.model_fields.items():
+        default = "" if info.is_required() else f" Default: {info.default}."
+        envs = " or ".join(env_names(name))
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
+                            help=f"{info.description} Env: {envs}.{default}")
+    return parser
+
+
+def parse_settings(model: type[BaseModel], argv: Sequence[str] | None,
+                   environ: Mapping[str, str] | None, *, prog: str, description: str
+                   ) -> Any:
+    """Flags win over environment variables, which win over defaults."""
+    environ = os.environ if environ is None else environ
+    args = vars(build_parser(model, prog, description).parse_args(argv))
+    values: dict[str, Any] = {}
+    for name in model.model_fields:
+        if args.get(name) is not None:
+            values[name] = args[name]
+            continue
+        for env in env_names(name):
+            if environ.get(env):
+                values[name] = environ[env]
+                break
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                             for e in exc.errors())
+        raise ConfigError(f"invalid settings: {problems}") from exc
+
+
+def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+         ) -> DriverSettings:
+    settings: DriverSettings = parse_settings(
+        DriverSettings, argv, environ, prog="rota-driver",
+        description="rota's DRA kubelet plugin for driver gpu.rota.dev: publishes GPUs as "
+                    "shared devices, prepares claims, keeps a crash-safe ledger.")
+    return settings

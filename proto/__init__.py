@@ -1,0 +1,1 @@
+"""rota's protocol definitions and the command that turns them into Python."""
