@@ -35,7 +35,7 @@ class DriverSettings(BaseModel):
     sharing_mode: str = Field(default="shared", description="exclusive | shared | partitioned. "
                               "shared publishes consumable capacity; the driver falls back to "
                               "partitioned (then exclusive) when the API server drops fields.")
-    engines_per_gpu: int = Field(default=8, ge=1, le=64,
+    engines_per_gpu: int = Field(default=8, ge=2, le=64,
                                  description="How many claimants may share one GPU (the "
                                              "'engines' capacity; also the partition count).")
     plugin_registry_dir: Path = Field(default=Path("/var/lib/kubelet/plugins_registry"),

@@ -179,7 +179,7 @@ class NodeAgent:
                 f"the node agent runs only {SIMULATOR_IMAGE}, not {image!r}"))
             return
         try:
-            env = self._container_env(container, devices)
+            env = self._container_env(pod, runtime, container, devices)
         except CdiResolveError as exc:
             await self._event(pod, "FailedCDI", str(exc), "Warning")
             return
@@ -230,7 +230,16 @@ class NodeAgent:
             raise PrepareFailed(f"DRA driver {driver} is not registered on node {self.node}")
         return self.drivers[driver]
 
-    def _container_env(self, container: dict[str, Any], devices: dict[str, list[Any]]
+    @staticmethod
+    def _field(pod: dict[str, Any], runtime: PodRuntime, path: str) -> str:
+        """The downward API fields engines use."""
+        values = {"metadata.uid": runtime.uid, "metadata.name": runtime.name,
+                  "metadata.namespace": runtime.namespace, "status.podIP": runtime.ip,
+                  "spec.nodeName": pod["spec"].get("nodeName", "")}
+        return values.get(path, "")
+
+    def _container_env(self, pod: dict[str, Any], runtime: PodRuntime,
+                       container: dict[str, Any], devices: dict[str, list[Any]]
                        ) -> dict[str, str]:
         ids: list[str] = []
         for ref in container.get("resources", {}).get("claims", []) or []:
@@ -244,6 +253,9 @@ class NodeAgent:
         for item in container.get("env", []) or []:
             if "value" in item:
                 env[item["name"]] = str(item["value"])
+            elif field_path := (item.get("valueFrom") or {}).get("fieldRef", {}).get(
+                    "fieldPath"):
+                env[item["name"]] = self._field(pod, runtime, str(field_path))
         env.update(resolve_env(self.cdi_root, ids))
         return env
 

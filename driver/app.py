@@ -1,0 +1,141 @@
+"""The driver process: the one place where its parts are built and wired together.
+
+Start order: NVML and discovery, the ledger restored, the DRA and inspection servers, the
+slice publisher's first sync, and last the registration socket, so the kubelet only
+learns of the driver once it can serve. Stop order is the reverse; the registration
+socket goes first, so the kubelet stops sending calls before the DRA server closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from driver import DRIVER_NAME
+from driver.devices import discover
+from driver.errors import ConfigError
+from driver.health import HealthMonitor
+from driver.inspection import InspectionService
+from driver.kube import Kube, load_api_client
+from driver.ledger import Ledger, current_boot_id
+from driver.nvml.api import NvmlBackend
+from driver.prepare import Preparer
+from driver.probes import make_app
+from driver.publisher import SlicePublisher
+from driver.rpc.dra import DraService
+from driver.rpc.registration import RegistrationService
+from driver.rpc.sockets import UnixServer
+from driver.settings import DriverSettings, NvmlBackendKind
+from driver.slices import SharingMode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Lifecycle:
+    """Events a caller (a test, an embedding demo) can wait on or set."""
+
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    http_port: int = 0
+
+
+def make_backend(settings: DriverSettings) -> NvmlBackend:
+    if settings.nvml_backend is NvmlBackendKind.FAKE:
+        from driver.nvml.fake import FakeNvml
+
+        if settings.fake_nvml_fixture is None:
+            raise ConfigError("--nvml-backend=fake needs --fake-nvml-fixture")
+        return FakeNvml.from_path(settings.fake_nvml_fixture, settings.fake_nvml_proc_dir)
+    from driver.nvml.real import PynvmlBackend
+
+    return PynvmlBackend()
+
+
+async def run(settings: DriverSettings, lifecycle: Lifecycle | None = None,
+              backend: NvmlBackend | None = None) -> None:
+    life = lifecycle or Lifecycle()
+    backend = backend or make_backend(settings)
+    await asyncio.to_thread(backend.init)
+    try:
+        await _serve(settings, life, backend)
+    finally:
+        await asyncio.to_thread(backend.shutdown)
+
+
+async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend) -> None:
+    gpus = await asyncio.to_thread(discover, backend)
+    log.info("discovered GPUs", extra={"node": settings.node_name,
+                                       "gpus": [f"{g.name}:{g.uuid}" for g in gpus]})
+    api = load_api_client(settings.kubeconfig)
+    kube = Kube(api, timeout_s=settings.api_timeout_s)
+    publisher = SlicePublisher(kube=kube, node_name=settings.node_name, gpus=gpus,
+                               mode=SharingMode(settings.sharing_mode),
+                               engines=settings.engines_per_gpu,
+                               resync_s=settings.slice_resync_s)
+    boot_id = await asyncio.to_thread(current_boot_id, settings.proc_root)
+    preparer = Preparer(kube=kube, ledger=Ledger(settings.ledger_path, boot_id=boot_id),
+                        cdi_root=settings.cdi_root, dev_root=settings.dev_root,
+                        driver_name=DRIVER_NAME, pool=settings.node_name,
+                        devices=publisher.devices, lock_path=settings.lock_path,
+                        lock_timeout_s=settings.lock_timeout_s)
+    await preparer.restore()
+    health = HealthMonitor(backend=backend, pool=settings.node_name, devices=publisher.devices)
+    inspection = InspectionService(backend=backend, gpus=gpus, proc_root=settings.proc_root)
+    registration = RegistrationService(driver_name=DRIVER_NAME, dra_endpoint=settings.dra_socket)
+
+    dra_server = UnixServer(settings.dra_socket,
+                            [*DraService(preparer).handlers(), health.handler()])
+    inspect_server = UnixServer(settings.inspect_socket, [inspection.handler()], mode=0o660)
+    reg_server = UnixServer(settings.registration_socket, [registration.handler()])
+
+    def ready() -> str:
+        if not publisher.synced.is_set():
+            return "slices not published yet"
+        return ""
+
+    runner = web.AppRunner(make_app(registration_socket=settings.registration_socket,
+                                    dra_socket=settings.dra_socket, ready=ready),
+                           access_log=None)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, life.stop.set)
+    await runner.setup()
+    host, _, port = settings.http_address.rpartition(":")
+    site = web.TCPSite(runner, host or "127.0.0.1", int(port))
+    try:
+        await site.start()
+        life.http_port = runner.addresses[0][1] if runner.addresses else 0
+        await dra_server.start()
+        await inspect_server.start()
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(publisher.run(life.stop), name="slice-publisher")
+            tasks.create_task(health.run(life.stop), name="health-monitor")
+            await _first_sync(publisher, life.stop)
+            await reg_server.start()
+            life.ready.set()
+            log.info("driver ready", extra={"node": settings.node_name,
+                                            "mode": publisher.mode.value,
+                                            "dra_socket": str(settings.dra_socket)})
+            await life.stop.wait()
+            log.info("driver stopping", extra={"node": settings.node_name})
+    finally:
+        await reg_server.stop(1)
+        await inspect_server.stop(1)
+        await dra_server.stop(5)
+        await runner.cleanup()
+        api.close()
+
+
+async def _first_sync(publisher: SlicePublisher, stop: asyncio.Event) -> None:
+    waiters = {asyncio.create_task(publisher.synced.wait()), asyncio.create_task(stop.wait())}
+    _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)

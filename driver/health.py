@@ -1,0 +1,126 @@
+"""Device health: NVML XID and ECC events become the kubelet's DRA health stream.
+
+A monitor thread waits on NVML events (the call blocks, so it never runs on the loop).
+A double-bit ECC error or a device-side XID marks the GPU unhealthy; XIDs a program
+causes (31, 43, 45, ...) are logged and leave the device healthy. Every subscriber of
+``NodeWatchResources`` gets the complete list at once and again on each change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from driver import metrics
+from driver.claims import PublishedDevice
+from driver.errors import NvmlError
+from driver.nvml.api import NvmlBackend
+from driver.pb.drahealth.v1alpha1 import api_pb2 as pb
+from driver.rpc.services import generic_handler
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["DRAResourceHealth"]
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    healthy: bool
+    message: str
+    since: float
+
+
+class HealthMonitor:
+    """Holds each GPU's health and tells subscribers about changes."""
+
+    def __init__(self, *, backend: NvmlBackend, pool: str,
+                 devices: Callable[[], Mapping[str, PublishedDevice]]) -> None:
+        self.backend = backend
+        self.pool = pool
+        self.devices = devices
+        self._health: dict[str, GpuHealth] = {}
+        self._version = 0
+        self._changed = asyncio.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def health_of(self, gpu_uuid: str) -> GpuHealth:
+        return self._health.get(gpu_uuid, GpuHealth(True, "", 0.0))
+
+    def snapshot(self) -> pb.NodeWatchResourcesResponse:
+        response = pb.NodeWatchResourcesResponse()
+        for name, device in sorted(self.devices().items()):
+            health = self.health_of(device.gpu_uuid)
+            response.devices.add(
+                device=pb.DeviceIdentifier(pool_name=self.pool, device_name=name),
+                health=pb.HEALTHY if health.healthy else pb.UNHEALTHY,
+                last_updated_time=int(health.since or time.time()),
+                message=health.message[:1024])
+            metrics.DEVICE_HEALTHY.labels(name).set(1 if health.healthy else 0)
+        return response
+
+    def _mark(self, gpu_uuid: str, healthy: bool, message: str) -> None:
+        self._health[gpu_uuid] = GpuHealth(healthy, message, time.time())
+        self._version += 1
+        if self._loop is not None:
+            changed = self._changed
+
+            async def notify() -> None:
+                async with changed:
+                    changed.notify_all()
+
+            asyncio.run_coroutine_threadsafe(notify(), self._loop)
+
+    def watch_events(self, stop: threading.Event) -> None:
+        """Blocking loop for a worker thread: turn NVML events into health changes."""
+        while not stop.is_set():
+            try:
+                event = self.backend.wait_health_event(1000)
+            except NvmlError as exc:
+                metrics.NVML_ERRORS.labels(exc.reason).inc()
+                log.warning("waiting for NVML events failed", extra={"error": str(exc)})
+                stop.wait(5)
+                continue
+            if event is None:
+                continue
+            fields = {"gpu": event.gpu_uuid, "kind": event.kind.value, "xid": event.xid}
+            if event.is_application_error:
+                log.info("application XID; device stays healthy", extra=fields)
+                continue
+            log.error("device unhealthy", extra={**fields, "message": event.message})
+            self._mark(event.gpu_uuid, False, f"{event.kind.value}: {event.message}")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        halt = threading.Event()
+        thread = threading.Thread(target=self.watch_events, args=(halt,), name="nvml-events",
+                                  daemon=True)
+        thread.start()
+        try:
+            await stop.wait()
+        finally:
+            halt.set()
+            await asyncio.to_thread(thread.join, 2)
+
+    async def watch(self, request: pb.NodeWatchResourcesRequest,
+                    context: grpc.aio.ServicerContext[Any, Any]
+                    ) -> AsyncIterator[pb.NodeWatchResourcesResponse]:
+        seen = -1
+        while True:
+            if seen != self._version:
+                seen = self._version
+                yield self.snapshot()
+            await self._wait_past(seen)
+
+    async def _wait_past(self, version: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._version != version)
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        return generic_handler(SERVICE, {"NodeWatchResources": self.watch})

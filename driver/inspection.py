@@ -1,0 +1,92 @@
+"""The node inspection API: what is on each GPU right now.
+
+The lease controller calls it before every wake. Each call reads NVML afresh (memory and
+compute processes take microseconds) and attributes every process: to a pod by its
+cgroup, and to a claim by the ``ROTA_CLAIM_UID`` that rota's CDI spec put in the engine's
+environment. A process neither names stays unattributed, which is what the controller
+needs to see: memory held by something that is not a claimant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from driver import metrics
+from driver.cgroups import pod_of_pid
+from driver.devices import GpuDevice
+from driver.errors import NvmlError
+from driver.nvml.api import NvmlBackend
+from driver.pb.rota.v1 import inspect_pb2 as pb
+from driver.rpc.services import generic_handler
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["NodeInspection"]
+_ENV_KEYS = (b"ROTA_CLAIM_UID", b"ROTA_POD_UID")
+
+
+def process_environment(pid: int, proc_root: Path) -> dict[str, str]:
+    """The ``ROTA_CLAIM_UID`` / ``ROTA_POD_UID`` of a process, where readable."""
+    try:
+        raw = (proc_root / str(pid) / "environ").read_bytes()
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, _, value = item.partition(b"=")
+        if key in _ENV_KEYS:
+            found[key.decode()] = value.decode(errors="replace")
+    return found
+
+
+class InspectionService:
+    """Serves ``rota.v1.NodeInspection`` from an NVML backend."""
+
+    def __init__(self, *, backend: NvmlBackend, gpus: list[GpuDevice], proc_root: Path) -> None:
+        self.backend = backend
+        self.gpus = gpus
+        self.proc_root = proc_root
+
+    def read(self, uuids: set[str]) -> pb.InspectGpusResponse:
+        """One blocking NVML read of the selected GPUs (all when ``uuids`` is empty)."""
+        response = pb.InspectGpusResponse(read_at=time.time())
+        for gpu in self.gpus:
+            if uuids and gpu.uuid not in uuids:
+                continue
+            memory = self.backend.memory_info(gpu.index)
+            state = response.gpus.add(uuid=gpu.uuid, device=gpu.name, total_bytes=memory.total,
+                                      used_bytes=memory.used, free_bytes=memory.free)
+            for proc in self.backend.compute_processes(gpu.index):
+                pod = pod_of_pid(proc.pid, self.proc_root)
+                env = process_environment(proc.pid, self.proc_root)
+                state.processes.add(
+                    pid=proc.pid, used_bytes=proc.used_bytes,
+                    pod_uid=pod.pod_uid if pod else env.get("ROTA_POD_UID", ""),
+                    container_id=(pod.container_id or "") if pod else "",
+                    claim_uid=env.get("ROTA_CLAIM_UID", ""))
+        return response
+
+    async def inspect(self, request: pb.InspectGpusRequest,
+                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.InspectGpusResponse:
+        wanted = set(request.gpu_uuids)
+        unknown = wanted - {gpu.uuid for gpu in self.gpus}
+        if unknown:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no GPU with uuid {', '.join(sorted(unknown))} on this node")
+        with metrics.observe("inspect") as outcome:
+            try:
+                return await asyncio.to_thread(self.read, wanted)
+            except NvmlError as exc:
+                outcome.reason = exc.reason
+                metrics.NVML_ERRORS.labels(exc.reason).inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"NVML: {exc}")
+        raise AssertionError("unreachable")
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        return generic_handler(SERVICE, {"InspectGpus": self.inspect})

@@ -1,0 +1,89 @@
+"""Bodies of the Kubernetes objects rota's tests, demo and benchmarks create."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+
+GROUP, VERSION = "resource.k8s.io", "v1"
+DRIVER = "gpu.rota.dev"
+DEVICE_CLASS = "gpu.rota.dev"
+MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
+
+
+def engine_config(*, model: str, awake: str, sleep_level: int = 1, port: int = 8000,
+                  adapter: str = "vllm") -> dict[str, Any]:
+    return {"apiVersion": "gpu.rota.dev/v1alpha1", "kind": "EngineConfig", "model": model,
+            "awakeMemory": awake, "sleepLevel": sleep_level, "enginePort": port,
+            "adapter": adapter}
+
+
+def claim_spec(*, memory: str | None, config: Mapping[str, Any] | None = None,
+               device_class: str = DEVICE_CLASS) -> dict[str, Any]:
+    exactly: dict[str, Any] = {"deviceClassName": device_class}
+    if memory is not None:
+        exactly["capacity"] = {"requests": {"memory": memory}}
+    spec: dict[str, Any] = {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}
+    if config is not None:
+        spec["devices"]["config"] = [{"requests": ["gpu"],
+                                      "opaque": {"driver": DRIVER, "parameters": dict(config)}}]
+    return spec
+
+
+def claim(name: str, **kwargs: Any) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceClaim",
+            "metadata": {"name": name}, "spec": claim_spec(**kwargs)}
+
+
+def engine_pod(name: str, *, node: str, claim_name: str, args: list[str] | None = None,
+               labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": dict(labels or {"app": name})},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "containers": [{
+                "name": "engine", "image": "rota/engine-simulator:latest",
+                "args": list(args or []),
+                "env": [{"name": "ROTA_POD_UID",
+                         "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}],
+                "resources": {"claims": [{"name": "gpu"}]},
+            }],
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim_name}],
+        },
+    }
+
+
+def apply_manifest(api: client.ApiClient, path: Path, namespace: str | None = None) -> None:
+    """Create every object of a YAML file (an already existing one is left as is)."""
+    from kubernetes import utils
+
+    for doc in yaml.safe_load_all(path.read_text()):
+        if not doc:
+            continue
+        try:
+            utils.create_from_dict(api, doc, namespace=namespace)
+        except utils.FailToCreateError as exc:
+            if not all(getattr(e, "status", None) == 409 for e in exc.api_exceptions):
+                raise
+
+
+def create_claim(api: client.ApiClient, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    return dict(client.CustomObjectsApi(api).create_namespaced_custom_object(
+        GROUP, VERSION, namespace, "resourceclaims", body))
+
+
+def read_claim(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    return dict(client.CustomObjectsApi(api).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, "resourceclaims", name))
+
+
+def node_slices(api: client.ApiClient, node: str) -> list[dict[str, Any]]:
+    result = client.CustomObjectsApi(api).list_cluster_custom_object(
+        GROUP, VERSION, "resourceslices",
+        field_selector=f"spec.driver={DRIVER},spec.nodeName={node}")
+    return list(result["items"])
