@@ -1,0 +1,170 @@
+"""vLLM's development-mode control endpoints, with vLLM's exact quirks.
+
+- ``POST /sleep`` reads the query only (``level``, default 1; ``mode``, default ``abort``;
+  optional repeated ``tags``). A JSON body is never read: ``{"level": 2}`` sleeps at
+  level 1, as on a real vLLM. Answers 200 with an empty body.
+- ``POST /wake_up`` takes repeated ``tags`` (``weights``, ``kv_cache``; none means all);
+  200 with an empty body; waking an awake tag is a no-op.
+- ``GET /is_sleeping`` is true until every tag is back.
+- ``POST /collective_rpc`` takes ``{"method", "args", "kwargs", "timeout"}``; only
+  ``reload_weights`` is implemented; 200 with an empty body when the result is None.
+- ``GET /health`` answers 200 even while asleep: it proves nothing about a wake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, cast
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from e2e.engine_simulator.engine import Engine
+from e2e.engine_simulator.errors import SimError
+from e2e.engine_simulator.keys import ENGINE_KEY
+from e2e.engine_simulator.state import Tag
+from e2e.engine_simulator.traffic import PauseMode
+
+__all__ = ["control_routes", "respond_then_crash"]
+
+log = logging.getLogger(__name__)
+
+_MODES = ("abort", "wait", "keep")
+
+
+class RpcCall(BaseModel):
+    """Body of ``POST /collective_rpc``; unknown keys are ignored, as vLLM ignores them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    timeout: float | None = None
+
+
+def _engine(request: web.Request) -> Engine:
+    return request.app[ENGINE_KEY]
+
+
+def _mode(request: web.Request) -> PauseMode:
+    mode = request.query.get("mode", "abort")
+    if mode not in _MODES:
+        raise SimError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
+    return cast(PauseMode, mode)
+
+
+def _tags(request: web.Request) -> list[Tag] | None:
+    raw = request.query.getall("tags", [])
+    if not raw:
+        return None
+    known = {tag.value: tag for tag in Tag}
+    unknown = [t for t in raw if t not in known]
+    if unknown:
+        raise SimError(f"unknown memory tag(s) {unknown}; known: weights, kv_cache")
+    return [known[t] for t in raw]
+
+
+def _empty_ok() -> web.Response:
+    return web.Response(status=200)
+
+
+async def respond_then_crash(
+    request: web.Request, reason: str, body: dict[str, Any] | None = None
+) -> web.Response:
+    """Send 200 first, then die: the caller sees success from an engine that is gone."""
+    response = _empty_ok() if body is None else web.json_response(body)
+    await response.prepare(request)
+    await response.write_eof()
+    asyncio.get_running_loop().call_soon(_engine(request).crash, reason)
+    return response
+
+
+async def sleep(request: web.Request) -> web.Response:
+    raw_level = request.query.get("level", "1")
+    try:
+        level = int(raw_level)
+    except ValueError as exc:
+        raise SimError(f"invalid literal for int() with base 10: {raw_level!r}") from exc
+    if level not in (0, 1, 2):
+        raise SimError(f"sleep level must be 0, 1 or 2, not {level}")
+    engine = _engine(request)
+    await engine.sleep(level=level, mode=_mode(request), tags=_tags(request), request=request)
+    if engine.faults.crash_on_sleep:
+        return await respond_then_crash(request, "crash_on_sleep")
+    return _empty_ok()
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    await _engine(request).wake(tags=_tags(request), request=request)
+    return _empty_ok()
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    return web.json_response({"is_sleeping": _engine(request).state.is_sleeping})
+
+
+async def collective_rpc(request: web.Request) -> web.Response:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SimError(f"JSON decode error: {exc}", err_type="Bad Request") from exc
+    if not isinstance(body, dict):
+        raise SimError("the request body must be a JSON object", err_type="Bad Request")
+    if body.get("method") is None:
+        raise SimError("Missing 'method' in request body", err_type="Bad Request")
+    try:
+        call = RpcCall.model_validate(body)
+    except ValidationError as exc:
+        raise SimError(str(exc), err_type="Bad Request") from exc
+    if call.method != "reload_weights":
+        raise SimError(
+            f"Call to collective_rpc method failed: the engine simulator implements only "
+            f"reload_weights, not {call.method!r}",
+            status=500, err_type="InternalServerError",
+        )
+    await _engine(request).reload_weights(call.timeout)
+    return _empty_ok()
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    await _engine(request).reset_prefix_cache()
+    return _empty_ok()
+
+
+async def pause(request: web.Request) -> web.Response:
+    mode = request.query.get("mode", "abort")
+    if mode not in _MODES:
+        return web.json_response({"error": f"Invalid pause mode: {mode!r}"}, status=400)
+    await _engine(request).pause(cast(PauseMode, mode), request=request)
+    return web.json_response({"status": "paused"})
+
+
+async def resume(request: web.Request) -> web.Response:
+    await _engine(request).resume()
+    return web.json_response({"status": "resumed"})
+
+
+async def is_paused(request: web.Request) -> web.Response:
+    return web.json_response({"is_paused": _engine(request).paused})
+
+
+async def health(request: web.Request) -> web.Response:
+    return _empty_ok()
+
+
+def control_routes() -> list[web.RouteDef]:
+    return [
+        web.post("/sleep", sleep),
+        web.post("/wake_up", wake_up),
+        web.get("/is_sleeping", is_sleeping),
+        web.post("/collective_rpc", collective_rpc),
+        web.post("/reset_prefix_cache", reset_prefix_cache),
+        web.post("/pause", pause),
+        web.post("/resume", resume),
+        web.get("/is_paused", is_paused),
+        web.get("/health", health),
+    ]

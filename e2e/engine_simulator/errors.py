@@ -1,0 +1,76 @@
+"""Errors the simulator answers with, in vLLM's JSON shape.
+
+vLLM answers errors as ``{"error": {"message", "type", "param", "code"}}``. ``type`` is an
+OpenAI-style class name (``BadRequestError``, ``NotFoundError``, ``InternalServerError``)
+for errors raised by the serving code, and the HTTP reason phrase (``Bad Request``) for
+FastAPI ``HTTPException`` s such as ``/collective_rpc``'s. A :class:`SimError` raised by any
+handler is turned into that body by :func:`error_middleware`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+__all__ = [
+    "SimError",
+    "error_body",
+    "error_middleware",
+    "error_response",
+    "wake_oom_error",
+]
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(message: str, err_type: str, code: int) -> web.Response:
+    return web.json_response(error_body(message, err_type, code), status=code)
+
+
+class SimError(Exception):
+    """An error answer. Raise it from a handler; the middleware renders it."""
+
+    def __init__(self, message: str, *, status: int = 400, err_type: str = "BadRequestError"):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.status)
+
+
+def wake_oom_error() -> SimError:
+    """The 500 a vLLM wake answers when the device has no room for its memory."""
+    return SimError(
+        "Call to wake_up method failed: CUDA Error: out of memory at "
+        "csrc/cumem_allocator.cpp:62 (simulated fault: wake_fails)",
+        status=500,
+        err_type="InternalServerError",
+    )
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except SimError as exc:
+        log.info("request refused", extra={"path": request.path, "status": exc.status,
+                                           "reason": exc.message})
+        return web.json_response(exc.body(), status=exc.status)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        # The router's answers for unknown routes and methods, in FastAPI's shape.
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.json_response({"detail": exc.reason}, status=exc.status, headers=allow)
+    except web.HTTPException:
+        raise
+    except Exception as exc:
+        log.exception("request failed", extra={"path": request.path})
+        return error_response(f"{type(exc).__name__}: {exc}", "InternalServerError", 500)

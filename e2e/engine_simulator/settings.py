@@ -1,0 +1,338 @@
+"""Settings of the engine simulator: one typed model, parsed once from flags and environment.
+
+Precedence is flag, then environment, then default. Every knob has a flag and an
+environment variable. Most variables are ``ROTA_SIM_<KNOB>``; the ones a DRA CDI spec
+injects into an engine container keep their own names, so the simulator started in such a
+container picks up its model, port, memory budgets and GPU without extra flags:
+
+=================================  ===========================================
+``ROTA_MODEL``                     served model name
+``ROTA_ENGINE_PORT``               HTTP port
+``ROTA_AWAKE_MEMORY_BYTES``        GPU memory held while awake
+``ROTA_RESIDENT_MEMORY_BYTES``     GPU memory held while asleep
+``ROTA_GPU_UUID``                  GPU uuid (else the first uuid in
+                                   ``NVIDIA_VISIBLE_DEVICES``)
+``ROTA_FAKE_NVML_PROC_DIR``        fake NVML process directory
+=================================  ===========================================
+
+Nothing else in the package reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "DEFAULT_GPU_UUID",
+    "Faults",
+    "FaultsPatch",
+    "Settings",
+    "build_parser",
+    "settings_from_args",
+]
+
+DEFAULT_GPU_UUID = "GPU-00000000-0000-0000-0000-000000000000"
+"""The uuid a simulator reports when neither flag nor environment names a GPU."""
+
+
+_BYTE_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+                  "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def _bytes(value: object) -> object:
+    """Accept byte counts as ints, digit strings or whole quantities (``"8Gi"``, ``"500M"``)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    for suffix in sorted(_BYTE_SUFFIXES, key=len, reverse=True):
+        number = text.removesuffix(suffix)
+        if number != text:
+            if not number.isdigit():
+                raise ValueError(f"not a byte count: {value!r}")
+            return int(number) * _BYTE_SUFFIXES[suffix]
+    if not text.isdigit():
+        raise ValueError(f"not a byte count: {value!r}")
+    return int(text)
+
+
+ByteCount = Annotated[int, BeforeValidator(_bytes), Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0.0)]
+
+
+class Faults(BaseModel):
+    """Injected misbehaviour. Settable at start (flags) and at runtime (``POST /sim/faults``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    wake_fails: bool = False
+    """``/wake_up`` answers vLLM's HTTP 500 out-of-memory body; memory stays at resident."""
+    wake_hangs: bool = False
+    """``/wake_up`` does not return until this fault is cleared or the caller goes away."""
+    sleep_lies: bool = False
+    """``/sleep`` answers 200 and ``/is_sleeping`` says true, but no memory is released."""
+    crash_on_sleep: bool = False
+    """``/sleep`` answers 200, then the process exits hard (like vllm#45520)."""
+    crash_now: bool = False
+    """Exit hard at once (at start: right after binding the port)."""
+    refuse_while_asleep: bool = True
+    """Generation requests while asleep get HTTP 503; false makes them wait for a wake."""
+    stall_generation: bool = False
+    """Running generations stop before their next token until cleared (a test hook)."""
+    fail_mid_stream: bool = False
+    """Generations fail before their last token (after the first when there are several);
+    a stream then ends with ``data: {"error": ...}`` and ``[DONE]``, without a finish reason."""
+
+
+class FaultsPatch(BaseModel):
+    """Body of ``POST /sim/faults``: only the faults named change."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wake_fails: bool | None = None
+    wake_hangs: bool | None = None
+    sleep_lies: bool | None = None
+    crash_on_sleep: bool | None = None
+    crash_now: bool | None = None
+    refuse_while_asleep: bool | None = None
+    stall_generation: bool | None = None
+    fail_mid_stream: bool | None = None
+
+    def apply(self, faults: Faults) -> Faults:
+        return faults.model_copy(update=self.model_dump(exclude_none=True))
+
+
+class Settings(BaseModel):
+    """Everything the simulator can be told. Timing knobs default to 0 (instant)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = "simulated-model"
+    """Served model name (``/v1/models``; requests naming another model get 404)."""
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    """0 picks a free port; the bound port is logged and written to ``port_file``."""
+    port_file: Path | None = None
+
+    first_sleep_seconds: Seconds = 0.0
+    """Extra time taken by the first level-1 sleep (pinned host buffers are allocated)."""
+    later_sleep_seconds: Seconds = 0.0
+    """Extra time taken by every other sleep of level 1 or 2."""
+    wake_level1_seconds: Seconds = 0.0
+    """Extra time taken by a wake that brings weights back after a level-1 sleep."""
+    wake_level2_seconds: Seconds = 0.0
+    """Extra time taken by a wake that re-maps weights after a level-2 sleep."""
+    reload_seconds: Seconds = 0.0
+    """Time taken by ``collective_rpc reload_weights``."""
+    ttft_seconds: Seconds = 0.0
+    """Time to first token of every generation."""
+    tokens_per_second: Seconds = 0.0
+    """Decode speed, one token per chunk; 0 means instant."""
+
+    awake_memory_bytes: ByteCount = 8 * 2**30
+    resident_memory_bytes: ByteCount = 1 * 2**30
+    weights_bytes: ByteCount | None = None
+    """Part of (awake - resident) that is weights; the rest is KV cache. Default: half."""
+    memory_backend: Literal["fake", "cuda"] = "fake"
+    gpu_uuid: str = DEFAULT_GPU_UUID
+    fake_nvml_dir: Path | None = None
+    """Where to register this process's GPU memory for rota's fake NVML; None: don't."""
+    nvml_pid: int | None = Field(default=None, gt=0)
+    """The pid to register under; None: this process's pid."""
+
+    omni: bool = False
+    """Also serve vLLM-Omni's stage-aware ``/v1/omni/sleep`` and ``/v1/omni/wakeup``."""
+    omni_stages: int = Field(default=2, ge=1, le=64)
+
+    shutdown_grace_seconds: Seconds = 5.0
+    """On SIGTERM/SIGINT, how long running generations may finish before they are aborted."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    faults: Faults = Faults()
+
+    @model_validator(mode="after")
+    def _memory_fits(self) -> Settings:
+        if self.resident_memory_bytes > self.awake_memory_bytes:
+            raise ValueError(
+                f"resident memory ({self.resident_memory_bytes} bytes) exceeds awake memory "
+                f"({self.awake_memory_bytes} bytes)"
+            )
+        if self.weights_bytes is not None and self.weights_bytes > self.releasable_bytes:
+            raise ValueError(
+                f"weights ({self.weights_bytes} bytes) exceed awake minus resident memory "
+                f"({self.releasable_bytes} bytes)"
+            )
+        return self
+
+    @property
+    def releasable_bytes(self) -> int:
+        """What a level-2 sleep hands back: awake minus resident."""
+        return self.awake_memory_bytes - self.resident_memory_bytes
+
+    @property
+    def effective_weights_bytes(self) -> int:
+        if self.weights_bytes is not None:
+            return self.weights_bytes
+        return self.releasable_bytes // 2
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.releasable_bytes - self.effective_weights_bytes
+
+
+# (field, flag, environment variable, help). Fault flags are generated from ``Faults``.
+_KNOBS: tuple[tuple[str, str, str, str], ...] = (
+    ("model", "--model", "ROTA_MODEL", "served model name"),
+    ("host", "--host", "ROTA_SIM_HOST", "address to bind"),
+    ("port", "--port", "ROTA_ENGINE_PORT", "port to bind; 0 picks a free one"),
+    ("port_file", "--port-file", "ROTA_SIM_PORT_FILE",
+     "write the bound port to this file (atomically) once listening"),
+    ("first_sleep_seconds", "--first-sleep-seconds", "ROTA_SIM_FIRST_SLEEP_SECONDS",
+     "extra duration of the first level-1 sleep"),
+    ("later_sleep_seconds", "--later-sleep-seconds", "ROTA_SIM_LATER_SLEEP_SECONDS",
+     "extra duration of every later sleep"),
+    ("wake_level1_seconds", "--wake-level1-seconds", "ROTA_SIM_WAKE_LEVEL1_SECONDS",
+     "extra duration of a wake after a level-1 sleep"),
+    ("wake_level2_seconds", "--wake-level2-seconds", "ROTA_SIM_WAKE_LEVEL2_SECONDS",
+     "extra duration of a weights wake after a level-2 sleep"),
+    ("reload_seconds", "--reload-seconds", "ROTA_SIM_RELOAD_SECONDS",
+     "duration of collective_rpc reload_weights"),
+    ("ttft_seconds", "--ttft-seconds", "ROTA_SIM_TTFT_SECONDS", "time to first token"),
+    ("tokens_per_second", "--tokens-per-second", "ROTA_SIM_TOKENS_PER_SECOND",
+     "decode speed; 0 = instant"),
+    ("awake_memory_bytes", "--awake-memory-bytes", "ROTA_AWAKE_MEMORY_BYTES",
+     "GPU memory held awake (bytes or quantity such as 8Gi)"),
+    ("resident_memory_bytes", "--resident-memory-bytes", "ROTA_RESIDENT_MEMORY_BYTES",
+     "GPU memory still held asleep (bytes or quantity)"),
+    ("weights_bytes", "--weights-bytes", "ROTA_SIM_WEIGHTS_BYTES",
+     "part of awake-minus-resident that is weights; default half, the rest is KV cache"),
+    ("memory_backend", "--memory-backend", "ROTA_SIM_MEMORY_BACKEND",
+     "fake: count bytes (and register them with the fake NVML); "
+     "cuda: hold real GPU memory with PyTorch"),
+    ("gpu_uuid", "--gpu-uuid", "ROTA_GPU_UUID",
+     "GPU uuid to report (else the first uuid in NVIDIA_VISIBLE_DEVICES)"),
+    ("fake_nvml_dir", "--fake-nvml-dir", "ROTA_FAKE_NVML_PROC_DIR",
+     "fake NVML process directory to register GPU memory in"),
+    ("nvml_pid", "--nvml-pid", "ROTA_SIM_NVML_PID",
+     "pid to register with the fake NVML (default: this process)"),
+    ("omni", "--omni", "ROTA_SIM_OMNI", "also serve vLLM-Omni's stage-aware sleep/wakeup"),
+    ("omni_stages", "--omni-stages", "ROTA_SIM_OMNI_STAGES", "number of Omni stages"),
+    ("shutdown_grace_seconds", "--shutdown-grace-seconds", "ROTA_SIM_SHUTDOWN_GRACE_SECONDS",
+     "on SIGTERM, how long running generations may finish before they are aborted"),
+    ("log_level", "--log-level", "ROTA_SIM_LOG_LEVEL", "debug, info, warning or error"),
+)
+
+_BOOLEAN_KNOBS = frozenset({"omni"})
+_METAVARS = {
+    "model": "NAME", "host": "HOST", "port": "PORT", "port_file": "FILE",
+    "tokens_per_second": "RATE", "awake_memory_bytes": "BYTES",
+    "resident_memory_bytes": "BYTES", "weights_bytes": "BYTES", "memory_backend": "{fake,cuda}",
+    "gpu_uuid": "UUID", "fake_nvml_dir": "DIR", "nvml_pid": "PID", "omni_stages": "N",
+    "log_level": "LEVEL",
+}
+
+_DESCRIPTION = """\
+rota engine simulator -- NOT a real inference engine.
+
+Behaves like vLLM's OpenAI server started with --enable-sleep-mode and
+VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /is_sleeping, /collective_rpc,
+/reset_prefix_cache, /pause, /resume, /is_paused, /health, /v1/models,
+/v1/chat/completions and /v1/completions (streamed and not), with vLLM's
+quirks. Its answers are canned: a prompt asking "3 + 4" gets "7", others get
+filler text. Simulator-only endpoints live under /sim/ (state, faults).
+"""
+
+_EPILOG = """\
+Every flag can also be given in the environment variable named in its help;
+a flag wins over the environment. Byte counts accept Kubernetes quantities
+(8Gi, 512Mi, 500M).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The simulator's command line. Every default is None: unset means "not given"."""
+    parser = argparse.ArgumentParser(
+        prog="python -m e2e.engine_simulator",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    defaults = Settings()
+    for name, flag, env, text in _KNOBS:
+        default = getattr(defaults, name)
+        shown = f"env {env}; default {default}"
+        if name == "gpu_uuid":
+            shown = f"env {env} or NVIDIA_VISIBLE_DEVICES; default {default}"
+        if name in _BOOLEAN_KNOBS:
+            parser.add_argument(
+                flag, dest=name, default=None, action=argparse.BooleanOptionalAction,
+                help=f"{text} ({shown})",
+            )
+        else:
+            parser.add_argument(flag, dest=name, default=None,
+                                metavar=_METAVARS.get(name, "SECONDS"), help=f"{text} ({shown})")
+    faults = parser.add_argument_group(
+        "faults", "also settable at runtime: POST /sim/faults with a JSON object of booleans"
+    )
+    for name, field in Faults.model_fields.items():
+        env = f"ROTA_SIM_{name.upper()}"
+        flag = "--" + name.replace("_", "-")
+        faults.add_argument(
+            flag, dest=f"fault_{name}", default=None, action=argparse.BooleanOptionalAction,
+            help=f"{(field.description or '').replace('``', '').rstrip('.')} "
+                 f"(env {env}; default {field.default})",
+        )
+    return parser
+
+
+def _gpu_uuid_from(environ: Mapping[str, str]) -> str | None:
+    explicit = environ.get("ROTA_GPU_UUID", "").strip()
+    if explicit:
+        return explicit
+    for entry in environ.get("NVIDIA_VISIBLE_DEVICES", "").split(","):
+        entry = entry.strip()
+        if entry.startswith(("GPU-", "MIG-")):
+            return entry
+    return None
+
+
+def _raw_values(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+    raw: dict[str, Any] = {}
+    for name, _flag, env, _help in _KNOBS:
+        given = getattr(args, name)
+        if given is not None:
+            raw[name] = given
+        elif name == "gpu_uuid":
+            found = _gpu_uuid_from(environ)
+            if found is not None:
+                raw[name] = found
+        elif environ.get(env, "").strip():
+            raw[name] = environ[env].strip()
+    faults: dict[str, Any] = {}
+    for name in Faults.model_fields:
+        given = getattr(args, f"fault_{name}")
+        env = f"ROTA_SIM_{name.upper()}"
+        if given is not None:
+            faults[name] = given
+        elif environ.get(env, "").strip():
+            faults[name] = environ[env].strip()
+    raw["faults"] = faults
+    return raw
+
+
+def settings_from_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Parse flags and environment into :class:`Settings`; exits with usage on bad input."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    raw = _raw_values(args, os.environ if environ is None else environ)
+    try:
+        return Settings.model_validate(raw)
+    except (ValidationError, ValueError) as exc:
+        parser.error(str(exc))
