@@ -1,0 +1,231 @@
+"""The opaque claim configuration users give to the ``gpu.rota.dev`` driver.
+
+A ResourceClaim says how much GPU memory its engine holds all the time (the consumed
+``memory`` capacity, its footprint asleep). What the engine needs while it is awake, and how
+to put it to sleep and wake it, cannot be said in capacity terms, so it travels as opaque
+parameters for this driver::
+
+    config:
+    - opaque:
+        driver: gpu.rota.dev
+        parameters:
+          apiVersion: gpu.rota.dev/v1alpha1
+          kind: EngineConfig
+          model: meta-llama/Llama-3.1-8B-Instruct
+          awakeMemory: 60Gi
+          sleepLevel: 1
+          enginePort: 8000
+          adapter: vllm
+
+The driver checks the awake budget at prepare; the lease controller reads the same model to
+find each claimant's engine. This module therefore depends only on pydantic and the quantity
+parser: it must stay importable without grpc or the kubernetes client.
+
+``awakeMemory`` is what the engine holds on one GPU while awake, its resident part included.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from driver.errors import OpaqueConfigError
+from driver.quantity import parse_quantity
+
+__all__ = [
+    "API_GROUP",
+    "API_VERSION",
+    "KIND",
+    "SUPPORTED",
+    "Adapter",
+    "EngineConfig",
+    "HttpAdapterConfig",
+    "parse_engine_config",
+]
+
+API_GROUP = "gpu.rota.dev"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "EngineConfig"
+SUPPORTED: Mapping[str, tuple[str, ...]] = {API_VERSION: (KIND,)}
+"""Every apiVersion this release reads, with the kinds it knows in each."""
+
+Adapter = Literal["vllm", "vllm-omni", "http"]
+
+_MAX_MESSAGE_CHARS = 1024
+_MAX_SHOWN_INPUT = 40
+_MAX_STAGE_IDS = 64
+_PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/?-]{0,255}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        alias_generator=to_camel,
+        validate_by_alias=True,
+        validate_by_name=True,
+    )
+
+
+class HttpAdapterConfig(_Model):
+    """How the generic HTTP adapter reaches an engine's sleep controls.
+
+    Each value is a path on the engine's port (``enginePort``), never a URL: the controller
+    only ever talks to the claimant's own pod.
+    """
+
+    sleep_path: str = "/sleep"
+    """POST here to put the engine to sleep."""
+    wake_path: str = "/wake_up"
+    """POST here to wake the engine."""
+    is_sleeping_path: str = "/is_sleeping"
+    """GET here; the answer is JSON ``{"is_sleeping": bool}``."""
+
+    @field_validator("sleep_path", "wake_path", "is_sleeping_path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        if not _PATH.fullmatch(value) or value.startswith("//"):
+            raise ValueError(
+                "must be an absolute path such as /sleep (at most 256 URL-safe characters, "
+                "no scheme or host)"
+            )
+        return value
+
+
+class EngineConfig(_Model):
+    """``gpu.rota.dev/v1alpha1`` ``EngineConfig``: one engine's budgets and controls."""
+
+    api_version: Literal["gpu.rota.dev/v1alpha1"]
+    kind: Literal["EngineConfig"]
+    model: str = Field(min_length=1, max_length=253)
+    """The served model name the gateway routes by (``/v1/models`` id)."""
+    awake_memory: int = Field(gt=0)
+    """Bytes the engine holds on its GPU while awake, resident part included."""
+    sleep_level: Literal[1, 2] = 1
+    """vLLM sleep level: 1 offloads weights to host memory, 2 discards them."""
+    engine_port: int = Field(default=8000, ge=1, le=65535, strict=True)
+    """The engine's HTTP port inside the pod (OpenAI API and sleep controls)."""
+    adapter: Adapter = "vllm"
+    """How the lease controller drives the engine."""
+    omni_stage_ids: tuple[Annotated[int, Field(strict=True, ge=0)], ...] | None = None
+    """vLLM-Omni only: the stages to put to sleep and wake; all stages when absent."""
+    http: HttpAdapterConfig | None = None
+    """Generic HTTP adapter only: where the sleep controls live; vLLM's paths when absent."""
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, value: str) -> str:
+        if value != value.strip() or _CONTROL.search(value):
+            raise ValueError("must not have surrounding whitespace or control characters")
+        return value
+
+    @field_validator("sleep_level", mode="before")
+    @classmethod
+    def _check_sleep_level(cls, value: object) -> object:
+        if type(value) is not int:
+            raise ValueError("must be the number 1 or 2")
+        return value
+
+    @field_validator("awake_memory", mode="before")
+    @classmethod
+    def _parse_awake_memory(cls, value: object) -> int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise ValueError("must be a quantity such as 60Gi or a number of bytes")
+        return parse_quantity(value)
+
+    @field_validator("omni_stage_ids")
+    @classmethod
+    def _check_stage_ids(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("must list at least one stage id, or be left out for all stages")
+        if len(value) > _MAX_STAGE_IDS:
+            raise ValueError(f"must list at most {_MAX_STAGE_IDS} stage ids")
+        if len(set(value)) != len(value):
+            raise ValueError("stage ids must not repeat")
+        return value
+
+    @model_validator(mode="after")
+    def _check_adapter_fields(self) -> EngineConfig:
+        if self.omni_stage_ids is not None and self.adapter != "vllm-omni":
+            raise ValueError(f"omniStageIds applies only to adapter vllm-omni, not {self.adapter}")
+        if self.http is not None and self.adapter != "http":
+            raise ValueError(f"http applies only to adapter http, not {self.adapter}")
+        return self
+
+    def to_parameters(self) -> dict[str, Any]:
+        """The config as opaque parameters (camelCase JSON), fields at their defaults left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    where = ".".join(_cut(str(part), _MAX_SHOWN_INPUT) for part in error["loc"]) or "parameters"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown field"
+    elif error["type"] == "missing":
+        message = "required field is missing"
+    return f"{where}: {_cut(message, 200)}"
+
+
+def _flatten(error: ValidationError) -> str:
+    parts = [_describe(item) for item in error.errors(include_url=False, include_input=False)]
+    return _cut("; ".join(parts), _MAX_MESSAGE_CHARS)
+
+
+def _supported_list() -> str:
+    return ", ".join(
+        f"{version} (kind {' or '.join(kinds)})" for version, kinds in SUPPORTED.items()
+    )
+
+
+def parse_engine_config(parameters: object) -> EngineConfig:
+    """Validate a claim's opaque parameters for ``gpu.rota.dev``.
+
+    Raises:
+        OpaqueConfigError: the parameters are not an object, name an apiVersion or kind this
+            release does not know, or break a field rule. The message names every bad field
+            in one line and quotes at most a few dozen characters of user input.
+    """
+    prefix = f"invalid opaque config for driver {API_GROUP}"
+    if not isinstance(parameters, Mapping):
+        raise OpaqueConfigError(
+            f"{prefix}: parameters must be a JSON object, not {type(parameters).__name__}"
+        )
+    api_version = parameters.get("apiVersion")
+    kind = parameters.get("kind")
+    if not isinstance(api_version, str) or api_version not in SUPPORTED:
+        shown = _cut(repr(api_version), _MAX_SHOWN_INPUT) if api_version is not None else "none"
+        raise OpaqueConfigError(
+            f"{prefix}: unsupported apiVersion {shown}; supported: {_supported_list()}"
+        )
+    if not isinstance(kind, str) or kind not in SUPPORTED[api_version]:
+        shown = _cut(repr(kind), _MAX_SHOWN_INPUT) if kind is not None else "none"
+        raise OpaqueConfigError(
+            f"{prefix}: unsupported kind {shown} in {api_version}; supported: "
+            f"{' or '.join(SUPPORTED[api_version])}"
+        )
+    try:
+        # Python code may build the model by field name; users must write the JSON names.
+        return EngineConfig.model_validate(dict(parameters), by_alias=True, by_name=False)
+    except ValidationError as exc:
+        raise OpaqueConfigError(f"{prefix}: {_flatten(exc)}") from None
