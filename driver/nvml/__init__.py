@@ -1,0 +1,42 @@
+"""The GPU access layer: one NVML Protocol, a pynvml implementation and a fake.
+
+Importing this package loads neither pynvml nor pydantic; import
+:mod:`driver.nvml.real` or :mod:`driver.nvml.fake` for an implementation. The fixtures
+shipped with the package (``fixtures/<name>.json``) describe real or realistic GPU nodes
+for the fake.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from driver.errors import ConfigError
+from driver.nvml.api import (
+    HealthEvent,
+    HealthEventKind,
+    MemoryInfo,
+    NvmlBackend,
+    ProcessInfo,
+)
+
+FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+
+
+def fixture_path(name: str) -> Path:
+    """The path of a shipped fixture: ``h200`` (recorded) or ``h200x8`` (eight GPUs)."""
+    path = FIXTURES_DIR / f"{name}.json"
+    if "/" in name or not path.is_file():
+        known = sorted(p.stem for p in FIXTURES_DIR.glob("*.json"))
+        raise ConfigError(f"no NVML fixture named {name!r}; shipped: {known}")
+    return path
+
+
+__all__ = [
+    "FIXTURES_DIR",
+    "HealthEvent",
+    "HealthEventKind",
+    "MemoryInfo",
+    "NvmlBackend",
+    "ProcessInfo",
+    "fixture_path",
+]

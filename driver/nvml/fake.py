@@ -1,0 +1,371 @@
+"""A fake :class:`~driver.nvml.api.NvmlBackend` for machines without a GPU.
+
+The GPUs come from a JSON fixture (:class:`NvmlFixture`; ``fixtures/h200.json`` holds the
+answers of a real H200, recorded by ``e2e/record_nvml.py``). Compute processes come from
+a registry directory that other programs write, so the engine simulator can "hold" GPU
+memory the way a real engine does and every layer above sees it through the same calls:
+
+- one file per process, ``<dir>/<pid>.json``, holding
+  ``{"pid": <int>, "gpu_uuid": "GPU-...", "used_bytes": <int>}``;
+- written atomically (a dot-named temp file in the same directory, then a rename): use
+  :func:`register_process` / :func:`unregister_process`;
+- files of processes that are gone (or zombies) are ignored, as NVML forgets a process
+  when it exits; unreadable files are logged once and ignored.
+
+Used memory on a GPU is the fixture's baseline (what the driver holds with no process)
+plus every live registered process on that GPU; free is total minus used, never below
+zero. The directory is read on every call: callers poll, as they would poll NVML.
+
+Tests and e2e runs can inject NVML errors (:meth:`FakeNvml.fail`, or ``failures`` in the
+fixture) and health events (:meth:`FakeNvml.inject_health_event`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from driver.errors import ConfigError, NvmlError
+from driver.nvml.api import HealthEvent, MemoryInfo, ProcessInfo
+
+log = logging.getLogger(__name__)
+
+PROC_DIR_ENV = "ROTA_FAKE_NVML_PROC_DIR"
+"""The environment variable that names the process registry directory."""
+
+CALLS = frozenset(
+    {
+        "init", "shutdown", "device_count", "driver_version", "cuda_driver_version", "uuid",
+        "name", "brand", "architecture", "cuda_compute_capability", "pci_bus_id",
+        "numa_node", "minor_number", "memory_info", "mig_mode", "compute_processes",
+        "wait_health_event",
+    }
+)
+"""The backend calls an injected failure can name."""
+
+NonNegative = Annotated[int, Field(ge=0)]
+
+
+class FakeGpu(BaseModel):
+    """One GPU of a fixture, field for field what NVML answers for it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: NonNegative
+    uuid: str = Field(min_length=1)
+    name: str
+    brand: NonNegative
+    architecture: NonNegative
+    cuda_compute_capability: tuple[NonNegative, NonNegative]
+    pci_bus_id: str
+    numa_node: NonNegative | None = None
+    minor_number: NonNegative
+    memory_total: int = Field(gt=0)
+    memory_used: NonNegative = Field(description="used bytes with no compute process")
+    mig_mode: tuple[NonNegative, NonNegative] = (0, 0)
+
+
+class FakeFailure(BaseModel):
+    """An NVML error the fake raises on every matching call."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    call: str
+    reason: str = Field(min_length=1)
+    index: NonNegative | None = Field(default=None, description="None: every device")
+
+    @model_validator(mode="after")
+    def _known_call(self) -> FakeFailure:
+        if self.call not in CALLS:
+            raise ValueError(f"unknown call {self.call!r}; one of {sorted(CALLS)}")
+        return self
+
+
+class NvmlFixture(BaseModel):
+    """The whole fixture file: system-wide answers and the GPUs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    description: str = ""
+    driver_version: str = Field(min_length=1)
+    cuda_driver_version: NonNegative
+    devices: list[FakeGpu]
+    failures: list[FakeFailure] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> NvmlFixture:
+        indices = [gpu.index for gpu in self.devices]
+        if indices != list(range(len(indices))):
+            raise ValueError(f"device indices must be 0..n-1 in order, got {indices}")
+        uuids = [gpu.uuid for gpu in self.devices]
+        if len(set(uuids)) != len(uuids):
+            raise ValueError("device uuids must be unique")
+        for gpu in self.devices:
+            if gpu.memory_used > gpu.memory_total:
+                raise ValueError(f"gpu {gpu.index}: memory_used exceeds memory_total")
+        return self
+
+
+class _ProcessRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pid: int = Field(gt=0)
+    gpu_uuid: str = Field(min_length=1)
+    used_bytes: NonNegative
+
+
+def load_fixture(path: str | os.PathLike[str]) -> NvmlFixture:
+    """Read and validate a fixture file; :class:`ConfigError` says what is wrong."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read NVML fixture {path}: {err}") from err
+    try:
+        return NvmlFixture.model_validate_json(text)
+    except ValidationError as err:
+        raise ConfigError(f"invalid NVML fixture {path}: {err}") from err
+
+
+def register_process(
+    directory: str | os.PathLike[str], pid: int, gpu_uuid: str, used_bytes: int
+) -> Path:
+    """Record (or update) that ``pid`` holds ``used_bytes`` on ``gpu_uuid``; atomic."""
+    record = _ProcessRecord(pid=pid, gpu_uuid=gpu_uuid, used_bytes=used_bytes)
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{pid}.json"
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{pid}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(record.model_dump_json())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def unregister_process(directory: str | os.PathLike[str], pid: int) -> None:
+    """Forget ``pid``; a missing entry is fine."""
+    (Path(directory) / f"{pid}.json").unlink(missing_ok=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` names a running (not zombie) process in this pid namespace."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return True  # no procfs: trust kill()
+    state = stat.rpartition(")")[2].split()[:1]
+    return state not in (["Z"], ["X"])
+
+
+@dataclass
+class _Failure:
+    spec: FakeFailure
+    remaining: int | None
+
+
+class FakeNvml:
+    """An :class:`~driver.nvml.api.NvmlBackend` answering from a fixture and a registry."""
+
+    def __init__(
+        self, fixture: NvmlFixture, proc_dir: str | os.PathLike[str] | None = None
+    ) -> None:
+        self._fixture = fixture
+        self._proc_dir = Path(proc_dir) if proc_dir is not None else None
+        self._lock = threading.Lock()
+        self._failures = [_Failure(f, None) for f in fixture.failures]
+        self._events: queue.Queue[HealthEvent] = queue.Queue()
+        self._initialised = False
+        self._warned: set[tuple[str, int, int]] = set()
+
+    @classmethod
+    def from_path(
+        cls, path: str | os.PathLike[str], proc_dir: str | os.PathLike[str] | None = None
+    ) -> FakeNvml:
+        return cls(load_fixture(path), proc_dir)
+
+    @property
+    def fixture(self) -> NvmlFixture:
+        return self._fixture
+
+    # test controls
+
+    def fail(self, call: str, reason: str, *, index: int | None = None,
+             times: int | None = None) -> None:
+        """Make ``call`` raise ``NvmlError(reason=reason)`` (``times`` times; None: always)."""
+        spec = FakeFailure(call=call, reason=reason, index=index)
+        with self._lock:
+            self._failures.append(_Failure(spec, times))
+
+    def clear_failures(self) -> None:
+        with self._lock:
+            self._failures.clear()
+
+    def inject_health_event(self, event: HealthEvent) -> None:
+        """Queue an event for the next :meth:`wait_health_event`."""
+        self._events.put(event)
+
+    # the backend
+
+    def _check(self, call: str, index: int | None = None) -> None:
+        if call not in ("init", "shutdown") and not self._initialised:
+            raise NvmlError(f"{call}: NVML is not initialised", reason="uninitialized")
+        with self._lock:
+            for failure in self._failures:
+                spec = failure.spec
+                if spec.call != call or (spec.index is not None and spec.index != index):
+                    continue
+                if failure.remaining is not None:
+                    if failure.remaining <= 0:
+                        continue
+                    failure.remaining -= 1
+                raise NvmlError(f"{call}: injected failure ({spec.reason})", reason=spec.reason)
+
+    def _gpu(self, call: str, index: int) -> FakeGpu:
+        self._check(call, index)
+        if not 0 <= index < len(self._fixture.devices):
+            raise NvmlError(f"{call}: no GPU with index {index}", reason="invalid_argument")
+        return self._fixture.devices[index]
+
+    def init(self) -> None:
+        self._check("init")
+        self._initialised = True
+
+    def shutdown(self) -> None:
+        self._check("shutdown")
+        self._initialised = False
+
+    def device_count(self) -> int:
+        self._check("device_count")
+        return len(self._fixture.devices)
+
+    def driver_version(self) -> str:
+        self._check("driver_version")
+        return self._fixture.driver_version
+
+    def cuda_driver_version(self) -> int:
+        self._check("cuda_driver_version")
+        return self._fixture.cuda_driver_version
+
+    def uuid(self, index: int) -> str:
+        return self._gpu("uuid", index).uuid
+
+    def name(self, index: int) -> str:
+        return self._gpu("name", index).name
+
+    def brand(self, index: int) -> int:
+        return self._gpu("brand", index).brand
+
+    def architecture(self, index: int) -> int:
+        return self._gpu("architecture", index).architecture
+
+    def cuda_compute_capability(self, index: int) -> tuple[int, int]:
+        return self._gpu("cuda_compute_capability", index).cuda_compute_capability
+
+    def pci_bus_id(self, index: int) -> str:
+        return self._gpu("pci_bus_id", index).pci_bus_id
+
+    def numa_node(self, index: int) -> int | None:
+        return self._gpu("numa_node", index).numa_node
+
+    def minor_number(self, index: int) -> int:
+        return self._gpu("minor_number", index).minor_number
+
+    def mig_mode(self, index: int) -> tuple[int, int]:
+        return self._gpu("mig_mode", index).mig_mode
+
+    def memory_info(self, index: int) -> MemoryInfo:
+        gpu = self._gpu("memory_info", index)
+        used = gpu.memory_used + sum(r.used_bytes for r in self._live() if r.gpu_uuid == gpu.uuid)
+        return MemoryInfo(total=gpu.memory_total, used=used, free=max(0, gpu.memory_total - used))
+
+    def compute_processes(self, index: int) -> list[ProcessInfo]:
+        gpu = self._gpu("compute_processes", index)
+        return [
+            ProcessInfo(pid=r.pid, used_bytes=r.used_bytes)
+            for r in self._live()
+            if r.gpu_uuid == gpu.uuid
+        ]
+
+    def wait_health_event(self, timeout_ms: int) -> HealthEvent | None:
+        self._check("wait_health_event")
+        try:
+            if timeout_ms <= 0:
+                return self._events.get_nowait()
+            return self._events.get(timeout=timeout_ms / 1000)
+        except queue.Empty:
+            return None
+
+    # the registry
+
+    def _live(self) -> list[_ProcessRecord]:
+        """Every parseable record of a live process, sorted by pid; read fresh."""
+        if self._proc_dir is None:
+            return []
+        try:
+            entries = sorted(
+                p for p in self._proc_dir.iterdir()
+                if p.suffix == ".json" and not p.name.startswith(".")
+            )
+        except FileNotFoundError:
+            return []
+        records: list[_ProcessRecord] = []
+        seen: set[tuple[str, int, int]] = set()
+        for path in entries:
+            record = self._read(path, seen)
+            if record is not None and pid_alive(record.pid):
+                records.append(record)
+        with self._lock:
+            self._warned &= seen
+        return sorted(records, key=lambda r: r.pid)
+
+    def _read(self, path: Path, seen: set[tuple[str, int, int]]) -> _ProcessRecord | None:
+        """Parse one registry file; log a bad one once per version of its content."""
+        try:
+            stat = path.stat()
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None  # unregistered between listing and reading
+        except OSError as err:
+            key, problem = (path.name, 0, 0), str(err)
+        else:
+            key = (path.name, stat.st_mtime_ns, stat.st_size)
+            try:
+                record = _ProcessRecord.model_validate(json.loads(raw))
+            except ValueError as err:  # bad UTF-8, bad JSON, or a ValidationError
+                problem = str(err)
+            else:
+                if path.stem == str(record.pid):
+                    return record
+                problem = f"file name does not match pid {record.pid}"
+        seen.add(key)
+        with self._lock:
+            first = key not in self._warned
+            self._warned.add(key)
+        if first:
+            log.warning(
+                "ignoring unreadable process registry file",
+                extra={"path": str(path), "problem": problem[:500]},
+            )
+        return None
