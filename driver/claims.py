@@ -57,6 +57,7 @@ __all__ = [
     "ClaimPlan",
     "PublishedDevice",
     "base_request_name",
+    "engine_config_of",
     "plan_claim",
 ]
 
@@ -413,3 +414,23 @@ def _check_awake_within_gpu(
                 f"claim {ctx.ref} needs {format_bytes(awake)} awake, but GPU {gpu_uuid} has "
                 f"only {format_bytes(total)}: {format_bytes(awake - total)} short"
             )
+
+
+def engine_config_of(claim: Mapping[str, Any], *, driver: str) -> EngineConfig | None:
+    """The claim's EngineConfig for ``driver``, chosen by the rules of :func:`plan_claim`.
+
+    For readers other than prepare (the lease controller, the gateway): None when the
+    claim has no config for the driver or no allocation result of it.
+
+    Raises:
+        ClaimError: the configs are ambiguous or invalid.
+    """
+    metadata = _mapping(claim.get("metadata"))
+    ctx = _Context(str(metadata.get("uid", "")), str(metadata.get("namespace", "")),
+                   str(metadata.get("name", "")), driver, "")
+    allocated = _mapping(_mapping(_mapping(claim.get("status")).get("allocation")).get("devices"))
+    results = map(_mapping, _sequence(allocated.get("results")))
+    requests = [str(r.get("request", "")) for r in results if r.get("driver") == driver]
+    if not requests:
+        return None
+    return _engine_config(ctx, claim, allocated, requests)

@@ -96,7 +96,10 @@ class Kube:
             "list resourceslices", self._objects.list_cluster_custom_object,
             RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices",
             field_selector=f"spec.driver={driver},spec.nodeName={node}")
-        return [dict(item) for item in result.get("items", [])]
+        # Items of a list carry no apiVersion/kind; give them back so they compare equal
+        # to single-object reads.
+        return [{"apiVersion": f"{RESOURCE_GROUP}/{RESOURCE_VERSION}", "kind": "ResourceSlice",
+                 **item} for item in result.get("items", [])]
 
     async def create_slice(self, body: Obj) -> Obj:
         return dict(await self._call(

@@ -1,0 +1,86 @@
+"""Names, labels and annotations that the lease controller writes and the gateway reads.
+
+This module is the contract between the two: one coordination.k8s.io/v1 Lease per shared
+GPU records who is awake; one Lease per node records which controller instance acts for
+that node and where its activation API listens.
+
+GPU Lease (``rota-gpu-<node>-<device>``):
+
+- ``spec.holderIdentity``: ``<namespace>/<claim name>`` of the claimant whose engine is
+  awake, or empty when none is. The only record of who may be awake.
+- ``spec.leaseTransitions``: the fencing number. Every switch starts by raising it with a
+  compare-and-swap write; an instance whose write loses must not touch an engine.
+- annotations (:data:`STATE` and the rest below) say what the gateway needs to route:
+  the holder's model and endpoint, the switch in progress, the last failure.
+
+Controller Lease (``rota-controller-<node>``): ``holderIdentity`` is the controller
+instance; renewed every few seconds; annotation :data:`ACTIVATION_URL`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+DOMAIN = "gpu.rota.dev"
+
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "rota"
+LABEL_KIND = f"{DOMAIN}/lease"
+KIND_GPU = "gpu"
+KIND_CONTROLLER = "controller"
+LABEL_NODE = f"{DOMAIN}/node"
+LABEL_DEVICE = f"{DOMAIN}/device"
+
+STATE = f"{DOMAIN}/state"
+"""``awake`` (the holder serves), ``switching``, ``idle`` (nobody awake) or ``failed``."""
+HOLDER_MODEL = f"{DOMAIN}/holder-model"
+HOLDER_CLAIM_UID = f"{DOMAIN}/holder-claim-uid"
+HOLDER_ENDPOINT = f"{DOMAIN}/holder-endpoint"
+"""``http://<pod ip>:<port>`` of the awake engine."""
+TARGET_MODEL = f"{DOMAIN}/target-model"
+"""During a switch: the model being woken."""
+DRAINING_MODEL = f"{DOMAIN}/draining-model"
+"""During a switch: the model being put to sleep; gateways hold its new requests."""
+LAST_ERROR = f"{DOMAIN}/last-error"
+"""``<reason>: <message>`` of the last failed switch."""
+ACTING_CONTROLLER = f"{DOMAIN}/controller"
+ACTIVATION_URL = f"{DOMAIN}/activation-url"
+GPU_UUID = f"{DOMAIN}/gpu-uuid"
+
+STATE_AWAKE = "awake"
+STATE_SWITCHING = "switching"
+STATE_IDLE = "idle"
+STATE_FAILED = "failed"
+
+_MAX_NAME = 253
+_MAX_LABEL = 63
+_INVALID = re.compile(r"[^a-z0-9.-]")
+
+
+def _bounded(name: str, limit: int) -> str:
+    name = _INVALID.sub("-", name.lower()).strip("-.")
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+    return f"{name[:limit - 11].rstrip('-.')}-{digest}"
+
+
+def gpu_lease_name(node: str, device: str) -> str:
+    """The GPU Lease of one device on one node."""
+    return _bounded(f"rota-gpu-{node}-{device}", _MAX_NAME)
+
+
+def controller_lease_name(node: str) -> str:
+    """The Lease whose holder is the controller instance acting for ``node``."""
+    return _bounded(f"rota-controller-{node}", _MAX_NAME)
+
+
+def label_value(value: str) -> str:
+    """A label value (<= 63 characters) naming a node or device."""
+    return _bounded(value, _MAX_LABEL)
+
+
+def claim_ref(namespace: str, name: str) -> str:
+    """The holderIdentity of a claimant."""
+    return f"{namespace}/{name}"
