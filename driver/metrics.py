@@ -34,6 +34,10 @@ SLICE_WRITES = Counter(
     "rota_driver_slice_writes_total", "ResourceSlice writes, by verb.", ["verb"],
     registry=REGISTRY,
 )
+SLICE_SYNCS = Counter(
+    "rota_driver_slice_syncs_total", "Reconciliations of the node's ResourceSlices.",
+    registry=REGISTRY,
+)
 NVML_ERRORS = Counter(
     "rota_driver_nvml_errors_total", "Failed NVML calls, by reason.", ["reason"],
     registry=REGISTRY,

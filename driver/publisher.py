@@ -114,6 +114,7 @@ class SlicePublisher:
                 break
         self._devices = published_devices(self._desired(0), self.gpus)
         self.writes += writes
+        metrics.SLICE_SYNCS.inc()
         self.synced.set()
         return writes
 

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kubernetes import client
 
@@ -147,14 +148,14 @@ class GpuNode:
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.agent.start()
 
-    def ledger(self) -> dict[str, object]:
+    def ledger(self) -> dict[str, Any]:
         if not self.dirs.ledger.exists():
             return {}
-        data: dict[str, object] = json.loads(self.dirs.ledger.read_text())["data"]["claims"]
+        data: dict[str, Any] = json.loads(self.dirs.ledger.read_text())["data"]["claims"]
         return data
 
-    def cdi_specs(self) -> dict[str, dict[str, object]]:
-        out: dict[str, dict[str, object]] = {}
+    def cdi_specs(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
         for path in self.dirs.cdi.glob("k8s.gpu.rota.dev-claim_*.json"):
             out[path.stem.split("_", 1)[1]] = json.loads(path.read_text())
         return out

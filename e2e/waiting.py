@@ -19,7 +19,7 @@ class WaitTimeout(AssertionError):
 
 
 def eventually(check: Callable[[], T], *, timeout: float, interval: float = 0.05,
-               what: str = "condition") -> T:
+               max_interval: float = 1.0, what: str = "condition") -> T:
     """Call ``check`` until it returns a truthy value without raising; return that value."""
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
@@ -36,7 +36,7 @@ def eventually(check: Callable[[], T], *, timeout: float, interval: float = 0.05
             detail = f": {last!r}" if last else ""
             raise WaitTimeout(f"{what} not reached within {timeout:.1f}s{detail}") from last
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 1.5, 1.0)
+        delay = min(delay * 1.5, max_interval)
 
 
 async def eventually_async(check: Callable[[], Awaitable[T]], *, timeout: float,  # noqa: ASYNC109

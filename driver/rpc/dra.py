@@ -10,6 +10,7 @@ twice) gets a per-claim error naming the problem. v1beta1 differs from v1 only i
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -35,19 +36,19 @@ class Preparer(Protocol):
 
 def _refs(claims: Sequence[Any]) -> tuple[list[ClaimRef], dict[str, str]]:
     """Valid claim references, and an error for each unusable one (keyed by uid)."""
+    counts = Counter(claim.uid for claim in claims)
     refs: list[ClaimRef] = []
     errors: dict[str, str] = {}
-    seen: set[str] = set()
     for claim in claims:
         if not claim.uid:
             errors[""] = "a claim in the request has no uid"
-        elif claim.uid in seen:
-            errors[claim.uid] = f"claim uid {claim.uid} appears twice in one request"
+        elif counts[claim.uid] > 1:
+            errors[claim.uid] = f"claim uid {claim.uid} appears {counts[claim.uid]} times in " \
+                                "one request"
         elif not claim.namespace or not claim.name:
             errors[claim.uid] = f"claim {claim.uid} lacks a namespace or a name"
         else:
             refs.append(ClaimRef(namespace=claim.namespace, uid=claim.uid, name=claim.name))
-        seen.add(claim.uid)
     return refs, errors
 
 

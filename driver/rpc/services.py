@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
@@ -23,6 +23,34 @@ StreamHandler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterato
 def method_path(service: ServiceDescriptor, method: str) -> str:
     """``/<package>.<Service>/<Method>``, the name on the wire."""
     return f"/{service.full_name}/{service.methods_by_name[method].name}"
+
+
+async def _parse(raw: bytes, request_cls: type[Message],
+                 context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+    """Parse a request; a malformed one is answered INVALID_ARGUMENT, naming the type."""
+    try:
+        return request_cls.FromString(raw)
+    except DecodeError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"malformed {request_cls.DESCRIPTOR.full_name}: {exc}")
+        raise  # abort raises; this only satisfies the type checker
+
+
+def _parsing_unary(handler: UnaryHandler, request_cls: type[Message]) -> UnaryHandler:
+    async def parse_then_handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+                                ) -> Message:
+        return await handler(await _parse(raw, request_cls, context), context)
+
+    return parse_then_handle
+
+
+def _parsing_stream(handler: StreamHandler, request_cls: type[Message]) -> StreamHandler:
+    async def parse_then_stream(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+                                ) -> AsyncIterator[Message]:
+        async for item in handler(await _parse(raw, request_cls, context), context):
+            yield item
+
+    return parse_then_stream
 
 
 def generic_handler(service: ServiceDescriptor,
@@ -42,13 +70,14 @@ def generic_handler(service: ServiceDescriptor,
         response_cls = GetMessageClass(method.output_type)
         if method.client_streaming:
             raise ValueError(f"{service.full_name}/{name}: client streaming is not used")
-        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
-                else grpc.unary_unary_rpc_method_handler)
-        rpc_handlers[name] = make(
-            handlers[name],
-            request_deserializer=request_cls.FromString,
-            response_serializer=response_cls.SerializeToString,
-        )
+        if method.server_streaming:
+            rpc_handlers[name] = grpc.unary_stream_rpc_method_handler(
+                _parsing_stream(handlers[name], request_cls),  # type: ignore[arg-type]
+                response_serializer=response_cls.SerializeToString)
+        else:
+            rpc_handlers[name] = grpc.unary_unary_rpc_method_handler(
+                _parsing_unary(handlers[name], request_cls),  # type: ignore[arg-type]
+                response_serializer=response_cls.SerializeToString)
     return grpc.method_handlers_generic_handler(service.full_name, rpc_handlers)
 
 

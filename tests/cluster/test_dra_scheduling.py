@@ -111,14 +111,15 @@ def test_two_claims_share_one_device_and_a_third_does_not_fit(
 
     eventually(both_bound, timeout=60, what="both pods bound")
     results = {}
-    for claim, memory in (("a", 16), ("b", 20)):
+    for claim, gib in (("a", 16), ("b", 20)):
         status = _read_claim(kube_api, namespace, claim)["status"]
         (result,) = status["allocation"]["devices"]["results"]
         assert (result["driver"], result["pool"], result["device"]) == (driver, node, "gpu-0")
-        assert result["consumedCapacity"] == {"memory": f"{memory}Gi"}
+        assert result["consumedCapacity"] == {"memory": f"{gib}Gi"}
         assert status["reservedFor"][0]["name"] == f"pod-{claim}"
         results[claim] = result
-    assert results["a"]["shareID"] and results["b"]["shareID"]
+    assert results["a"]["shareID"]
+    assert results["b"]["shareID"]
     assert results["a"]["shareID"] != results["b"]["shareID"]
 
     # 16Gi + 20Gi are taken from 40Gi: an 8Gi claim cannot be placed.

@@ -4,6 +4,9 @@ v1 and v1beta1."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -25,7 +28,7 @@ GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
 
 
-def _kubelet_messages(package: str, with_share_id: bool) -> dict[str, type]:
+def _kubelet_messages(package: str, with_share_id: bool) -> dict[str, Any]:
     """Message classes built from a hand-written descriptor of the kubelet's proto, in a
     private pool: nothing of rota's generated code is used on the client side."""
     f = descriptor_pb2.FileDescriptorProto(name=f"kubelet/{package}.proto", package=package,
@@ -35,7 +38,7 @@ def _kubelet_messages(package: str, with_share_id: bool) -> dict[str, type]:
     rep, opt = descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED, \
         descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
 
-    def message(name: str, fields: list[tuple[str, int, int, int, str]]) -> None:
+    def message(name: str, fields: Sequence[tuple[str, int, Any, Any, str]]) -> None:
         m = f.message_type.add(name=name)
         for fname, number, ftype, label, type_name in fields:
             field = m.field.add(name=fname, number=number, type=ftype, label=label)
@@ -44,8 +47,9 @@ def _kubelet_messages(package: str, with_share_id: bool) -> dict[str, type]:
 
     message("Claim", [("namespace", 1, string, opt, ""), ("uid", 2, string, opt, ""),
                       ("name", 3, string, opt, "")])
-    device_fields = [("request_names", 1, string, rep, ""), ("pool_name", 2, string, opt, ""),
-                     ("device_name", 3, string, opt, ""), ("cdi_device_ids", 4, string, rep, "")]
+    device_fields: list[tuple[str, int, Any, Any, str]] = [
+        ("request_names", 1, string, rep, ""), ("pool_name", 2, string, opt, ""),
+        ("device_name", 3, string, opt, ""), ("cdi_device_ids", 4, string, rep, "")]
     if with_share_id:
         device_fields.append(("share_id", 5, string, opt, ""))
     message("Device", device_fields)
@@ -77,7 +81,7 @@ def _kubelet_messages(package: str, with_share_id: bool) -> dict[str, type]:
     return {n: GetMessageClass(pool.FindMessageTypeByName(f"{package}.{n}")) for n in names}
 
 
-def _registration_messages() -> dict[str, type]:
+def _registration_messages() -> dict[str, Any]:
     f = descriptor_pb2.FileDescriptorProto(name="kubelet/reg.proto",
                                            package="pluginregistration", syntax="proto3")
     t = descriptor_pb2.FieldDescriptorProto
@@ -99,7 +103,7 @@ def _registration_messages() -> dict[str, type]:
                       "InfoRequest")}
 
 
-def _call(socket: str, method: str, request: object, response_cls: type) -> object:
+def _call(socket: str, method: str, request: Any, response_cls: Any) -> Any:
     with grpc.insecure_channel(f"unix://{socket}") as channel:
         stub = channel.unary_unary(method, request_serializer=lambda m: m.SerializeToString(),
                                    response_deserializer=response_cls.FromString)
@@ -107,7 +111,7 @@ def _call(socket: str, method: str, request: object, response_cls: type) -> obje
 
 
 def _allocated_claims(api: client.ApiClient, namespace: str, node: str, count: int
-                      ) -> list[dict[str, object]]:
+                      ) -> list[dict[str, Any]]:
     core = client.CoreV1Api(api)
     names = []
     for i in range(count):
@@ -125,11 +129,11 @@ def test_registration_as_the_kubelet_does_it(gpu_node: GpuNode) -> None:
     reg = _registration_messages()
     info = _call(str(gpu_node.dirs.registration_socket), GET_INFO, reg["InfoRequest"](),
                  reg["PluginInfo"])
-    assert info.type == "DRAPlugin"  # type: ignore[attr-defined]
-    assert info.name == "gpu.rota.dev"  # type: ignore[attr-defined]
-    assert info.endpoint == str(gpu_node.dirs.dra_socket)  # type: ignore[attr-defined]
-    assert list(info.supported_versions)[0] == "v1.DRAPlugin"  # type: ignore[attr-defined]
-    assert "v1beta1.DRAPlugin" in info.supported_versions  # type: ignore[attr-defined]
+    assert info.type == "DRAPlugin"
+    assert info.name == "gpu.rota.dev"
+    assert info.endpoint == str(gpu_node.dirs.dra_socket)
+    assert next(iter(info.supported_versions)) == "v1.DRAPlugin"
+    assert "v1beta1.DRAPlugin" in info.supported_versions
     _call(str(gpu_node.dirs.registration_socket), NOTIFY,
           reg["RegistrationStatus"](plugin_registered=True), reg["RegistrationStatusResponse"])
 
@@ -144,15 +148,15 @@ def test_prepare_and_unprepare_over_the_wire(
     m = _kubelet_messages(package, with_share_id)
     claims = _allocated_claims(kube_api, namespace, gpu_node.name, 2)
     request = m["NodePrepareResourcesRequest"](claims=[
-        m["Claim"](namespace=namespace, uid=c["metadata"]["uid"],  # type: ignore[index]
-                   name=c["metadata"]["name"]) for c in claims])  # type: ignore[index]
+        m["Claim"](namespace=namespace, uid=c["metadata"]["uid"],
+                   name=c["metadata"]["name"]) for c in claims])
     socket = str(gpu_node.dirs.dra_socket)
     response = _call(socket, prepare, request, m["NodePrepareResourcesResponse"])
     specs = gpu_node.cdi_specs()
     for c in claims:
-        uid = c["metadata"]["uid"]  # type: ignore[index]
-        result = c["status"]["allocation"]["devices"]["results"][0]  # type: ignore[index]
-        entry = response.claims[uid]  # type: ignore[attr-defined]
+        uid = c["metadata"]["uid"]
+        result = c["status"]["allocation"]["devices"]["results"][0]
+        entry = response.claims[uid]
         assert entry.error == ""
         (device,) = entry.devices
         assert (device.pool_name, device.device_name) == (gpu_node.name, "gpu-0")
@@ -166,7 +170,7 @@ def test_prepare_and_unprepare_over_the_wire(
     assert again == response
     gone = _call(socket, unprepare, m["NodeUnprepareResourcesRequest"](claims=request.claims),
                  m["NodeUnprepareResourcesResponse"])
-    assert all(gone.claims[c.uid].error == "" for c in request.claims)  # type: ignore
+    assert all(gone.claims[c.uid].error == "" for c in request.claims)
     assert gpu_node.cdi_specs() == {}
     assert gpu_node.ledger() == {}
 
@@ -177,5 +181,5 @@ def test_generated_and_hand_built_descriptors_agree() -> None:
     ours = generated_v1.NodePrepareResourcesRequest(
         claims=[generated_v1.Claim(namespace="ns", uid="u-1", name="n")])
     theirs = m["NodePrepareResourcesRequest"].FromString(ours.SerializeToString())
-    assert theirs.claims[0].uid == "u-1"  # type: ignore[attr-defined]
+    assert theirs.claims[0].uid == "u-1"
     assert generated_v1.DESCRIPTOR.package == "k8s.io.kubelet.pkg.apis.dra.v1"

@@ -1,0 +1,72 @@
+"""ResourceSlices are reconciled: published as shared devices, recreated when deleted,
+untouched by a restart that finds them intact, re-versioned only when content changes."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import pytest
+from kubernetes import client
+
+from e2e.harness import GpuNode
+from e2e.objects import GROUP, VERSION, node_slices
+from e2e.waiting import eventually
+
+pytestmark = [pytest.mark.cluster, pytest.mark.driver]
+
+
+def _slice_writes(node: GpuNode) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/metrics",
+                                timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(m.group(1)) for m in
+               re.finditer(r"^rota_driver_slice_writes_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_the_gpu_is_published_as_a_shared_device(gpu_node: GpuNode,
+                                                 kube_api: client.ApiClient) -> None:
+    (published,) = node_slices(kube_api, gpu_node.name)
+    spec = published["spec"]
+    assert spec["pool"] == {"name": gpu_node.name, "generation": 0, "resourceSliceCount": 1}
+    (device,) = spec["devices"]
+    assert device["name"] == "gpu-0"
+    assert device["allowMultipleAllocations"] is True
+    assert device["attributes"]["productName"] == {"string": "NVIDIA H200"}
+    assert device["attributes"]["uuid"]["string"].startswith("GPU-")
+    assert device["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:00:06.0"}
+    memory = device["capacity"]["memory"]
+    assert memory["value"] == "143771Mi"
+    assert memory["requestPolicy"]["validRange"]["step"] == "1Mi"
+    assert device["capacity"]["engines"]["value"] == "8"
+    owner = published["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"]) == ("Node", gpu_node.name)
+
+
+def test_a_deleted_slice_comes_back(gpu_node: GpuNode, kube_api: client.ApiClient) -> None:
+    (published,) = node_slices(kube_api, gpu_node.name)
+    client.CustomObjectsApi(kube_api).delete_cluster_custom_object(
+        GROUP, VERSION, "resourceslices", published["metadata"]["name"])
+
+    def recreated() -> bool:
+        slices = node_slices(kube_api, gpu_node.name)
+        return len(slices) == 1 and slices[0]["metadata"]["uid"] != published["metadata"]["uid"]
+
+    eventually(recreated, timeout=30, what="slice recreated after deletion")
+
+
+def test_restart_writes_nothing_and_content_change_bumps_generation(
+        gpu_node: GpuNode, kube_api: client.ApiClient) -> None:
+    (before,) = node_slices(kube_api, gpu_node.name)
+    gpu_node.stop_driver()
+    gpu_node.start_driver()
+    assert _slice_writes(gpu_node) == 0
+    (after,) = node_slices(kube_api, gpu_node.name)
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+
+    gpu_node.stop_driver()
+    gpu_node.start_driver(extra=["--engines-per-gpu=4"])
+    (changed,) = node_slices(kube_api, gpu_node.name)
+    assert changed["spec"]["devices"][0]["capacity"]["engines"]["value"] == "4"
+    assert changed["spec"]["pool"]["generation"] == before["spec"]["pool"]["generation"] + 1
+    assert _slice_writes(gpu_node) == 1
