@@ -120,7 +120,8 @@ class EngineConfig(_Model):
     adapter: Adapter = "vllm"
     """How the lease controller drives the engine."""
     omni_stage_ids: tuple[Annotated[int, Field(strict=True, ge=0)], ...] | None = None
-    """vLLM-Omni only: the stages to put to sleep and wake; all stages when absent."""
+    """vLLM-Omni only: the stages to put to sleep and wake; stages 0 and 1 when absent
+    (vLLM-Omni has no call that lists its stages)."""
     http: HttpAdapterConfig | None = None
     """Generic HTTP adapter only: where the sleep controls live; vLLM's paths when absent."""
 

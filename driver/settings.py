@@ -8,6 +8,7 @@ Nothing else in the driver reads ``os.environ``. Each field's description is its
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
@@ -108,7 +109,8 @@ def build_parser(model: type[BaseModel], prog: str, description: str
     """One ``--flag`` per field of ``model``; help = description, env var and default."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     for name, info in model.model_fields.items():
-        default = "" if info.is_required() else f" Default: {info.default}."
+        default = "" if info.is_required() or info.default_factory else \
+            f" Default: {info.default}."
         envs = " or ".join(env_names(name))
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
                             help=f"{info.description} Env: {envs}.{default}")
@@ -130,6 +132,13 @@ def parse_settings(model: type[BaseModel], argv: Sequence[str] | None,
             if environ.get(env):
                 values[name] = environ[env]
                 break
+    for name, value in list(values.items()):
+        annotation = model.model_fields[name].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            try:
+                values[name] = json.loads(value)
+            except ValueError as exc:
+                raise ConfigError(f"invalid settings: {name}: not a JSON object") from exc
     try:
         return model.model_validate(values)
     except ValidationError as exc:

@@ -11,12 +11,15 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
+from e2e.engine_simulator.auth import control_auth_middleware
 from e2e.engine_simulator.control_api import control_routes
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.errors import error_middleware
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.memory import MemoryHolder, make_memory
+from e2e.engine_simulator.metrics_api import metrics_routes
 from e2e.engine_simulator.omni_api import omni_routes
 from e2e.engine_simulator.openai_api import openai_routes
 from e2e.engine_simulator.settings import Settings
@@ -56,9 +59,13 @@ def create_app(
     """
     pid = settings.nvml_pid or os.getpid()
     holder = memory if memory is not None else make_memory(settings, pid=pid)
-    app = web.Application(middlewares=[error_middleware])
+    middlewares: list[Middleware] = [error_middleware]
+    if settings.control_token is not None:
+        middlewares.insert(0, control_auth_middleware(settings.control_token.get_secret_value()))
+    app = web.Application(middlewares=middlewares)
     app[ENGINE_KEY] = Engine(settings, holder, pid=pid, exit_process=exit_process)
     app.add_routes(control_routes())
+    app.add_routes(metrics_routes())
     app.add_routes(openai_routes())
     app.add_routes(sim_routes())
     if settings.omni:

@@ -75,6 +75,8 @@ class Engine(Traffic):
         self.wake_failures = 0
         self.reloads = 0
         self.prefix_cache_resets = 0
+        self.ignored_calls = 0
+        """Sleeps and wakes answered 200 without effect (faults sleep_ignored, wake_ignored)."""
 
     def _asleep(self) -> bool:
         return self.state.is_sleeping
@@ -119,6 +121,10 @@ class Engine(Traffic):
         except StateError as exc:
             raise SimError(str(exc)) from exc
         async with self._control:
+            if self.faults.sleep_ignored:
+                self.ignored_calls += 1
+                log.warning("sleep ignored (simulated fault sleep_ignored)")
+                return []
             began = time.monotonic()
             try:
                 await self._drain(mode, request, purpose="sleep")
@@ -180,6 +186,10 @@ class Engine(Traffic):
             if self.faults.wake_fails:
                 self.wake_failures += 1
                 raise wake_oom_error()
+            if self.faults.wake_ignored:
+                self.ignored_calls += 1
+                log.warning("wake ignored (simulated fault wake_ignored)")
+                return []
             began = time.monotonic()
             planned = copy.deepcopy(self.state)
             try:
@@ -294,6 +304,7 @@ class Engine(Traffic):
             "wake_failures": self.wake_failures,
             "reloads": self.reloads,
             "prefix_cache_resets": self.prefix_cache_resets,
+            "ignored_calls": self.ignored_calls,
             "generations_started": self.generations_started,
             "generations_aborted": self.generations_aborted,
             "sleeps": list(self.sleeps),

@@ -26,7 +26,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 
 __all__ = [
     "DEFAULT_GPU_UUID",
@@ -76,6 +84,10 @@ class Faults(BaseModel):
     """``/wake_up`` does not return until this fault is cleared or the caller goes away."""
     sleep_lies: bool = False
     """``/sleep`` answers 200 and ``/is_sleeping`` says true, but no memory is released."""
+    sleep_ignored: bool = False
+    """``/sleep`` answers 200 but nothing happens: ``/is_sleeping`` stays false."""
+    wake_ignored: bool = False
+    """``/wake_up`` answers 200 but nothing happens: ``/is_sleeping`` stays true."""
     crash_on_sleep: bool = False
     """``/sleep`` answers 200, then the process exits hard (like vllm#45520)."""
     crash_now: bool = False
@@ -97,6 +109,8 @@ class FaultsPatch(BaseModel):
     wake_fails: bool | None = None
     wake_hangs: bool | None = None
     sleep_lies: bool | None = None
+    sleep_ignored: bool | None = None
+    wake_ignored: bool | None = None
     crash_on_sleep: bool | None = None
     crash_now: bool | None = None
     refuse_while_asleep: bool | None = None
@@ -148,6 +162,11 @@ class Settings(BaseModel):
     omni: bool = False
     """Also serve vLLM-Omni's stage-aware ``/v1/omni/sleep`` and ``/v1/omni/wakeup``."""
     omni_stages: int = Field(default=2, ge=1, le=64)
+
+    control_token: SecretStr | None = Field(default=None, min_length=1)
+    """When set, every control endpoint (``/sleep``, ``/wake_up``, ``/is_sleeping``,
+    ``/collective_rpc``, ``/reset_prefix_cache``, ``/pause``, ``/resume``, ``/is_paused``,
+    ``/v1/omni/*``) needs ``Authorization: Bearer <token>`` and answers 401 without it."""
 
     shutdown_grace_seconds: Seconds = 5.0
     """On SIGTERM/SIGINT, how long running generations may finish before they are aborted."""
@@ -222,6 +241,9 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
      "pid to register with the fake NVML (default: this process)"),
     ("omni", "--omni", "ROTA_SIM_OMNI", "also serve vLLM-Omni's stage-aware sleep/wakeup"),
     ("omni_stages", "--omni-stages", "ROTA_SIM_OMNI_STAGES", "number of Omni stages"),
+    ("control_token", "--control-token", "ROTA_SIM_CONTROL_TOKEN",
+     "require 'Authorization: Bearer TOKEN' on the control endpoints (sleep, wake_up, "
+     "is_sleeping, collective_rpc, reset_prefix_cache, pause, resume, is_paused, v1/omni)"),
     ("shutdown_grace_seconds", "--shutdown-grace-seconds", "ROTA_SIM_SHUTDOWN_GRACE_SECONDS",
      "on SIGTERM, how long running generations may finish before they are aborted"),
     ("log_level", "--log-level", "ROTA_SIM_LOG_LEVEL", "debug, info, warning or error"),
@@ -233,7 +255,7 @@ _METAVARS = {
     "tokens_per_second": "RATE", "awake_memory_bytes": "BYTES",
     "resident_memory_bytes": "BYTES", "weights_bytes": "BYTES", "memory_backend": "{fake,cuda}",
     "gpu_uuid": "UUID", "fake_nvml_dir": "DIR", "nvml_pid": "PID", "omni_stages": "N",
-    "log_level": "LEVEL",
+    "log_level": "LEVEL", "control_token": "TOKEN",
 }
 
 _DESCRIPTION = """\
@@ -241,9 +263,9 @@ rota engine simulator -- NOT a real inference engine.
 
 Behaves like vLLM's OpenAI server started with --enable-sleep-mode and
 VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /is_sleeping, /collective_rpc,
-/reset_prefix_cache, /pause, /resume, /is_paused, /health, /v1/models,
-/v1/chat/completions and /v1/completions (streamed and not), with vLLM's
-quirks. Its answers are canned: a prompt asking "3 + 4" gets "7", others get
+/reset_prefix_cache, /pause, /resume, /is_paused, /health, /metrics,
+/v1/models, /v1/chat/completions and /v1/completions (streamed and not), with
+vLLM's quirks. Its answers are canned: a prompt asking "3 + 4" gets "7", others get
 filler text. Simulator-only endpoints live under /sim/ (state, faults).
 """
 

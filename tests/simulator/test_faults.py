@@ -151,3 +151,25 @@ async def test_faults_set_at_start(make_sim: SimFactory) -> None:
     await sim.post_empty("/sleep", level=1)
     async with sim.client.post("/wake_up") as resp:
         assert resp.status == 500
+
+
+async def test_sleep_ignored_answers_200_and_stays_awake(sim: Sim) -> None:
+    await sim.faults(sleep_ignored=True)
+    await sim.post_empty("/sleep", level=1)
+    assert not await sim.is_sleeping()
+    state = await sim.state()
+    assert state["memory_bytes"] == 10 * GIB
+    assert state["ignored_calls"] == 1
+    assert state["sleeps"] == []
+    assert await sim.answer() == "7"
+
+
+async def test_wake_ignored_answers_200_and_stays_asleep(sim: Sim) -> None:
+    await sim.post_empty("/sleep", level=1)
+    await sim.faults(wake_ignored=True)
+    await sim.post_empty("/wake_up")
+    assert await sim.is_sleeping()
+    assert (await sim.state())["memory_bytes"] == 1 * GIB
+    await sim.faults(wake_ignored=False)
+    await sim.post_empty("/wake_up")
+    assert await sim.answer() == "7"

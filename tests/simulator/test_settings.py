@@ -83,3 +83,20 @@ def test_help_says_it_is_a_simulator(capsys: pytest.CaptureFixture[str]) -> None
 def test_settings_reject_unknown_fields() -> None:
     with pytest.raises(ValueError, match="extra"):
         Settings.model_validate({"modle": "typo"})
+
+
+def test_control_token_from_flag_or_environment_is_kept_secret() -> None:
+    env = {"ROTA_SIM_CONTROL_TOKEN": "from-env"}
+    from_env = settings_from_args([], env).control_token
+    assert from_env is not None
+    assert from_env.get_secret_value() == "from-env"
+    from_flag = settings_from_args(["--control-token", "from-flag"], env).control_token
+    assert from_flag is not None
+    assert from_flag.get_secret_value() == "from-flag"
+    assert "from-flag" not in repr(settings_from_args(["--control-token", "from-flag"], {}))
+    assert settings_from_args([], {}).control_token is None
+
+
+def test_empty_control_token_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        settings_from_args(["--control-token", ""], {})

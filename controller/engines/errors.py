@@ -1,0 +1,170 @@
+"""How talking to an engine fails, as one small hierarchy with stable metric labels.
+
+The lease controller needs to tell apart an engine it cannot reach, one that is too slow,
+one that said no (and whether the no was a GPU out-of-memory), one whose state contradicts
+its own success answer, and a correctness probe that failed. Every class carries a
+``reason``: a short label that never changes between releases, so the controller can use it
+as a Prometheus label value as is. The reasons, all distinct:
+
+===================  ====================================================================
+``unreachable``      :class:`EngineUnreachable`: connection refused, reset or timed out
+                     while connecting; DNS failure; the connection dropped mid-answer.
+``timeout``          :class:`EngineTimeout`: the engine did not answer one step in time
+                     (``step`` names it).
+``rejected``         :class:`EngineRejected`: any other non-2xx answer.
+``gpu_oom``          :class:`EngineRejected`: the answer says CUDA ran out of memory
+                     (vLLM's 500 for a wake that found no room on the device).
+``unauthorized``     :class:`EngineRejected`: 401 or 403; the control credential is wrong.
+``ack_error``        :class:`EngineRejected`: a vLLM-Omni ACK with status ``ERROR`` (or an
+                     unknown overall status) inside a 200 answer.
+``lied``             :class:`EngineLied`: a 200 answer, then ``/is_sleeping`` contradicts it.
+``bad_response``     :class:`EngineProtocolError`: a 2xx answer that cannot be parsed.
+``probe_<reason>``   :class:`ProbeFailed`: the correctness probe failed; ``<reason>`` is one
+                     of :class:`~controller.engines.probe.ProbeReason` (``wrong_content``,
+                     ``no_done``, ``no_usage``, ``stream_error``, ``timeout``,
+                     ``http_error``, ``unreachable``).
+===================  ====================================================================
+
+Bodies quoted in errors are cut to :data:`MAX_BODY_CHARS` characters so that a large or
+secret-bearing answer never reaches logs whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+__all__ = [
+    "MAX_BODY_CHARS",
+    "EngineError",
+    "EngineLied",
+    "EngineProtocolError",
+    "EngineRejected",
+    "EngineTimeout",
+    "EngineUnreachable",
+    "ProbeFailed",
+    "error_message",
+    "is_gpu_oom",
+    "truncate",
+]
+
+MAX_BODY_CHARS = 256
+"""At most this many characters of an engine's answer are kept in an error."""
+
+_OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError", re.IGNORECASE)
+
+
+def truncate(text: str, limit: int = MAX_BODY_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, marked with an ellipsis when cut."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_gpu_oom(message: str) -> bool:
+    """True when an engine's error message reports a device out-of-memory."""
+    return bool(_OOM.search(message))
+
+
+def error_message(body: str) -> str:
+    """The human part of an error answer: vLLM's ``{"error": {"message": ...}}``, the
+    ``{"error": "..."}`` and ``{"detail": ...}`` shapes, or the raw text."""
+    try:
+        parsed: Any = json.loads(body)
+    except ValueError:
+        return body
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if "detail" in parsed:
+            detail = parsed["detail"]
+            return detail if isinstance(detail, str) else json.dumps(detail)
+    return body
+
+
+class EngineError(Exception):
+    """Base of every error an engine adapter raises on purpose.
+
+    Attributes:
+        reason: the stable metric label (see the module docstring).
+        step: the call that failed (``sleep``, ``wake_up``, ``reload_weights``,
+            ``is_sleeping``, ``probe``, ...).
+    """
+
+    reason: str = "engine_error"
+
+    def __init__(self, message: str, *, step: str) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class EngineUnreachable(EngineError):
+    """No usable connection: refused, reset, DNS failure, connect timeout, dropped answer."""
+
+    reason = "unreachable"
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer ``step`` within ``timeout_s`` seconds.
+
+    After a timed-out sleep or wake the engine's state is unknown: the caller must read
+    ``/is_sleeping`` (and the device) before deciding anything.
+    """
+
+    reason = "timeout"
+
+    def __init__(self, message: str, *, step: str, timeout_s: float) -> None:
+        super().__init__(message, step=step)
+        self.timeout_s = timeout_s
+
+
+class EngineRejected(EngineError):
+    """The engine answered with an error.
+
+    Attributes:
+        status: the HTTP status (200 for an error inside a 200 answer, e.g. an Omni ACK).
+        body: at most :data:`MAX_BODY_CHARS` characters of the answer.
+    """
+
+    def __init__(
+        self, message: str, *, step: str, status: int, body: str, reason: str | None = None
+    ) -> None:
+        super().__init__(message, step=step)
+        self.status = status
+        self.body = truncate(body)
+        self.reason = reason or self._classify(status, body)
+
+    @staticmethod
+    def _classify(status: int, body: str) -> str:
+        if is_gpu_oom(error_message(body)):
+            return "gpu_oom"
+        if status in (401, 403):
+            return "unauthorized"
+        return "rejected"
+
+
+class EngineLied(EngineError):
+    """A control call answered success, but the engine's state says it did not happen."""
+
+    reason = "lied"
+
+
+class EngineProtocolError(EngineError):
+    """A 2xx answer that is not what the endpoint documents (bad JSON, wrong shape)."""
+
+    reason = "bad_response"
+
+    def __init__(self, message: str, *, step: str, body: str) -> None:
+        super().__init__(message, step=step)
+        self.body = truncate(body)
+
+
+class ProbeFailed(EngineError):
+    """The correctness probe did not pass; ``probe_reason`` is the probe's own label."""
+
+    def __init__(self, message: str, *, probe_reason: str) -> None:
+        super().__init__(message, step="probe")
+        self.probe_reason = probe_reason
+        self.reason = f"probe_{probe_reason}"

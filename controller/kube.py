@@ -1,0 +1,67 @@
+"""The lease controller's calls to the Kubernetes API.
+
+It extends the driver's facade (same threads, timeouts and error mapping) with what the
+controller reads and writes: claims and pods to find claimants, and Leases written with a
+compare-and-swap on ``resourceVersion``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubernetes import client
+
+from driver.errors import KubeConflictError
+from driver.kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube, Obj
+
+
+class ControllerKube(Kube):
+    def __init__(self, api: client.ApiClient, *, timeout_s: float = 10.0) -> None:
+        super().__init__(api, timeout_s=timeout_s)
+        self._coordination = client.CoordinationV1Api(api)
+
+    async def list_claims(self) -> list[Obj]:
+        result = await self._call("list resourceclaims", self._objects.list_cluster_custom_object,
+                                  RESOURCE_GROUP, RESOURCE_VERSION, "resourceclaims")
+        return [dict(item) for item in result.get("items", [])]
+
+    async def list_pods(self, *, node: str) -> list[Obj]:
+        resp = await self._call("list pods", self._core.list_pod_for_all_namespaces,
+                                field_selector=f"spec.nodeName={node}",
+                                _preload_content=False)
+        return list(json.loads(resp.data).get("items", []))
+
+    async def get_lease(self, namespace: str, name: str) -> Obj:
+        resp = await self._call(f"get lease {namespace}/{name}",
+                                self._coordination.read_namespaced_lease, name, namespace,
+                                _preload_content=False)
+        return dict(json.loads(resp.data))
+
+    async def create_lease(self, namespace: str, body: Obj) -> Obj:
+        resp = await self._call(f"create lease {namespace}/{body['metadata']['name']}",
+                                self._coordination.create_namespaced_lease, namespace, body,
+                                _preload_content=False)
+        return dict(json.loads(resp.data))
+
+    async def replace_lease(self, namespace: str, body: Obj) -> Obj:
+        """Update; ``body.metadata.resourceVersion`` makes it a compare-and-swap (409 when
+        someone else wrote first)."""
+        name = body["metadata"]["name"]
+        resp = await self._call(f"update lease {namespace}/{name}",
+                                self._coordination.replace_namespaced_lease, name, namespace,
+                                body, _preload_content=False)
+        return dict(json.loads(resp.data))
+
+    async def list_leases(self, namespace: str, selector: str) -> list[Obj]:
+        resp = await self._call("list leases", self._coordination.list_namespaced_lease,
+                                namespace, label_selector=selector, _preload_content=False)
+        return list(json.loads(resp.data).get("items", []))
+
+    async def ensure_namespace(self, name: str) -> None:
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "Namespace",
+                                "metadata": {"name": name}}
+        try:
+            await self._call(f"create namespace {name}", self._core.create_namespace, body)
+        except KubeConflictError:
+            return  # it exists

@@ -1,0 +1,89 @@
+"""The lease controller's settings: parsed once, passed explicitly; flags and env vars.
+
+Every timeout of the switch protocol is here, with the policy against thrash. The flag of
+field ``x_y`` is ``--x-y``; its environment variable is ``ROTA_X_Y`` (``NODE_NAME`` and
+``POD_NAMESPACE`` work too, as the downward API usually sets them).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from driver.settings import parse_settings
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+class StepTimeouts(BaseModel):
+    """Bounds of each step of a switch, in seconds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    drain_s: float = Field(default=30.0, gt=0)
+    sleep_s: float = Field(default=120.0, gt=0)
+    confirm_s: float = Field(default=10.0, gt=0)
+    inspect_s: float = Field(default=5.0, gt=0)
+    wake_s: float = Field(default=300.0, gt=0)
+    probe_s: float = Field(default=60.0, gt=0)
+    lease_s: float = Field(default=10.0, gt=0)
+
+
+class LeaseSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node_name: str = Field(min_length=1, description="The node whose GPUs this instance "
+                                                     "manages. Env NODE_NAME works too.")
+    namespace: str = Field(default="rota-system", description="Namespace of the Leases. Env "
+                                                              "POD_NAMESPACE works too.")
+    identity: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+                          description="This instance's name in the controller Lease.")
+    kubeconfig: str | None = Field(default=None, description="kubeconfig; in-cluster when "
+                                                             "unset.")
+    inspect_socket: Path = Field(default=Path("/var/lib/kubelet/plugins/gpu.rota.dev/"
+                                              "inspect.sock"),
+                                 description="The driver's node inspection socket.")
+    listen: str = Field(default="0.0.0.0:8090", description="host:port of the activation "
+                        "API, /healthz and /metrics; port 0 picks one.")
+    advertise_url: str | None = Field(default=None, description="URL gateways use to reach "
+                                      "the activation API (default http://<listen>).")
+    token_file: Path | None = Field(default=None, description="File holding the bearer "
+                                    "token the activation API requires (a mounted Secret).")
+    engine_token_file: Path | None = Field(default=None, description="File holding the "
+                                           "bearer token sent to engines' control endpoints.")
+    election_lease_s: float = Field(default=15.0, gt=1, description="Duration of the "
+                                    "controller Lease; renewed every third of it.")
+    min_residency_s: float = Field(default=0.0, ge=0, description="An awake engine keeps "
+                                   "the GPU at least this long before a switch away.")
+    idle_sleep_s: float = Field(default=0.0, ge=0, description="Put the holder to sleep "
+                                "after this long without work (0: never).")
+    resync_s: float = Field(default=10.0, gt=0, description="Re-read claimants and the "
+                            "device at least this often.")
+    resident_tolerance_bytes: int = Field(default=512 * MIB, ge=0, description="How far above "
+                                          "its resident budget a sleeping engine may read.")
+    unknown_process_bytes: int = Field(default=512 * MIB, ge=0, description="An unknown "
+                                       "process holding more than this blocks wakes.")
+    probe_max_tokens: int = Field(default=4, ge=1)
+    timeouts: StepTimeouts = Field(default_factory=StepTimeouts,
+                                   description="JSON object of per-step timeouts.")
+    log_level: str = Field(default="info")
+
+
+_ALIASES = {"NODE_NAME": "ROTA_NODE_NAME", "POD_NAMESPACE": "ROTA_NAMESPACE"}
+
+
+def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+         ) -> LeaseSettings:
+    env = dict(os.environ if environ is None else environ)
+    for alias, name in _ALIASES.items():
+        if alias in env and name not in env:
+            env[name] = env[alias]
+    settings: LeaseSettings = parse_settings(
+        LeaseSettings, argv, env, prog="python -m controller lease",
+        description="rota's lease controller: one awake engine per GPU on this node.")
+    return settings

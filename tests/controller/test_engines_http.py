@@ -1,0 +1,97 @@
+"""HttpAdapter (paths from config) and the adapter registry, against a real simulator."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import aiohttp
+import pytest
+
+from controller.engines import (
+    EngineProtocolError,
+    EngineRejected,
+    HttpAdapter,
+    Timeouts,
+    VllmAdapter,
+    VllmOmniAdapter,
+    make_adapter,
+)
+from controller.engines.registry import ADAPTERS
+from driver.opaque import Adapter, EngineConfig, HttpAdapterConfig, parse_engine_config
+from tests.controller.conftest import EngineSim, EngineSimFactory
+
+
+def config(adapter: str, **extra: object) -> EngineConfig:
+    return parse_engine_config({
+        "apiVersion": "gpu.rota.dev/v1alpha1", "kind": "EngineConfig",
+        "model": "sim/adapter-model", "awakeMemory": "10Gi", "adapter": adapter} | extra)
+
+
+async def test_default_paths_drive_a_vllm_engine(
+    engine_sim: EngineSim, engine_session: aiohttp.ClientSession
+) -> None:
+    adapter = make_adapter(config("http"), engine_sim.endpoint(), engine_session, Timeouts())
+    assert isinstance(adapter, HttpAdapter)
+    slept = await adapter.sleep(1)
+    assert slept.freed_bytes is None
+    assert engine_sim.engine.sleeps[-1]["mode"] == "wait"
+    assert await adapter.is_sleeping()
+    woke = await adapter.wake(1)
+    assert [s.name for s in woke.steps] == ["wake_up"]
+    assert not await adapter.is_sleeping()
+    assert (await adapter.probe()).ok
+    assert await adapter.in_flight() == 0
+    assert await adapter.health()
+
+
+async def test_configured_paths_are_used(
+    engine_sim: EngineSim, engine_session: aiohttp.ClientSession
+) -> None:
+    paths = HttpAdapterConfig(sleep_path="/engine/sleep", wake_path="/wake_up",
+                              is_sleeping_path="/is_sleeping")
+    adapter = HttpAdapter(engine_sim.endpoint(), engine_session, Timeouts(), config=paths)
+    with pytest.raises(EngineRejected) as caught:  # the simulator has no /engine/sleep
+        await adapter.sleep(1)
+    assert (caught.value.status, caught.value.reason, caught.value.step) == (404, "rejected",
+                                                                             "sleep")
+    assert engine_sim.engine.sleep_count == 0
+
+
+async def test_is_sleeping_path_must_answer_is_sleeping(
+    engine_sim: EngineSim, engine_session: aiohttp.ClientSession
+) -> None:
+    parsed = config("http", http={"isSleepingPath": "/is_paused"})
+    adapter = make_adapter(parsed, engine_sim.endpoint(), engine_session, Timeouts())
+    with pytest.raises(EngineProtocolError):
+        await adapter.sleep(1)
+    assert engine_sim.engine.sleep_count == 1  # the sleep went out; its proof did not parse
+
+
+async def test_control_token_goes_to_configured_paths(
+    engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession
+) -> None:
+    sim = await engine_sim_factory(control_token="tok")
+    adapter = make_adapter(config("http"), sim.endpoint(token="tok"), engine_session,
+                           Timeouts())
+    await adapter.sleep(1)
+    await adapter.wake(1)
+    without = make_adapter(config("http"), sim.endpoint(), engine_session, Timeouts())
+    with pytest.raises(EngineRejected) as caught:
+        await without.wake(1)
+    assert caught.value.status == 401
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("vllm", VllmAdapter), ("vllm-omni", VllmOmniAdapter), ("http", HttpAdapter),
+])
+async def test_registry_builds_each_adapter(
+    engine_sim: EngineSim, engine_session: aiohttp.ClientSession, name: Adapter,
+    kind: type[object],
+) -> None:
+    adapter = make_adapter(config(name), engine_sim.endpoint(), engine_session, Timeouts())
+    assert type(adapter) is kind
+    assert adapter.endpoint == engine_sim.endpoint()
+
+
+def test_registry_knows_every_adapter_the_config_allows() -> None:
+    assert set(ADAPTERS) == set(get_args(Adapter))
