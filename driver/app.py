@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from driver import DRIVER_NAME
+from driver.aio import wait_any
 from driver.devices import discover
 from driver.errors import ConfigError
 from driver.health import HealthMonitor
@@ -117,7 +118,7 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(publisher.run(life.stop), name="slice-publisher")
             tasks.create_task(health.run(life.stop), name="health-monitor")
-            await _first_sync(publisher, life.stop)
+            await wait_any(publisher.synced, life.stop)
             await reg_server.start()
             life.ready.set()
             log.info("driver ready", extra={"node": settings.node_name,
@@ -131,11 +132,3 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
         await dra_server.stop(5)
         await runner.cleanup()
         api.close()
-
-
-async def _first_sync(publisher: SlicePublisher, stop: asyncio.Event) -> None:
-    waiters = {asyncio.create_task(publisher.synced.wait()), asyncio.create_task(stop.wait())}
-    _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)

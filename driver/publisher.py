@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from driver import DRIVER_NAME, metrics
+from driver.aio import wait_any
 from driver.claims import PublishedDevice
 from driver.devices import GpuDevice
 from driver.errors import KubeConflictError, KubeError
@@ -204,13 +205,7 @@ class SlicePublisher:
                                                                       "backoff_s": backoff})
                     timeout = backoff
                     backoff = min(backoff * 2, 10.0)
-                waiters = {asyncio.create_task(changed.wait()),
-                           asyncio.create_task(stop.wait())}
-                _, pending = await asyncio.wait(waiters, timeout=timeout,
-                                                return_when=asyncio.FIRST_COMPLETED)
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
+                await wait_any(changed, stop, timeout_s=timeout)
         finally:
             halt.set()
             await asyncio.to_thread(watcher.join, 1)

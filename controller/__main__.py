@@ -1,0 +1,41 @@
+"""``python -m controller {lease,gateway} [flags]``: run the lease controller or the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from driver.errors import ConfigError
+from driver.logs import configure
+
+USAGE = """usage: python -m controller {lease,gateway} [--help] [flags]
+
+  lease     the lease controller of one node (one awake engine per GPU)
+  gateway   the OpenAI-compatible gateway (one per cluster, several replicas)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in ("lease", "gateway"):
+        print(USAGE, file=sys.stderr if args[:1] not in (["-h"], ["--help"]) else sys.stdout)
+        return 0 if args[:1] in (["-h"], ["--help"]) else 2
+    command, rest = args[0], args[1:]
+    if command == "gateway":
+        from controller.gateway.__main__ import main as gateway_main
+
+        return gateway_main(rest)
+    from controller import app, settings
+
+    try:
+        config = settings.load(rest)
+    except ConfigError as exc:
+        print(f"rota lease controller: {exc}", file=sys.stderr)
+        return 2
+    configure(config.log_level)
+    asyncio.run(app.run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

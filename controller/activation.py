@@ -1,0 +1,128 @@
+"""The activation API: "make model M awake", answered when M serves or the switch failed.
+
+Gateways call it; each node's controller serves it on the address its controller Lease
+advertises. It requires a bearer token when one is configured (a mounted Secret); engine
+control endpoints are never reachable through it.
+
+- ``POST /v1/activate`` ``{"model": "...", "claim": "<namespace>/<name>"?}`` ->
+  200 ``{"model", "claim", "endpoint", "switched", "fence", "timings"}``;
+  401 without the token; 400 malformed; 404 unknown model; 409 ``not_leader``;
+  503 ``{"error": {"type": <reason>, "message"}}`` with ``Retry-After`` when the switch
+  failed.
+- ``GET /v1/state``: the GPU Leases this instance knows and its claimants.
+- ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from controller import metrics
+from controller.node import NodeController, UnknownModel
+from controller.switch import Fenced
+
+log = logging.getLogger(__name__)
+
+NODE: web.AppKey[NodeController] = web.AppKey("node", NodeController)
+TOKEN: web.AppKey[str] = web.AppKey("token", str)
+_MAX_BODY = 16 * 1024
+
+
+class ActivateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=253)
+    claim: str | None = Field(default=None, max_length=507)
+
+
+def _error(status: int, kind: str, message: str, *, retry_after: int | None = None
+           ) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response({"error": {"type": kind, "message": message}}, status=status,
+                             headers=headers)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    token = request.app[TOKEN]
+    if token and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return _error(401, "unauthorized", "a valid bearer token is required")
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+async def activate(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    try:
+        raw = await request.read()
+        body = ActivateRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                             for e in exc.errors()[:5])
+        return _error(400, "invalid_request", problems[:512])
+    try:
+        result = await node.activate(body.model, body.claim)
+    except UnknownModel as exc:
+        return _error(404, "unknown_model", str(exc))
+    except Fenced as exc:
+        return _error(409, "not_leader", str(exc), retry_after=1)
+    if not result.ok:
+        return _error(503, result.reason or "switch_failed", result.message or result.reason,
+                      retry_after=2)
+    claimant = result.claimant
+    return web.json_response({
+        "model": claimant.model, "claim": claimant.ref, "endpoint": claimant.endpoint,
+        "switched": result.switched, "fence": result.fence,
+        "timings": {k: round(v, 6) for k, v in result.timings.items()},
+    })
+
+
+async def state(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    claimants = await node.claimants(max_age_s=1.0)
+    return web.json_response({
+        "node": node.settings.node_name, "identity": node.settings.identity,
+        "leader": node.election.is_leader(),
+        "leases": {device: {"holder": w.lease.holder, "state": w.lease.state,
+                            "fence": w.lease.fence, "last_error": w.lease.last_error}
+                   for device, w in node.workers.items() if w.lease is not None},
+        "claimants": [{"claim": c.ref, "model": c.model, "device": c.device,
+                       "endpoint": c.endpoint, "serving": c.serving} for c in claimants],
+    })
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    if node.election.is_leader() and not node.reconciled.is_set():
+        return web.Response(status=503, text="reconciling\n")
+    return web.Response(text="ok\n")
+
+
+async def metrics_page(request: web.Request) -> web.Response:
+    body = await asyncio.to_thread(generate_latest, metrics.REGISTRY)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def make_app(node: NodeController, *, token: str) -> web.Application:
+    app = web.Application(middlewares=[_auth], client_max_size=_MAX_BODY)
+    app[NODE] = node
+    app[TOKEN] = token
+    app.router.add_post("/v1/activate", activate)
+    app.router.add_get("/v1/state", state)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_page)
+    return app

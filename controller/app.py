@@ -1,0 +1,90 @@
+"""The lease controller process: wiring, signals, and an orderly stop.
+
+Tasks under one TaskGroup: the election (acquire and renew the node's controller Lease),
+the node controller (reconcile, then serve switches while leading). The activation API
+listens from the start; it answers ``not_leader`` until the instance leads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from controller.activation import make_app
+from controller.device import DeviceReader
+from controller.election import Election
+from controller.kube import ControllerKube
+from controller.node import NodeController
+from controller.settings import LeaseSettings
+from driver.kube import load_api_client
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Lifecycle:
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+
+def _read_secret(path: object) -> str | None:
+    if path is None:
+        return None
+    with open(str(path), encoding="utf-8") as f:
+        return f.read().strip() or None
+
+
+async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
+    life = life or Lifecycle()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, life.stop.set)
+    token = await asyncio.to_thread(_read_secret, settings.token_file)
+    engine_token = await asyncio.to_thread(_read_secret, settings.engine_token_file)
+    if not token:
+        log.warning("the activation API runs without a token; set --token-file in production")
+    api = load_api_client(settings.kubeconfig)
+    kube = ControllerKube(api, timeout_s=settings.timeouts.lease_s)
+    await kube.ensure_namespace(settings.namespace)
+    device = DeviceReader(settings.inspect_socket, timeout_s=settings.timeouts.inspect_s)
+    timeout = aiohttp.ClientTimeout(total=None, connect=5)
+    connector = aiohttp.TCPConnector(limit=256)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        host, _, port = settings.listen.rpartition(":")
+        runner: web.AppRunner | None = None
+        try:
+            election = Election(kube=kube, namespace=settings.namespace,
+                                node=settings.node_name, identity=settings.identity,
+                                duration_s=settings.election_lease_s, activation_url="")
+            node = NodeController(settings=settings, kube=kube, election=election,
+                                  device=device, session=session, engine_token=engine_token)
+            app = make_app(node, token=token or "")
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, host or "0.0.0.0", int(port))
+            await site.start()
+            bound = runner.addresses[0][1] if runner.addresses else int(port)
+            life.url = settings.advertise_url or f"http://{host or '127.0.0.1'}:{bound}"
+            # Known only after binding (port 0); the election writes it on its first renew.
+            election.activation_url = life.url
+            log.info("lease controller listening", extra={"node": settings.node_name,
+                                                          "url": life.url,
+                                                          "identity": settings.identity})
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(election.run(life.stop), name="election")
+                tasks.create_task(node.run(life.stop), name="node-controller")
+                life.ready.set()
+                await life.stop.wait()
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+            await device.close()
+            api.close()
