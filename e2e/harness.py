@@ -80,6 +80,7 @@ class GpuNode:
     agent: ManagedProcess | None = None
     http_port: int = 0
     starts: int = 0
+    controllers: dict[str, tuple[ManagedProcess, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Short: unix socket paths must stay under 108 bytes.
@@ -148,6 +149,25 @@ class GpuNode:
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.agent.start()
 
+    def start_controller(self, *, identity: str = "controller-0",
+                         extra: list[str] | None = None) -> ManagedProcess:
+        """A lease controller for this node; its activation API on a fresh loopback port."""
+        port = free_port()
+        argv = [sys.executable, "-m", "controller", "lease", f"--node-name={self.name}",
+                f"--kubeconfig={self.cluster.kubeconfig}", f"--identity={identity}",
+                f"--inspect-socket={self.dirs.inspect_socket}",
+                f"--listen=127.0.0.1:{port}", "--namespace=rota-system",
+                "--election-lease-s=4", "--resync-s=2", *(extra or [])]
+        proc = ManagedProcess(name=f"controller-{identity}", argv=argv,
+                              log_path=self.dirs.logs / f"controller-{identity}.log",
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc.start()
+        self.controllers[identity] = (proc, f"http://127.0.0.1:{port}")
+        return proc
+
+    def controller_url(self, identity: str = "controller-0") -> str:
+        return self.controllers[identity][1]
+
     def ledger(self) -> dict[str, Any]:
         if not self.dirs.ledger.exists():
             return {}
@@ -161,6 +181,8 @@ class GpuNode:
         return out
 
     def close(self) -> None:
+        for proc, _ in self.controllers.values():
+            proc.stop()
         if self.agent is not None:
             self.agent.stop()
         self.stop_driver()

@@ -19,6 +19,7 @@ import pytest
 from kubernetes import client, config
 
 from e2e.cluster import LocalCluster
+from e2e.objects import MANIFESTS, apply_manifest
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +39,13 @@ def kube_api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
         yield api
     finally:
         api.close()
+
+
+@pytest.fixture(scope="session")
+def device_class(kube_api: client.ApiClient) -> str:
+    """rota's DeviceClass, applied from the manifest an admin would apply."""
+    apply_manifest(kube_api, MANIFESTS / "deviceclass.yaml")
+    return "gpu.rota.dev"
 
 
 @pytest.fixture

@@ -10,13 +10,6 @@ from kubernetes import client
 
 from e2e.cluster import LocalCluster
 from e2e.harness import GpuNode
-from e2e.objects import MANIFESTS, apply_manifest
-
-
-@pytest.fixture(scope="session")
-def device_class(kube_api: client.ApiClient) -> str:
-    apply_manifest(kube_api, MANIFESTS / "deviceclass.yaml")
-    return "gpu.rota.dev"
 
 
 @pytest.fixture

@@ -1,0 +1,162 @@
+"""Scenarios shared by the controller tests, the demo and the benchmarks: simulated engines
+deployed as pods with claims, an activation client, and a checker of the one-awake rule."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+from kubernetes import client
+
+from driver.pb.rota.v1 import inspect_pb2 as inspect_pb
+from driver.quantity import parse_quantity
+from driver.rpc.services import unary_client
+from e2e.objects import claim, create_claim, engine_config, engine_pod
+from e2e.waiting import eventually
+
+INSPECTION = inspect_pb.DESCRIPTOR.services_by_name["NodeInspection"]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    model: str
+    resident: str
+    awake: str
+    sleep_level: int = 1
+    adapter: str = "vllm"
+    args: tuple[str, ...] = ()
+
+
+@dataclass
+class Engine:
+    spec: EngineSpec
+    namespace: str
+    claim_uid: str = ""
+    pod_ip: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.pod_ip}:8000"
+
+    @property
+    def resident_bytes(self) -> int:
+        return parse_quantity(self.spec.resident)
+
+
+def _ready_ip(core: client.CoreV1Api, namespace: str, name: str) -> str:
+    pod = core.read_namespaced_pod(name, namespace)
+    ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+    return str(pod.status.pod_ip) if pod.status.phase == "Running" and ready else ""
+
+
+def deploy(api: client.ApiClient, namespace: str, node: str, specs: Sequence[EngineSpec],
+           *, timeout: float = 90.0) -> list[Engine]:
+    """Create a claim and an engine pod per spec; wait until every pod runs and is ready."""
+    core = client.CoreV1Api(api)
+    engines = []
+    for spec in specs:
+        config = engine_config(model=spec.model, awake=spec.awake, sleep_level=spec.sleep_level,
+                               adapter=spec.adapter)
+        created = create_claim(api, namespace, claim(spec.name, memory=spec.resident,
+                                                     config=config))
+        core.create_namespaced_pod(namespace, engine_pod(spec.name, node=node,
+                                                         claim_name=spec.name,
+                                                         args=list(spec.args)))
+        engines.append(Engine(spec, namespace, claim_uid=created["metadata"]["uid"]))
+    for engine in engines:
+        engine.pod_ip = eventually(functools.partial(_ready_ip, core, namespace,
+                                                     engine.spec.name),
+                                   timeout=timeout, what=f"engine {engine.spec.name} ready")
+    return engines
+
+
+async def activate(session: aiohttp.ClientSession, url: str, model: str, *,
+                   token: str | None = None, timeout_s: float = 120.0
+                   ) -> tuple[int, dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with session.post(f"{url}/v1/activate", json={"model": model}, headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        return resp.status, dict(await resp.json())
+
+
+async def sim_state(session: aiohttp.ClientSession, engine: Engine) -> dict[str, Any]:
+    async with session.get(f"{engine.url}/sim/state",
+                           timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        return dict(await resp.json())
+
+
+async def set_faults(session: aiohttp.ClientSession, engine: Engine, **faults: bool) -> None:
+    async with session.post(f"{engine.url}/sim/faults", json=faults,
+                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        resp.raise_for_status()
+
+
+async def ask_seven(session: aiohttp.ClientSession, base_url: str, model: str) -> str:
+    """The correctness question, streamed; returns the content."""
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": 4, "messages": [{"role": "user", "content": "What is 3 + 4?"}]}
+    content = []
+    async with session.post(f"{base_url}/v1/chat/completions", json=body,
+                            timeout=aiohttp.ClientTimeout(total=30)) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices") or []:
+                    content.append(choice.get("delta", {}).get("content") or "")
+    return "".join(content)
+
+
+@dataclass
+class AwakeMonitor:
+    """Samples the node's GPU through the inspection API in a thread and counts every
+    snapshot in which more than one claimant holds more than its resident memory."""
+
+    socket: Path
+    engines: Sequence[Engine]
+    tolerance_bytes: int = 256 * 1024**2
+    samples: int = 0
+    violations: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        asyncio.run(self._loop())
+
+    async def _loop(self) -> None:
+        resident = {e.claim_uid: e.resident_bytes for e in self.engines}
+        async with grpc.aio.insecure_channel(f"unix://{self.socket}") as channel:
+            call = unary_client(channel, INSPECTION, "InspectGpus")
+            while not self._stop.is_set():
+                try:
+                    answer = await call(inspect_pb.InspectGpusRequest(), timeout=5)
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.01)
+                    continue
+                for gpu in answer.gpus:
+                    awake = [p.claim_uid for p in gpu.processes if p.claim_uid in resident
+                             and p.used_bytes > resident[p.claim_uid] + self.tolerance_bytes]
+                    if len(awake) > 1:
+                        self.violations.append(f"{gpu.device}: {awake}")
+                self.samples += 1
+                await asyncio.sleep(0.005)
+
+    def __enter__(self) -> AwakeMonitor:
+        self._thread = threading.Thread(target=self._run, name="awake-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
