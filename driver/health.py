@@ -93,7 +93,7 @@ class HealthMonitor:
             if event.is_application_error:
                 log.info("application XID; device stays healthy", extra=fields)
                 continue
-            log.error("device unhealthy", extra={**fields, "message": event.message})
+            log.error("device unhealthy", extra={**fields, "detail": event.message})
             self._mark(event.gpu_uuid, False, f"{event.kind.value}: {event.message}")
 
     async def run(self, stop: asyncio.Event) -> None:

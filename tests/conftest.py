@@ -21,6 +21,8 @@ from kubernetes import client, config
 from e2e.cluster import LocalCluster
 from e2e.objects import MANIFESTS, apply_manifest
 
+pytest_plugins = ["tests.engines_on_cluster"]
+
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[LocalCluster]:

@@ -150,7 +150,7 @@ class EngineHttp:
                                   step=step, status=status, body=body)
         log.info("engine refused a call", extra=self.endpoint.log_fields() | {
             "step": step, "path": path, "status": status, "reason": rejected.reason,
-            "message": message})
+            "detail": message})
         raise rejected
 
     async def read(

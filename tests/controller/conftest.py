@@ -100,3 +100,4 @@ async def engine_sim_factory() -> AsyncIterator[EngineSimFactory]:
 @pytest.fixture
 async def engine_sim(engine_sim_factory: EngineSimFactory) -> EngineSim:
     return await engine_sim_factory()
+

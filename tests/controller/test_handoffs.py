@@ -3,39 +3,22 @@ one fake H200, 19 handoffs through the activation API, never two engines awake."
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-
 import aiohttp
 import pytest
-from kubernetes import client
 
-from e2e.cluster import LocalCluster
 from e2e.harness import GpuNode
-from e2e.scenario import AwakeMonitor, EngineSpec, activate, ask_seven, deploy
+from e2e.scenario import AwakeMonitor, Engine, activate, ask_seven
 from e2e.waiting import eventually_async
+from tests.engines_on_cluster import MODEL_A, MODEL_B
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]
 
-A = EngineSpec("engine-a", "org/model-a", resident="2Gi", awake="60Gi")
-B = EngineSpec("engine-b", "org/model-b", resident="1Gi", awake="20Gi")
-
-
-@pytest.fixture
-def node(cluster: LocalCluster, kube_api: client.ApiClient, device_class: str
-         ) -> Iterator[GpuNode]:
-    gpu = GpuNode(cluster=cluster, api=kube_api, name=f"gpu-{uuid.uuid4().hex[:8]}")
-    try:
-        gpu.start_driver()
-        gpu.start_agent()
-        yield gpu
-    finally:
-        gpu.close()
+A, B = MODEL_A, MODEL_B
 
 
 async def test_nineteen_handoffs_with_one_engine_awake_at_a_time(
-        node: GpuNode, kube_api: client.ApiClient, namespace: str) -> None:
-    engines = deploy(kube_api, namespace, node.name, [A, B])
+        engine_node: GpuNode, two_engines: list[Engine]) -> None:
+    node, engines = engine_node, two_engines
     node.start_controller()
     url = node.controller_url()
     async with aiohttp.ClientSession() as session:
