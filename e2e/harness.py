@@ -151,8 +151,10 @@ class GpuNode:
 
     def start_controller(self, *, identity: str = "controller-0",
                          extra: list[str] | None = None) -> ManagedProcess:
-        """A lease controller for this node; its activation API on a fresh loopback port."""
-        port = free_port()
+        """A lease controller for this node. Its activation API keeps one loopback port per
+        identity across restarts, as a Service address would."""
+        known = self.controllers.get(identity)
+        port = int(known[1].rsplit(":", 1)[1]) if known else free_port()
         argv = [sys.executable, "-m", "controller", "lease", f"--node-name={self.name}",
                 f"--kubeconfig={self.cluster.kubeconfig}", f"--identity={identity}",
                 f"--inspect-socket={self.dirs.inspect_socket}",

@@ -23,6 +23,10 @@ from e2e.objects import MANIFESTS, apply_manifest
 
 pytest_plugins = ["tests.engines_on_cluster"]
 
+# Tests start processes while gRPC channels are open; gRPC's note about skipping its fork
+# handlers is expected then, and only noise.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[LocalCluster]:

@@ -236,7 +236,7 @@ class NodeAgent:
         values = {"metadata.uid": runtime.uid, "metadata.name": runtime.name,
                   "metadata.namespace": runtime.namespace, "status.podIP": runtime.ip,
                   "spec.nodeName": pod["spec"].get("nodeName", "")}
-        return values.get(path, "")
+        return str(values.get(path, ""))
 
     def _container_env(self, pod: dict[str, Any], runtime: PodRuntime,
                        container: dict[str, Any], devices: dict[str, list[Any]]

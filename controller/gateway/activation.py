@@ -1,0 +1,234 @@
+"""Client of the lease controllers' activation API: "make this model serve, tell me where".
+
+``POST <activation-url>/v1/activate`` with ``{"model", "claim"}`` and the bearer token from
+the mounted Secret. The controller answers once the model serves (200 with its endpoint)
+or the switch failed or was refused (409/503 with a reason and Retry-After). It serialises
+switches per GPU and lets concurrent callers share one switch; this replica also shares
+one call among its own requests for the same (controller, model, claim), which only saves
+connections: every replica may call, and correctness rests on the controller and its Lease.
+
+A call that cannot reach the controller is retried a bounded number of times with backoff.
+A refusal is not retried here: it becomes a 503 for the client carrying the controller's
+reason and Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from controller.gateway.credentials import SecretFile
+from controller.gateway.errors import Unavailable
+from controller.gateway.metrics import GatewayMetrics
+
+__all__ = ["Activation", "ActivationFailed", "Activator"]
+
+log = logging.getLogger(__name__)
+
+_MAX_ANSWER = 64 * 1024
+_BACKOFF_S = 0.2
+_BACKOFF_MAX_S = 2.0
+_UNSAFE = re.compile(r"[^a-z0-9_]")
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    claim: str
+    endpoint: str
+    switched: bool = False
+    fence: int = 0
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A successful activation: the model serves at ``endpoint``."""
+
+    model: str
+    claim: str
+    endpoint: str
+    switched: bool
+    fence: int
+
+
+class ActivationFailed(Unavailable):
+    """The controller could not or would not make the model serve (503 to the client).
+
+    ``refused`` marks a 409: the controller declined for now by policy (minimum residency,
+    say) rather than failing a switch; a caller with time left may ask again after
+    ``retry_after``.
+    """
+
+    def __init__(self, message: str, *, code: str, retry_after: float | None,
+                 refused: bool = False) -> None:
+        super().__init__(message, code=code, retry_after=retry_after)
+        self.refused = refused
+
+
+def _retry_after(value: str | None, default: float) -> float:
+    try:
+        return max(1.0, float(value)) if value else default
+    except ValueError:
+        return default
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    data = bytearray()
+    while len(data) < limit:
+        chunk = await resp.content.read(limit - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
+def _label(value: str) -> str:
+    """A reason from the controller, made safe as a metric label and error code."""
+    cleaned = _UNSAFE.sub("_", value.lower())[:48].strip("_")
+    return cleaned or "unknown"
+
+
+def _error_of(payload: Any) -> tuple[str | None, str | None]:
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        err = payload["error"]
+        kind, message = err.get("type"), err.get("message")
+        return (str(kind) if kind else None, str(message) if message else None)
+    return None, None
+
+
+class Activator:
+    """Calls controllers' activation APIs on one shared ``ClientSession``."""
+
+    def __init__(self, session: aiohttp.ClientSession, token: SecretFile | None, *,
+                 timeout_s: float, attempts: int, retry_after: float,
+                 metrics: GatewayMetrics) -> None:
+        self._session = session
+        self._token = token
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._attempts = attempts
+        self._retry_after = retry_after
+        self._metrics = metrics
+        self._calls: dict[tuple[str, str, str], asyncio.Task[Activation]] = {}
+
+    async def activate(self, url: str, model: str, claim: str, *, deadline: float,
+                       request_id: str = "") -> Activation:
+        """Ask the controller at ``url`` to make ``claim`` serve ``model``; wait until
+        ``deadline`` (event-loop time) at most.
+
+        Raises:
+            ActivationFailed: the controller refused, failed the switch, or was unreachable.
+            Unavailable: the deadline passed first (the switch goes on without us).
+        """
+        key = (url, model, claim)
+        call = self._calls.get(key)
+        if call is None:
+            call = asyncio.create_task(self._call(url, model, claim, request_id),
+                                       name=f"activate {model}")
+            self._calls[key] = call
+            call.add_done_callback(lambda done: self._finished(key, done))
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await asyncio.shield(call)
+        except TimeoutError:
+            raise Unavailable(f"Waited too long for model '{model}' to be woken.",
+                              code="switch_timeout", retry_after=self._retry_after) from None
+
+    def _finished(self, key: tuple[str, str, str], call: asyncio.Task[Activation]) -> None:
+        if self._calls.get(key) is call:
+            del self._calls[key]
+        if not call.cancelled():
+            call.exception()  # retrieved: every waiter may have left already
+
+    async def close(self) -> None:
+        """Cancel the calls still running (application shutdown)."""
+        calls = list(self._calls.values())
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+
+    async def _call(self, url: str, model: str, claim: str, request_id: str) -> Activation:
+        start = time.perf_counter()
+        outcome = "error"
+        try:
+            result = await self._attempt_all(url, model, claim, request_id)
+            outcome = "switched" if result.switched else "already_awake"
+            log.info("activation answered", extra={
+                "model": model, "claim": claim, "upstream": result.endpoint,
+                "switched": result.switched, "fence": result.fence, "request_id": request_id})
+            return result
+        except ActivationFailed as exc:
+            outcome = exc.code
+            raise
+        finally:
+            self._metrics.activations.labels(model, outcome).inc()
+            self._metrics.activation_seconds.labels(model, outcome).observe(
+                time.perf_counter() - start)
+
+    def _headers(self, request_id: str) -> dict[str, str]:
+        headers = {"Accept": "application/json", "Accept-Encoding": "identity"}
+        token = self._token.lines[0] if self._token is not None and self._token.lines else None
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        return headers
+
+    async def _attempt_all(self, url: str, model: str, claim: str,
+                           request_id: str) -> Activation:
+        target = f"{url}/v1/activate"
+        last: Exception | None = None
+        for attempt in range(self._attempts):
+            if attempt:
+                await asyncio.sleep(min(_BACKOFF_S * 2 ** (attempt - 1), _BACKOFF_MAX_S))
+            try:
+                async with self._session.post(
+                        target, json={"model": model, "claim": claim},
+                        headers=self._headers(request_id), timeout=self._timeout) as resp:
+                    raw = await _read_bounded(resp, _MAX_ANSWER)
+                    return self._interpret(resp.status, resp.headers.get("Retry-After"), raw,
+                                           model, claim, url)
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                last = exc
+                log.warning("activation call failed; retrying", extra={
+                    "model": model, "claim": claim, "upstream": url, "attempt": attempt + 1,
+                    "error": repr(exc)[:200], "request_id": request_id})
+        raise ActivationFailed(
+            f"Model '{model}' could not be woken: its lease controller at {url} cannot be "
+            f"reached ({last!r:.200}).", code="controller_unreachable",
+            retry_after=self._retry_after)
+
+    def _interpret(self, status: int, retry_after: str | None, raw: bytes, model: str,
+                   claim: str, url: str) -> Activation:
+        try:
+            payload: Any = json.loads(raw) if raw else None
+        except ValueError:
+            payload = None
+        if status == 200:
+            try:
+                answer = _Answer.model_validate(payload)
+            except ValidationError as exc:
+                raise ActivationFailed(
+                    f"Model '{model}': the lease controller's answer is not understood.",
+                    code="bad_activation_answer", retry_after=self._retry_after) from exc
+            return Activation(answer.model, answer.claim, answer.endpoint.rstrip("/"),
+                              answer.switched, answer.fence)
+        kind, message = _error_of(payload)
+        if status in (401, 403):
+            log.error("the lease controller refused the activation token",
+                      extra={"model": model, "claim": claim, "upstream": url,
+                             "status": status})
+            kind = "activation_unauthorized"
+        reason = _label(kind) if kind else f"activation_http_{status}"
+        detail = message or raw[:200].decode(errors="replace") or f"HTTP {status}"
+        raise ActivationFailed(f"Model '{model}' could not be woken: {reason}: {detail}",
+                               code=reason, refused=status == 409,
+                               retry_after=_retry_after(retry_after, self._retry_after))

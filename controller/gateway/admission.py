@@ -1,0 +1,135 @@
+"""Per-model admission: a concurrency limit, a bounded FIFO queue and bounded waits.
+
+Each model has a :class:`ModelGate`. A request takes a place (``running``) while it is
+being served by this replica — waiting for a switch or streaming from the engine — and at
+most ``limit`` do at once; beyond that up to ``queue_size`` wait in arrival order, and a
+request finding the queue full is refused at once (429). A queued request that does not
+get a place before its deadline is refused with 503. Either way the answer carries
+Retry-After. A place is given back on every exit, a client's disconnect (task
+cancellation) included, and handed straight to the next request in the queue.
+
+``in_flight`` counts the requests sent to an engine and not yet finished; the metrics read
+it at scrape time. These counts are per replica and only shape load: routing correctness
+never depends on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+
+from controller.gateway.errors import Overloaded, Unavailable
+
+__all__ = ["Admission", "GateCounts", "ModelGate"]
+
+
+@dataclass(frozen=True)
+class GateCounts:
+    running: int
+    waiting: int
+    in_flight: int
+
+
+class ModelGate:
+    """The places of one model on this replica."""
+
+    def __init__(self, model: str, *, limit: int, queue_size: int, retry_after: float) -> None:
+        self.model = model
+        self.limit = limit
+        self.queue_size = queue_size
+        self.retry_after = retry_after
+        self.running = 0
+        self.in_flight = 0
+        self._queue: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def counts(self) -> GateCounts:
+        return GateCounts(self.running, self.waiting, self.in_flight)
+
+    async def acquire(self, deadline: float) -> None:
+        """Take a place, waiting in the queue until ``deadline`` (event-loop time).
+
+        Raises:
+            Overloaded: the queue is full (429).
+            Unavailable: no place came free before the deadline (503).
+        """
+        if self.running < self.limit and not self._queue:
+            self.running += 1
+            return
+        if len(self._queue) >= self.queue_size:
+            raise Overloaded(
+                f"Too many requests for model '{self.model}'; {self.queue_size} are already "
+                "waiting.", code="queue_full", retry_after=self.retry_after)
+        place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(place)
+        granted = False
+        try:
+            async with asyncio.timeout_at(deadline):
+                await place
+            granted = True
+        except TimeoutError:
+            raise Unavailable(
+                f"Waited too long for a place to serve model '{self.model}'.",
+                code="queue_timeout", retry_after=self.retry_after) from None
+        finally:
+            if not granted:
+                try:
+                    self._queue.remove(place)
+                except ValueError:
+                    # Already handed to us as we gave up: pass it on.
+                    if place.done() and not place.cancelled():
+                        self.release()
+
+    def release(self) -> None:
+        """Give a place back: to the oldest waiter still waiting, else to the pool."""
+        while self._queue:
+            place = self._queue.popleft()
+            if not place.done():
+                place.set_result(None)
+                return
+        self.running -= 1
+
+    @asynccontextmanager
+    async def place(self, deadline: float) -> AsyncIterator[None]:
+        """Hold a place for the block (see :meth:`acquire`)."""
+        await self.acquire(deadline)
+        try:
+            yield
+        finally:
+            self.release()
+
+    @contextmanager
+    def upstream(self) -> Iterator[None]:
+        """Count the block as a request in flight to an engine."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+
+class Admission:
+    """The gates of every model, created on first use (only for models rota knows)."""
+
+    def __init__(self, *, limit: int, queue_size: int, retry_after: float) -> None:
+        self._limit = limit
+        self._queue_size = queue_size
+        self._retry_after = retry_after
+        self._gates: dict[str, ModelGate] = {}
+
+    def gate(self, model: str) -> ModelGate:
+        gate = self._gates.get(model)
+        if gate is None:
+            gate = self._gates[model] = ModelGate(
+                model, limit=self._limit, queue_size=self._queue_size,
+                retry_after=self._retry_after)
+        return gate
+
+    def counts(self) -> dict[str, GateCounts]:
+        return {model: gate.counts() for model, gate in sorted(self._gates.items())}

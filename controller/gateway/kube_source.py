@@ -1,0 +1,235 @@
+"""Feeds the routing state from the Kubernetes API: lists and watches, in worker threads.
+
+The official ``kubernetes`` client is synchronous, so each watch runs in its own daemon
+thread and hands every event to the event loop with ``loop.call_soon_threadsafe``; the
+loop alone touches the :class:`~controller.gateway.routing.RoutingState`. Objects travel
+as the API's JSON (dicts).
+
+What is watched:
+
+- ResourceClaims (``resource.k8s.io/v1``) in all namespaces; the state keeps those
+  allocated by ``gpu.rota.dev``.
+- Pods, only in the namespaces that hold such claims: one watch per namespace, started
+  when its first rota claim appears and stopped when its last one goes. Pods cannot be
+  selected by the claims they use (no label or field selector says so), and watching every
+  pod of a cluster would send each gateway replica every pod change; engines live in few
+  namespaces. RBAC needs list/watch on pods in those namespaces (a ClusterRole is simplest).
+- Leases in the controller namespace labelled ``app.kubernetes.io/managed-by=rota`` (GPU
+  and controller Leases).
+
+Each watch lists first (replacing what the state held), then watches from the list's
+resourceVersion; it lists again after ``resync_s``, after a 410 Gone, and after any error,
+with bounded exponential backoff. The state is marked synced once claims, Leases and the
+pods of every namespace known at that time have been listed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client, config, watch
+
+from controller import naming
+from controller.gateway.metrics import GatewayMetrics
+from controller.gateway.routing import ObjectKind, RoutingState
+from controller.gateway.settings import GatewaySettings
+
+__all__ = ["KubeSource", "load_api_client"]
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION = "resource.k8s.io", "v1"
+_BACKOFF_S = 0.5
+_BACKOFF_MAX_S = 30.0
+_GONE = 410
+
+
+def load_api_client(kubeconfig: str | None) -> client.ApiClient:
+    """An ApiClient from a kubeconfig file, or from the pod's service account (blocking)."""
+    if kubeconfig:
+        return config.new_client_from_config(config_file=kubeconfig)
+    config.load_incluster_config()
+    return client.ApiClient()
+
+
+class _Watch:
+    """List, then watch, one resource (in one namespace or all) in a daemon thread."""
+
+    def __init__(self, resource: str, kind: ObjectKind, namespace: str | None,
+                 list_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 *, loop: asyncio.AbstractEventLoop, state: RoutingState,
+                 settings: GatewaySettings, after_event: Callable[[], None],
+                 on_restart: Callable[[str], None]) -> None:
+        self.resource = resource
+        self.kind = kind
+        self.namespace = namespace
+        self._list_fn, self._args, self._kwargs = list_fn, args, kwargs
+        self._loop = loop
+        self._state = state
+        self._settings = settings
+        self._after_event = after_event
+        self._on_restart = on_restart
+        self.stop = threading.Event()
+        self.listed = asyncio.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"watch-{resource}-{namespace or 'all'}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _deliver(self, fn: Callable[[], None]) -> None:
+        if self.stop.is_set():
+            return
+        try:
+            self._loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.stop.set()
+
+    def _replace(self, items: list[dict[str, Any]]) -> None:
+        if self.stop.is_set():
+            return
+        self._state.replace(self.kind, items, namespace=self.namespace)
+        self.listed.set()
+        self._after_event()
+
+    def _apply(self, event: str, obj: dict[str, Any]) -> None:
+        if self.stop.is_set():
+            return
+        self._state.apply(self.kind, event, obj)
+        self._after_event()
+
+    def _list(self) -> tuple[list[dict[str, Any]], str]:
+        resp = self._list_fn(*self._args, **self._kwargs, _preload_content=False,
+                             _request_timeout=self._settings.api_timeout_s)
+        body = json.loads(resp.data)
+        return list(body.get("items") or []), str(body["metadata"]["resourceVersion"])
+
+    def _watch(self, version: str, listed_at: float) -> None:
+        """Watch from ``version`` until it is time to re-list (returns) or an error (raises)."""
+        timeout = self._settings.watch_timeout_s
+        while not self.stop.is_set():
+            if time.monotonic() - listed_at >= self._settings.resync_s:
+                return
+            w = watch.Watch()
+            try:
+                for event in w.stream(self._list_fn, *self._args, **self._kwargs,
+                                      resource_version=version, timeout_seconds=timeout,
+                                      allow_watch_bookmarks=True,
+                                      _request_timeout=timeout + self._settings.api_timeout_s):
+                    if self.stop.is_set():
+                        return
+                    kind, obj = str(event["type"]), dict(event["raw_object"])
+                    version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                    if kind in ("ADDED", "MODIFIED", "DELETED"):
+                        self._deliver(functools.partial(self._apply, kind, obj))
+            finally:
+                w.stop()
+
+    def _run(self) -> None:
+        backoff = _BACKOFF_S
+        while not self.stop.is_set():
+            try:
+                items, version = self._list()
+                self._deliver(functools.partial(self._replace, items))
+                backoff = _BACKOFF_S
+                self._watch(version, time.monotonic())
+            except client.ApiException as exc:
+                if exc.status == _GONE:
+                    continue  # our resourceVersion is too old: list again at once
+                self._failed(exc, backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            except Exception as exc:
+                self._failed(exc, backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _failed(self, exc: Exception, backoff: float) -> None:
+        if self.stop.is_set():
+            return
+        self._on_restart(self.resource)
+        log.warning("watch failed; listing again after a pause", extra={
+            "resource": self.resource, "namespace": self.namespace,
+            "error": repr(exc)[:300], "backoff_s": backoff})
+        self.stop.wait(backoff)
+
+
+class KubeSource:
+    """A :class:`~controller.gateway.routing.RoutingSource` backed by the Kubernetes API."""
+
+    def __init__(self, settings: GatewaySettings, *, api: client.ApiClient | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
+        self._settings = settings
+        self._api = api
+        self._metrics = metrics
+        self._pods: dict[str, _Watch] = {}
+
+    def _restarted(self, resource: str) -> None:
+        if self._metrics is not None:
+            self._metrics.watch_restarts.labels(resource).inc()
+
+    async def run(self, state: RoutingState) -> None:
+        own_api = self._api is None
+        api: client.ApiClient = (
+            self._api if self._api is not None
+            else await asyncio.to_thread(load_api_client, self._settings.kubeconfig))
+        loop = asyncio.get_running_loop()
+        namespaces_changed = asyncio.Event()
+
+        def make(resource: str, kind: ObjectKind, namespace: str | None,
+                 list_fn: Callable[..., Any], *args: Any, after: Callable[[], None] = lambda: None,
+                 **kwargs: Any) -> _Watch:
+            return _Watch(resource, kind, namespace, list_fn, args, kwargs, loop=loop,
+                          state=state, settings=self._settings, after_event=after,
+                          on_restart=self._restarted)
+
+        objects = client.CustomObjectsApi(api)
+        core = client.CoreV1Api(api)
+        leases = client.CoordinationV1Api(api)
+        claims = make("resourceclaims", "claim", None, objects.list_cluster_custom_object,
+                      GROUP, VERSION, "resourceclaims", after=namespaces_changed.set)
+        lease_watch = make("leases", "lease", None, leases.list_namespaced_lease,
+                           self._settings.controller_namespace,
+                           label_selector=f"{naming.LABEL_MANAGED_BY}={naming.MANAGED_BY}")
+        watches = [claims, lease_watch]
+        try:
+            for w in watches:
+                w.start()
+            await claims.listed.wait()
+            await lease_watch.listed.wait()
+            self._reconcile_pods(state, lambda ns: make("pods", "pod", ns,
+                                                        core.list_namespaced_pod, ns))
+            for pod_watch in list(self._pods.values()):
+                await pod_watch.listed.wait()
+            state.mark_synced()
+            log.info("routing state synced", extra={"models": len(state.models()),
+                                                    "namespaces": sorted(self._pods)})
+            while True:
+                await namespaces_changed.wait()
+                namespaces_changed.clear()
+                self._reconcile_pods(state, lambda ns: make("pods", "pod", ns,
+                                                            core.list_namespaced_pod, ns))
+        finally:
+            for w in [*watches, *self._pods.values()]:
+                w.stop.set()
+            self._pods.clear()
+            if own_api:
+                await asyncio.to_thread(api.close)
+
+    def _reconcile_pods(self, state: RoutingState, make: Callable[[str], _Watch]) -> None:
+        wanted = state.claim_namespaces()
+        for namespace in sorted(wanted - set(self._pods)):
+            log.info("watching pods of a namespace with rota claims",
+                     extra={"namespace": namespace})
+            self._pods[namespace] = make(namespace)
+            self._pods[namespace].start()
+        for namespace in sorted(set(self._pods) - wanted):
+            log.info("no rota claims left; no longer watching pods",
+                     extra={"namespace": namespace})
+            self._pods.pop(namespace).stop.set()
+            state.replace("pod", [], namespace=namespace)

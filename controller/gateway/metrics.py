@@ -1,0 +1,93 @@
+"""The gateway's Prometheus metrics (prefix ``rota_gateway_``).
+
+One :class:`GatewayMetrics` per application, on its own registry, so several gateways in
+one process (tests) never share counters. Model labels only ever carry models rota knows:
+a client's made-up model name is counted as ``(unknown)``, which keeps the label set
+bounded. Queue and in-flight gauges are read from admission at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from controller.gateway.admission import GateCounts
+
+__all__ = ["UNKNOWN_MODEL", "GatewayMetrics"]
+
+UNKNOWN_MODEL = "(unknown)"
+
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
+                 40.0, 80.0, 160.0)
+_FIRST_BYTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                       10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class _GateCollector(Collector):
+    def __init__(self, counts: Callable[[], Mapping[str, GateCounts]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily(
+            "rota_gateway_running", "Requests holding a place for a model on this replica "
+            "(waiting for a switch or being served).", labels=["model"])
+        queued = GaugeMetricFamily(
+            "rota_gateway_queued", "Requests waiting for a place, by model.", labels=["model"])
+        in_flight = GaugeMetricFamily(
+            "rota_gateway_in_flight", "Requests sent to an engine and not finished, by model.",
+            labels=["model"])
+        for model, counts in self._counts().items():
+            running.add_metric([model], counts.running)
+            queued.add_metric([model], counts.waiting)
+            in_flight.add_metric([model], counts.in_flight)
+        yield from (running, queued, in_flight)
+
+
+class GatewayMetrics:
+    """Every metric of one gateway application."""
+
+    def __init__(self, gate_counts: Callable[[], Mapping[str, GateCounts]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "rota_gateway_requests_total", "Requests answered, by model and outcome (ok, "
+            "upstream_<status>, or the gateway's error code).", ["model", "outcome"],
+            registry=self.registry)
+        self.queue_wait = Histogram(
+            "rota_gateway_queue_wait_seconds", "Time from a request's arrival until it is sent "
+            "to an engine (queue, switch and held drains included).", ["model"],
+            buckets=_WAIT_BUCKETS, registry=self.registry)
+        self.first_byte = Histogram(
+            "rota_gateway_time_to_first_byte_seconds", "Time from a request's arrival to the "
+            "first byte of the engine's answer sent to the client.", ["model"],
+            buckets=_FIRST_BYTE_BUCKETS, registry=self.registry)
+        self.first_token = Histogram(
+            "rota_gateway_time_to_first_token_seconds", "Streamed requests: time from arrival "
+            "to the first chunk carrying generated text sent to the client.", ["model"],
+            buckets=_FIRST_BYTE_BUCKETS, registry=self.registry)
+        self.activations = Counter(
+            "rota_gateway_activations_total", "Activation calls this replica made, by model and "
+            "outcome (switched, already_awake, or the failure reason).", ["model", "outcome"],
+            registry=self.registry)
+        self.activation_seconds = Histogram(
+            "rota_gateway_activation_seconds", "Duration of activation calls (a switch when "
+            "one was needed), by model and outcome.", ["model", "outcome"],
+            buckets=_WAIT_BUCKETS, registry=self.registry)
+        self.engine_refusals = Counter(
+            "rota_gateway_engine_refusals_total", "Engines that did not take a request routed "
+            "to them (answered 503 or could not be reached), before any byte reached the "
+            "client; usually a switch this replica had not yet seen.", ["model", "reason"],
+            registry=self.registry)
+        self.upstream_retries = Counter(
+            "rota_gateway_upstream_retries_total", "Requests sent again because their engine "
+            "was no longer serving (it lost the GPU) before any byte reached the client.",
+            ["model"], registry=self.registry)
+        self.watch_restarts = Counter(
+            "rota_gateway_watch_restarts_total", "Kubernetes watches re-opened after an "
+            "error, by resource.", ["resource"], registry=self.registry)
+        self.registry.register(_GateCollector(gate_counts))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

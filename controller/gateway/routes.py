@@ -1,0 +1,244 @@
+"""The gateway's HTTP surface: the OpenAI endpoints, health, readiness and metrics.
+
+Only ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` are served from the
+OpenAI API. Everything else — engines' control paths (``/sleep``, ``/wake_up``,
+``/is_sleeping``, ``/collective_rpc``, ``/reset_prefix_cache``, ``/pause``, ``/resume``,
+``/is_paused``, ``/v1/omni/*``) above all — is a 404 from the gateway itself: no path is
+ever proxied by pattern, so no control call can slip through.
+
+A generation request is checked before it takes any place: API key (401), body size (413,
+the body is read in bounded pieces and never past the limit), body arrival time (408),
+JSON shape (400) and model (404). Each refusal is an OpenAI-style error body and touches
+nothing another request uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+
+from controller.gateway import keys
+from controller.gateway.dispatch import GenerationRequest, count_refusal
+from controller.gateway.errors import (
+    BadRequest,
+    GatewayError,
+    ModelNotFound,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+    error_body,
+    error_response,
+)
+from controller.gateway.metrics import UNKNOWN_MODEL
+
+__all__ = ["GENERATION_PATHS", "error_middleware", "routes"]
+
+log = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_READ_PIECE = 64 * 1024
+_STARTED = int(time.time())
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _Envelope(BaseModel):
+    """The fields of a generation request the gateway looks at; the rest passes as is."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, max_length=512)
+    stream: StrictBool | None = False
+
+
+def _request_id(request: web.Request) -> str:
+    given = request.headers.get("X-Request-Id", "")
+    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+def _authorize(request: web.Request) -> None:
+    if not request.app[keys.API_KEYS].admits(request.headers.get("Authorization")):
+        raise Unauthorized("Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+
+async def _read_body(request: web.Request) -> bytes:
+    settings = request.app[keys.SETTINGS]
+    limit = settings.max_body_bytes
+    too_large = BadRequest(f"The request body exceeds {limit} bytes.", code="request_too_large",
+                           status=413)
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    data = bytearray()
+    try:
+        async with asyncio.timeout(settings.body_timeout_s):
+            while chunk := await request.content.read(_READ_PIECE):
+                data += chunk
+                if len(data) > limit:
+                    raise too_large
+    except TimeoutError:
+        raise BadRequest(f"The request body did not arrive within {settings.body_timeout_s:g} "
+                         "seconds.", code="request_timeout", status=408) from None
+    return bytes(data)
+
+
+def _parse(raw: bytes) -> _Envelope:
+    try:
+        obj: Any = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"The body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("The body must be a JSON object.", code="invalid_json")
+    if not isinstance(obj.get("model"), str) or not obj["model"]:
+        raise BadRequest("The 'model' field is required (a non-empty string).",
+                         code="missing_model", param="model")
+    try:
+        return _Envelope.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise BadRequest(f"Invalid request: {param}: {err['msg']}", code="invalid_value",
+                         param=param) from None
+
+
+async def _refuse(request: web.Request, err: GatewayError, model: str,
+                  request_id: str) -> web.Response:
+    count_refusal(request.app[keys.METRICS], model, err)
+    level = logging.WARNING if err.status >= 500 else logging.INFO
+    log.log(level, "request refused", extra={
+        "model": model, "request_id": request_id, "status": err.status, "code": err.code})
+    response = error_response(err, request_id=request_id)
+    if err.status in (408, 413):
+        # The rest of the body was not read: answer, then close the connection at once
+        # rather than linger reading what a slow or oversized client still sends.
+        response.force_close()
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        except ConnectionError:
+            pass
+        if request.transport is not None:
+            request.transport.close()
+    return response
+
+
+async def _generate(request: web.Request, path: str) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    request_id = _request_id(request)
+    state = request.app[keys.STATE]
+    model = UNKNOWN_MODEL
+    try:
+        _authorize(request)
+        raw = await _read_body(request)
+        envelope = _parse(raw)
+        if not state.knows(envelope.model):
+            if not state.synced:
+                raise Unavailable("The gateway has not yet learned where models live.",
+                                  code="not_ready",
+                                  retry_after=request.app[keys.SETTINGS].retry_after_s)
+            raise ModelNotFound(envelope.model)
+        model = envelope.model
+        gen = GenerationRequest(path=path, model=model, stream=bool(envelope.stream),
+                                body=raw, request_id=request_id, arrived=arrived)
+        return await request.app[keys.DISPATCHER].serve(request, gen)
+    except GatewayError as err:
+        return await _refuse(request, err, model, request_id)
+    except asyncio.CancelledError:
+        # The client left while the request waited or streamed; its place and its engine
+        # request are already given back by the blocks it was cancelled in.
+        request.app[keys.METRICS].requests.labels(model, "client_gone").inc()
+        log.info("client left", extra={"model": model, "request_id": request_id})
+        raise
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "/v1/chat/completions")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "/v1/completions")
+
+
+def _model_object(info: Any) -> dict[str, Any]:
+    rota: dict[str, Any] = {"state": info.state, "gpus": list(info.gpus)}
+    if info.last_error:
+        rota["last_error"] = info.last_error
+    return {"id": info.model, "object": "model", "created": _STARTED, "owned_by": "rota",
+            "rota": rota}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    request_id = _request_id(request)
+    try:
+        _authorize(request)
+    except GatewayError as err:
+        return await _refuse(request, err, UNKNOWN_MODEL, request_id)
+    infos = request.app[keys.STATE].model_infos()
+    return web.json_response({"object": "list", "data": [_model_object(i) for i in infos]},
+                             headers={"X-Request-Id": request_id})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    request_id = _request_id(request)
+    wanted = request.match_info["model"]
+    try:
+        _authorize(request)
+        for info in request.app[keys.STATE].model_infos():
+            if info.model == wanted:
+                return web.json_response(_model_object(info),
+                                         headers={"X-Request-Id": request_id})
+        raise ModelNotFound(wanted)
+    except GatewayError as err:
+        return await _refuse(request, err, UNKNOWN_MODEL, request_id)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    if request.app[keys.STATE].synced and not request.app[keys.STOPPING].is_set():
+        return web.json_response({"status": "ready"})
+    return web.json_response({"status": "not_ready"}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[keys.METRICS].render(),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Unrouted paths and wrong methods answer in the OpenAI error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return error_response(NotFound(f"Not found: {request.path[:200]}", code="not_found"))
+    except web.HTTPMethodNotAllowed as exc:
+        return web.json_response(
+            error_body(f"Method {request.method} not allowed here.",
+                       type_="invalid_request_error", code="method_not_allowed"),
+            status=405, headers={"Allow": ",".join(sorted(exc.allowed_methods))})
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions),
+        web.get("/v1/models", list_models),
+        web.get("/v1/models/{model:.+}", get_model),
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics),
+    ]

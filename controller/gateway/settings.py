@@ -1,0 +1,129 @@
+"""The gateway's settings: parsed once at start, passed explicitly, every field also an env var.
+
+Nothing else in the gateway reads ``os.environ``. Each field's description is its
+``--help`` text; the flag is ``--<field-with-dashes>`` and the environment variable
+``ROTA_GATEWAY_<FIELD>``. Flags win over environment variables, which win over defaults.
+
+Secrets are never values here: the activation token and the client API keys are read
+from files (mounted Secrets), named by :attr:`GatewaySettings.activation_token_file` and
+:attr:`GatewaySettings.api_keys_file`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["ENV_PREFIX", "GatewaySettings", "SettingsError", "build_parser", "env_name", "load"]
+
+ENV_PREFIX = "ROTA_GATEWAY_"
+MIB = 2**20
+
+
+class SettingsError(ValueError):
+    """The flags or environment variables do not make valid settings."""
+
+
+class GatewaySettings(BaseModel):
+    """Everything the gateway can be told."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field(default="0.0.0.0", description="Address to listen on.")
+    port: int = Field(default=8080, ge=0, le=65535,
+                      description="Port to listen on; 0 picks a free one.")
+    kubeconfig: str | None = Field(default=None, description="kubeconfig file; the pod's "
+                                   "service account when unset.")
+    controller_namespace: str = Field(default="rota-system", min_length=1,
+                                      description="Namespace of the lease controllers' "
+                                                  "Leases (GPU and controller Leases).")
+    activation_token_file: Path | None = Field(
+        default=None, description="File holding the bearer token for the controllers' "
+                                  "activation API (a mounted Secret); re-read periodically.")
+    api_keys_file: Path | None = Field(
+        default=None, description="File of client API keys, one per line (a mounted Secret). "
+                                  "When set, /v1/* needs 'Authorization: Bearer <key>'.")
+    secret_reload_s: float = Field(default=30.0, gt=0, description="How often the token and "
+                                   "key files are re-read (Secret rotation).")
+    max_body_bytes: int = Field(default=1 * MIB, ge=1024, description="Largest request body "
+                                "accepted; larger ones get 413.")
+    body_timeout_s: float = Field(default=10.0, gt=0, description="A request body must arrive "
+                                  "within this many seconds, else 408.")
+    max_concurrency: int = Field(default=64, ge=1, description="Requests per model this "
+                                 "replica sends to engines at once.")
+    queue_size: int = Field(default=256, ge=0, description="Requests per model that may wait "
+                            "for a place beyond max_concurrency; more get 429.")
+    max_wait_s: float = Field(default=180.0, gt=0, description="Longest a request waits (queue, "
+                              "a switch, a held drain) before it gets 503.")
+    retry_after_s: int = Field(default=2, ge=1, description="Retry-After (seconds) on 429 and "
+                               "on 503s that carry no better hint.")
+    activation_timeout_s: float = Field(default=180.0, gt=0, description="Timeout of one call "
+                                        "to a controller's activation API (it answers when the "
+                                        "switch is done).")
+    activation_attempts: int = Field(default=3, ge=1, le=10, description="Attempts of an "
+                                     "activation call that could not reach the controller.")
+    upstream_connect_timeout_s: float = Field(default=5.0, gt=0, description="Timeout to "
+                                              "connect to an engine.")
+    upstream_read_timeout_s: float = Field(default=300.0, gt=0, description="Longest silence "
+                                           "between two chunks of an engine's answer.")
+    upstream_attempts: int = Field(default=4, ge=1, le=10, description="Attempts of one request "
+                                   "whose engine was not serving (asleep, unreachable) before "
+                                   "any byte reached the client.")
+    lost_gpu_grace_s: float = Field(default=2.0, ge=0, description="After an engine refused a "
+                                    "request as asleep, how long to wait for the Lease to show "
+                                    "the switch before passing the refusal on.")
+    api_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of each Kubernetes "
+                                 "API call.")
+    watch_timeout_s: int = Field(default=60, ge=1, description="Server-side timeout of one "
+                                 "Kubernetes watch; the watch re-opens after it.")
+    resync_s: float = Field(default=300.0, gt=0, description="Full re-list of claims, pods and "
+                            "Leases at least this often.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="debug | info | warning | error")
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a settings field."""
+    return ENV_PREFIX + field.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One ``--flag`` per field; help = description, env var and default."""
+    parser = argparse.ArgumentParser(
+        prog="python -m controller.gateway",
+        description="rota's OpenAI-compatible gateway: routes each request by model to the "
+                    "engine awake on its GPU and asks the node's lease controller to switch "
+                    "when the model is asleep.")
+    for name, info in GatewaySettings.model_fields.items():
+        default = "" if info.is_required() else f" Default: {info.default}."
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
+                            help=f"{info.description} Env: {env_name(name)}.{default}")
+    return parser
+
+
+def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+         ) -> GatewaySettings:
+    """Settings from flags, then ``ROTA_GATEWAY_*`` variables, then defaults.
+
+    Raises:
+        SettingsError: a value does not validate; the message names every problem.
+    """
+    environ = os.environ if environ is None else environ
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, str] = {}
+    for name in GatewaySettings.model_fields:
+        if args.get(name) is not None:
+            values[name] = args[name]
+        elif environ.get(env_name(name)):
+            values[name] = environ[env_name(name)]
+    try:
+        return GatewaySettings.model_validate(values)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                             for e in exc.errors())
+        raise SettingsError(f"invalid settings: {problems}") from exc

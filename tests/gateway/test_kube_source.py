@@ -1,0 +1,131 @@
+"""On the local cluster: the gateway's routing state follows claims, pods and Leases."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from controller import naming
+from controller.gateway.kube_source import KubeSource
+from controller.gateway.routing import Action, RoutingState
+from controller.gateway.settings import GatewaySettings
+from e2e.cluster import create_node
+from tests.gateway.conftest import controller_lease, gpu_lease
+
+pytestmark = [pytest.mark.cluster, pytest.mark.gateway]
+
+GROUP, VERSION = "resource.k8s.io", "v1"
+MODEL = "org/model-x"
+DEADLINE = 60.0
+
+
+async def _until(state: RoutingState, check: Callable[[], bool], what: str) -> None:
+    """Wait for watch events until ``check`` holds (bounded)."""
+    try:
+        async with asyncio.timeout(DEADLINE):
+            while not check():
+                await state.wait_changed(state.version, DEADLINE)
+    except TimeoutError:
+        raise AssertionError(f"{what}: not seen within {DEADLINE}s") from None
+
+
+def _claim(name: str, port: int) -> dict[str, Any]:
+    config = {"apiVersion": "gpu.rota.dev/v1alpha1", "kind": "EngineConfig", "model": MODEL,
+              "awakeMemory": "10Gi", "sleepLevel": 1, "enginePort": port}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.rota.dev"}}],
+            "config": [{"requests": ["gpu"],
+                        "opaque": {"driver": "gpu.rota.dev", "parameters": config}}]}},
+    }
+
+
+def _pod(name: str, node: str, claim: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {"nodeName": node,
+                 "containers": [{"name": "engine", "image": "rota/engine-simulator",
+                                 "resources": {"claims": [{"name": "gpu"}]}}],
+                 "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}]},
+    }
+
+
+async def test_routing_state_follows_watch_events(kube_api: client.ApiClient,
+                                                  namespace: str) -> None:
+    objects = client.CustomObjectsApi(kube_api)
+    core = client.CoreV1Api(kube_api)
+    leases = client.CoordinationV1Api(kube_api)
+    node = f"gw-{uuid.uuid4().hex[:8]}"
+    await asyncio.to_thread(create_node, kube_api, node)
+
+    settings = GatewaySettings(controller_namespace=namespace, watch_timeout_s=5,
+                               resync_s=30)
+    state = RoutingState()
+    source = asyncio.create_task(KubeSource(settings, api=kube_api).run(state))
+    try:
+        await _until(state, lambda: state.synced, "first lists")
+        assert not state.knows(MODEL)
+
+        # A claim allocated by rota's driver, reserved for a pod that runs and is ready.
+        await asyncio.to_thread(objects.create_namespaced_custom_object, GROUP, VERSION,
+                                namespace, "resourceclaims", _claim("engine-x", 8000))
+        pod = await asyncio.to_thread(core.create_namespaced_pod, namespace,
+                                      _pod("engine-x", node, "engine-x"))
+        await asyncio.to_thread(
+            objects.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
+            "resourceclaims", "engine-x", {"status": {
+                "allocation": {"devices": {"results": [{
+                    "request": "gpu", "driver": "gpu.rota.dev", "pool": node,
+                    "device": "gpu-0"}]}},
+                "reservedFor": [{"resource": "pods", "name": "engine-x",
+                                 "uid": pod.metadata.uid}]}})
+        await _until(state, lambda: state.knows(MODEL), "the claim")
+        assert state.claim_namespaces() == {namespace}
+        await asyncio.to_thread(core.patch_namespaced_pod_status, "engine-x", namespace, {
+            "status": {"phase": "Running", "podIP": "10.9.0.5", "podIPs": [{"ip": "10.9.0.5"}],
+                       "conditions": [{"type": "Ready", "status": "True"}]}})
+        await _until(state, lambda: state.decide(MODEL).reason == "no_controller",
+                     "the pod serving (watched in the claim's namespace)")
+
+        # The node's controller Lease gives the activation URL: the model can be woken.
+        ctl = controller_lease("http://10.9.0.1:8085", node=node)
+        ctl["metadata"]["namespace"] = namespace
+        await asyncio.to_thread(leases.create_namespaced_lease, namespace, ctl)
+        await _until(state, lambda: state.decide(MODEL).action is Action.ACTIVATE,
+                     "the controller Lease")
+        assert state.decide(MODEL).activation_url == "http://10.9.0.1:8085"
+
+        # The GPU Lease names the claim as holder: requests go straight to the engine.
+        ref = f"{namespace}/engine-x"
+        lease = gpu_lease(holder=ref, state=naming.STATE_AWAKE, model=MODEL,
+                          endpoint="http://10.9.0.5:8000", node=node)
+        lease["metadata"]["namespace"] = namespace
+        await asyncio.to_thread(leases.create_namespaced_lease, namespace, lease)
+        await _until(state, lambda: state.decide(MODEL).action is Action.FORWARD,
+                     "the GPU Lease")
+        assert state.decide(MODEL).endpoint == "http://10.9.0.5:8000"
+
+        # A switch away from it: its requests are held.
+        await asyncio.to_thread(
+            leases.patch_namespaced_lease, lease["metadata"]["name"], namespace,
+            {"metadata": {"annotations": {naming.STATE: naming.STATE_SWITCHING,
+                                          naming.DRAINING_MODEL: MODEL,
+                                          naming.TARGET_MODEL: "org/other"}}})
+        await _until(state, lambda: state.decide(MODEL).action is Action.WAIT, "the switch")
+
+        # The claim goes away: so does the model, and the pod watch of its namespace.
+        await asyncio.to_thread(objects.delete_namespaced_custom_object, GROUP, VERSION,
+                                namespace, "resourceclaims", "engine-x")
+        await _until(state, lambda: not state.knows(MODEL), "the claim's deletion")
+        assert state.claim_namespaces() == set()
+    finally:
+        source.cancel()
+        await asyncio.gather(source, return_exceptions=True)
+        await asyncio.to_thread(core.delete_node, node)
