@@ -259,8 +259,9 @@ class Switcher:
         if restored is not None:
             lease = self._serving(lease, restored).with_(last_error=f"{reason}: {message}")
         else:
+            # target-model stays, so gateways can tell which model failed to come up.
             lease = lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                holder_endpoint="", state=naming.STATE_FAILED, target_model="",
+                                holder_endpoint="", state=naming.STATE_FAILED,
                                 draining_model="", last_error=f"{reason}: {message}")
         lease = await self._write(lease, timings)
         log.error("switch failed", extra={"device": lease.device, "fence": lease.fence,

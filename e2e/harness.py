@@ -81,6 +81,7 @@ class GpuNode:
     http_port: int = 0
     starts: int = 0
     controllers: dict[str, tuple[ManagedProcess, str]] = field(default_factory=dict)
+    gateways: dict[str, tuple[ManagedProcess, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Short: unix socket paths must stay under 108 bytes.
@@ -167,6 +168,29 @@ class GpuNode:
         self.controllers[identity] = (proc, f"http://127.0.0.1:{port}")
         return proc
 
+    def start_gateway(self, name: str = "gateway-0", *, token_file: Path | None = None,
+                      extra: list[str] | None = None) -> str:
+        """A gateway process for the whole cluster; returns its base URL."""
+        port = free_port()
+        argv = [sys.executable, "-m", "controller", "gateway", "--host=127.0.0.1",
+                f"--port={port}", f"--kubeconfig={self.cluster.kubeconfig}",
+                "--controller-namespace=rota-system", *(extra or [])]
+        if token_file is not None:
+            argv.append(f"--activation-token-file={token_file}")
+        proc = ManagedProcess(name=name, argv=argv, log_path=self.dirs.logs / f"{name}.log",
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc.start()
+        url = f"http://127.0.0.1:{port}"
+        self.gateways[name] = (proc, url)
+
+        def ready() -> bool:
+            assert proc.alive(), proc.log_tail()
+            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
+                return bool(resp.status == 200)
+
+        eventually(ready, timeout=60, what=f"{name} ready")
+        return url
+
     def controller_url(self, identity: str = "controller-0") -> str:
         return self.controllers[identity][1]
 
@@ -183,7 +207,7 @@ class GpuNode:
         return out
 
     def close(self) -> None:
-        for proc, _ in self.controllers.values():
+        for proc, _ in (*self.gateways.values(), *self.controllers.values()):
             proc.stop()
         if self.agent is not None:
             self.agent.stop()
