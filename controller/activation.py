@@ -93,7 +93,8 @@ async def state(request: web.Request) -> web.Response:
         "node": node.settings.node_name, "identity": node.settings.identity,
         "leader": node.election.is_leader(),
         "leases": {device: {"holder": w.lease.holder, "state": w.lease.state,
-                            "fence": w.lease.fence, "last_error": w.lease.last_error}
+                            "fence": w.lease.fence, "last_error": w.lease.last_error,
+                            "last_switch": w.last_switch}
                    for device, w in node.workers.items() if w.lease is not None},
         "claimants": [{"claim": c.ref, "model": c.model, "device": c.device,
                        "endpoint": c.endpoint, "serving": c.serving} for c in claimants],

@@ -89,6 +89,8 @@ class GpuWorker:
         self.idle_sleep_s = idle_sleep_s
         self.clock = clock
         self.lease: GpuLease | None = None
+        self.last_switch: dict[str, object] = {}
+        """Outcome and timings of the latest switch, for /v1/state."""
         self._queue: dict[str, _Waiting] = {}
         self._wakeup = asyncio.Event()
         self.lock = asyncio.Lock()
@@ -176,6 +178,10 @@ class GpuWorker:
             lease, holder=holder if lease.state != naming.STATE_IDLE else None, target=target,
             claimants=on_gpu)
         self.lease = result.lease
+        self.last_switch = {"ok": result.ok, "from": holder.ref if holder else None,
+                            "to": target.ref, "reason": result.reason,
+                            "fence": result.lease.fence,
+                            "timings": {k: round(v, 6) for k, v in result.timings.items()}}
         if result.lease.holder != (holder.ref if holder else ""):
             self._holder_since = self.clock()
             self._last_busy = self.clock()
