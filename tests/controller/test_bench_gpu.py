@@ -1,0 +1,107 @@
+"""The GPU switch benchmark (``e2e/bench_gpu.py``) runs end to end without a GPU.
+
+The script is run as the lead runs it on the accelerator machine, as a subprocess, but
+with the fake NVML backend on the shipped H200 fixture, counted simulator memory, tiny
+engines and two handoffs. Its last line must be the JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver.nvml import fixture_path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 120.0
+
+pytestmark = [pytest.mark.controller, pytest.mark.slow]
+
+
+def _run_bench(*extra: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    command = [sys.executable, "-m", "e2e.bench_gpu",
+               "--fake-nvml", str(fixture_path("h200")), "--memory-backend", "fake",
+               "--handoffs", "2", "--a-awake", "3Gi", "--a-resident", "512Mi",
+               "--a-weights", "2Gi", "--b-awake", "1Gi", "--b-resident", "256Mi",
+               "--b-weights", "512Mi", "--tokens-per-second", "2000", "--concurrency", "2",
+               "--rounds", "1", "--max-tokens", "16", "--skip-h2d", "--deadline-s", "90",
+               *extra]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, check=False)
+    lines = done.stdout.strip().splitlines()
+    assert lines, f"no output; stderr:\n{done.stderr[-3000:]}"
+    try:
+        summary = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        pytest.fail(f"last line is not JSON: {lines[-1][:300]!r}\nstderr:\n{done.stderr[-3000:]}")
+    assert isinstance(summary, dict)
+    return done, summary
+
+
+def test_two_handoffs_on_the_fake_gpu() -> None:
+    done, summary = _run_bench()
+    assert done.returncode == 0, f"{summary.get('error')}\nstderr:\n{done.stderr[-3000:]}"
+
+    expected = {"benchmark", "cluster", "note", "ok", "error", "device", "nvml",
+                "memory_backend", "handoffs_requested", "handoffs_ok", "failures",
+                "first_sleep_s", "timings_s", "timings_by_target_s", "memory_mib",
+                "throughput", "h2d", "wake_floor", "handoffs", "wall_s"}
+    assert expected <= summary.keys(), expected - summary.keys()
+    assert summary["ok"] is True
+    assert summary["error"] is None
+    assert summary["cluster"] is False
+    assert "WITHOUT a Kubernetes cluster" in summary["note"]
+    assert summary["nvml"] == "fake"
+    assert summary["device"] == "NVIDIA H200"
+    assert summary["handoffs_requested"] == 2
+    assert summary["handoffs_ok"] == 2
+    assert summary["failures"] == []
+    assert [(h["from"], h["to"], h["ok"]) for h in summary["handoffs"]] == [
+        ("a", "b", True), ("b", "a", True)]
+
+    # Both first sleeps are reported on their own: B's by reconciliation, A's in handoff 1.
+    assert set(summary["first_sleep_s"]) == {"a", "b"}
+    timings = summary["timings_s"]
+    for name in ("handoff_to_first_token", "wake_call", "recovery_to_first_token", "sleep"):
+        assert {"p50", "p90", "max"} <= timings[name].keys()
+    assert timings["wake_call"]["n"] == 2
+    assert timings["handoff_to_first_token"]["n"] == 1  # handoff 1 held A's first sleep
+    assert timings["recovery_to_first_token"]["p50"] >= timings["wake_call"]["p50"]
+
+    # What the fake NVML saw, exactly the simulators' knobs (counted memory, no context).
+    memory = summary["memory_mib"]
+    assert {"both_initialised", "a_awake_b_asleep", "b_awake_a_asleep"} <= memory.keys()
+    assert (memory["both_initialised"]["a_mib"], memory["both_initialised"]["b_mib"]) == (
+        3072, 1024)
+    assert (memory["a_awake_b_asleep"]["a_mib"], memory["a_awake_b_asleep"]["b_mib"]) == (
+        3072, 256)
+    assert (memory["b_awake_a_asleep"]["a_mib"], memory["b_awake_a_asleep"]["b_mib"]) == (
+        512, 1024)
+    for phase in memory.values():
+        assert phase["other_processes_mib"] == 0
+        assert phase["used_mib"] + phase["free_mib"] == pytest.approx(phase["total_mib"],
+                                                                      abs=0.2)
+
+    throughput = summary["throughput"]
+    assert throughput["before"]["tokens_per_s"] > 0
+    assert throughput["after"]["tokens_per_s"] > 0
+    assert throughput["after"]["after_handoff"] == 2
+
+    assert summary["h2d"]["measured"] is False
+    assert summary["h2d"]["bytes_per_s"] == 54e9
+    floor_a = summary["wake_floor"]["a"]
+    assert floor_a["floor_s"] == pytest.approx(2 * 2**30 / 54e9, abs=1e-4)
+    assert floor_a["ratio_p50"] is not None
+
+
+def test_a_run_out_of_time_still_ends_with_json() -> None:
+    done, summary = _run_bench("--deadline-s", "0.001")
+    assert done.returncode == 1
+    assert summary["ok"] is False
+    assert summary["error"]
+    assert summary["cluster"] is False
