@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import datetime as dt
 import importlib
 import importlib.util
@@ -224,12 +223,6 @@ class Sim:
         return self.key.upper()
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the parent dies (Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-
-
 def _spawn(sim: Sim, args: argparse.Namespace, env: dict[str, str], gpu: GpuDevice,
            fake_dir: Path | None) -> None:
     command = [sys.executable, "-m", "e2e.engine_simulator", "--model", sim.model,
@@ -243,11 +236,13 @@ def _spawn(sim: Sim, args: argparse.Namespace, env: dict[str, str], gpu: GpuDevi
     if fake_dir is not None:
         command += ["--fake-nvml-dir", str(fake_dir)]
     child_env = dict(env, ROTA_CLAIM_UID=sim.claim_uid)
+    setpriv = shutil.which("setpriv")
+    if setpriv:  # the simulator gets SIGKILL if this process dies: no GPU memory left held
+        command = [setpriv, "--pdeathsig", "KILL", "--", *command]
     with sim.log_file.open("wb") as out:
         sim.proc = subprocess.Popen(
             command, cwd=REPO_ROOT, env=child_env, stdin=subprocess.DEVNULL, stdout=out,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            stderr=subprocess.STDOUT)
 
 
 def _stop(sims: Sequence[Sim], grace_s: float) -> None:

@@ -1,15 +1,17 @@
 """Child processes of the local cluster: started with a death signal, stopped by pid.
 
-Every process is started so that it dies with the Python process that started it
-(``PR_SET_PDEATHSIG``), so a crashed or killed test run leaves nothing behind. A clean stop
-sends SIGTERM to exactly the pid that was started, waits, then SIGKILLs.
+Every process is started so that it dies with the Python process that started it (the
+parent-death signal, set by util-linux's ``setpriv --pdeathsig`` before it execs the
+binary), so a crashed or killed test run leaves nothing behind. No Python code runs in the
+forked child: that is unsafe while other threads (gRPC's, for one) hold locks. A clean
+stop sends SIGTERM to exactly the pid that was started, waits, then SIGKILLs.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -20,12 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+SETPRIV = shutil.which("setpriv")
 
 
 @dataclass
@@ -49,14 +46,15 @@ class ManagedProcess:
             # PDEATHSIG fires when the *thread* that forked exits; only trust it on the
             # main thread (pytest fixtures and the CLI both start from there).
             on_main = threading.current_thread() is threading.main_thread()
-            use_pdeathsig = die_with_parent and on_main
+            argv = list(self.argv)
+            if die_with_parent and on_main and SETPRIV:
+                argv = [SETPRIV, "--pdeathsig", "KILL", "--", *argv]
             self.popen = subprocess.Popen(
-                list(self.argv),
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 env=dict(self.env) if self.env is not None else None,
-                preexec_fn=_die_with_parent if use_pdeathsig else None,
                 start_new_session=True,
             )
         log.info("process started", extra={"process": self.name, "pid": self.popen.pid,
