@@ -174,7 +174,8 @@ class NodeController:
                         extra={"device": device, "claim": extra.ref,
                                "keep": decision.keep.ref if decision.keep else None})
             try:
-                await self.engine(extra).sleep(extra.sleep_level)
+                outcome = await self.engine(extra).sleep(extra.sleep_level)
+                worker.switcher.record_sleep(extra, outcome.sleep_s)
                 metrics.RECONCILES.labels("two_awake").inc()
             except EngineError as exc:
                 log.error("could not put an extra awake engine to sleep",

@@ -160,12 +160,18 @@ class Switcher:
         t = self.limits.timeouts
         outcome = await self._step("sleep", engine.sleep(claimant.sleep_level), t.sleep_s,
                                    timings)
+        sleep_s = float(getattr(outcome, "sleep_s", 0.0))
+        first = self.record_sleep(claimant, sleep_s)
+        timings["first_sleep" if first else "later_sleep"] = sleep_s
+
+    def record_sleep(self, claimant: Claimant, sleep_s: float) -> bool:
+        """Measure one sleep of ``claimant`` (also those reconciliation makes); True when it
+        was the engine's first, which is slow (pinned host buffers are allocated)."""
         first = claimant.claim_uid not in self._slept_before
         self._slept_before.add(claimant.claim_uid)
-        sleep_s = getattr(outcome, "sleep_s", 0.0)
         metrics.SLEEP_CALL.labels(claimant.model, str(claimant.sleep_level),
                                   str(first).lower()).observe(sleep_s)
-        timings["first_sleep" if first else "later_sleep"] = sleep_s
+        return first
 
     async def _check_device(self, target: Claimant, claimants: Sequence[Claimant],
                             lease: GpuLease, timings: dict[str, float]

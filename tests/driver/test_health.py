@@ -1,0 +1,58 @@
+"""NVML health events reach the kubelet's DRA health stream over a real socket: a
+device-side XID marks the GPU unhealthy; an XID a program caused does not."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+
+from driver.claims import PublishedDevice
+from driver.health import HealthMonitor
+from driver.nvml import fixture_path
+from driver.nvml.api import HealthEvent, HealthEventKind
+from driver.nvml.fake import FakeNvml
+from driver.pb.drahealth.v1alpha1 import api_pb2 as pb
+from driver.rpc.services import stream_client
+from driver.rpc.sockets import UnixServer
+
+SERVICE = pb.DESCRIPTOR.services_by_name["DRAResourceHealth"]
+
+
+async def test_xid_events_become_device_health(short_tmp: Path) -> None:
+    backend = FakeNvml.from_path(fixture_path("h200"))
+    backend.init()
+    uuid = backend.uuid(0)
+    devices = {"gpu-0": PublishedDevice(name="gpu-0", gpu_uuid=uuid, gpu_index=0,
+                                        gpu_memory_bytes=1 << 40, capacity_memory_bytes=1 << 40,
+                                        shared=True)}
+    monitor = HealthMonitor(backend=backend, pool="node-1", devices=lambda: devices)
+    server = UnixServer(short_tmp / "dra.sock", [monitor.handler()])
+    stop = asyncio.Event()
+    await server.start()
+    runner = asyncio.create_task(monitor.run(stop))
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{short_tmp / 'dra.sock'}") as channel:
+            stream = stream_client(channel, SERVICE, "NodeWatchResources")(
+                pb.NodeWatchResourcesRequest(), timeout=30)
+            first = await stream.read()
+            (device,) = first.devices
+            assert (device.device.pool_name, device.device.device_name) == ("node-1", "gpu-0")
+            assert device.health == pb.HEALTHY
+
+            # An application XID (31: a program's page fault) leaves the device healthy;
+            # the device-side XID after it (79: fallen off the bus) does not.
+            backend.inject_health_event(HealthEvent(uuid, HealthEventKind.XID, 31, "mmu fault"))
+            backend.inject_health_event(HealthEvent(uuid, HealthEventKind.XID, 79,
+                                                    "GPU has fallen off the bus"))
+            second = await stream.read()
+            (device,) = second.devices
+            assert device.health == pb.UNHEALTHY
+            assert "fallen off the bus" in device.message
+            stream.cancel()
+    finally:
+        stop.set()
+        await runner
+        await server.stop(0)
+        backend.shutdown()
