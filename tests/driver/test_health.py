@@ -37,6 +37,7 @@ async def test_xid_events_become_device_health(short_tmp: Path) -> None:
             stream = stream_client(channel, SERVICE, "NodeWatchResources")(
                 pb.NodeWatchResourcesRequest(), timeout=30)
             first = await stream.read()
+            assert isinstance(first, pb.NodeWatchResourcesResponse)
             (device,) = first.devices
             assert (device.device.pool_name, device.device.device_name) == ("node-1", "gpu-0")
             assert device.health == pb.HEALTHY
@@ -47,6 +48,7 @@ async def test_xid_events_become_device_health(short_tmp: Path) -> None:
             backend.inject_health_event(HealthEvent(uuid, HealthEventKind.XID, 79,
                                                     "GPU has fallen off the bus"))
             second = await stream.read()
+            assert isinstance(second, pb.NodeWatchResourcesResponse)
             (device,) = second.devices
             assert device.health == pb.UNHEALTHY
             assert "fallen off the bus" in device.message
