@@ -1,0 +1,57 @@
+"""The layering rules of DESIGN.md, checked on the source: pure modules import no I/O
+library, the driver never imports the controller, and the controller takes from the driver
+only what is meant to be shared."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IO_LIBRARIES = {"kubernetes", "grpc", "aiohttp", "pynvml", "torch"}
+PURE = ["driver/quantity.py", "driver/opaque.py", "driver/claims.py", "driver/budget.py",
+        "driver/slices.py", "driver/devices.py", "driver/cdi.py", "driver/ledger.py",
+        "driver/cgroups.py", "driver/nvml/api.py", "controller/claimants.py",
+        "controller/reconcile.py", "controller/naming.py", "controller/leases.py"]
+SHARED_FROM_DRIVER = {"driver.aio", "driver.claims", "driver.errors", "driver.kube",
+                      "driver.logs", "driver.opaque", "driver.quantity", "driver.settings",
+                      "driver.rpc.services", "driver.pb.rota.v1", "driver.pb.rota.v1.inspect_pb2"}
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_pure_modules_do_no_io(module: str) -> None:
+    heavy = {name for name in _imports(ROOT / module) if name.split(".")[0] in IO_LIBRARIES}
+    assert not heavy, f"{module} imports {sorted(heavy)}"
+
+
+def test_the_driver_never_imports_the_controller() -> None:
+    offenders = {str(p.relative_to(ROOT)) for p in (ROOT / "driver").rglob("*.py")
+                 if any(n.split(".")[0] == "controller" for n in _imports(p))}
+    assert not offenders
+
+
+def _shared(name: str) -> bool:
+    return any(name == allowed or name.startswith(f"{allowed}.")
+               for allowed in SHARED_FROM_DRIVER)
+
+
+def test_the_controller_takes_only_shared_driver_modules() -> None:
+    used: dict[str, set[str]] = {}
+    for path in (ROOT / "controller").rglob("*.py"):
+        for name in _imports(path):
+            if name.startswith("driver.") and not _shared(name):
+                used.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    assert not used, used
