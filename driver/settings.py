@@ -104,31 +104,36 @@ def env_names(field: str, prefix: str = "ROTA_") -> tuple[str, ...]:
     return (prefix + field.upper(), *_ENV_ALIASES.get(field, ()))
 
 
-def build_parser(model: type[BaseModel], prog: str, description: str
-                 ) -> argparse.ArgumentParser:
+def build_parser(model: type[BaseModel], prog: str, description: str, *,
+                 env_prefix: str = "ROTA_") -> argparse.ArgumentParser:
     """One ``--flag`` per field of ``model``; help = description, env var and default."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     for name, info in model.model_fields.items():
         default = "" if info.is_required() or info.default_factory else \
             f" Default: {info.default}."
-        envs = " or ".join(env_names(name))
+        envs = " or ".join(env_names(name, env_prefix))
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
                             help=f"{info.description} Env: {envs}.{default}")
     return parser
 
 
 def parse_settings(model: type[BaseModel], argv: Sequence[str] | None,
-                   environ: Mapping[str, str] | None, *, prog: str, description: str
-                   ) -> Any:
-    """Flags win over environment variables, which win over defaults."""
+                   environ: Mapping[str, str] | None, *, prog: str, description: str,
+                   env_prefix: str = "ROTA_") -> Any:
+    """Flags win over environment variables, which win over defaults.
+
+    Raises:
+        ConfigError: the values do not validate; the message names every problem.
+    """
     environ = os.environ if environ is None else environ
-    args = vars(build_parser(model, prog, description).parse_args(argv))
+    args = vars(build_parser(model, prog, description, env_prefix=env_prefix)
+                .parse_args(argv))
     values: dict[str, Any] = {}
     for name in model.model_fields:
         if args.get(name) is not None:
             values[name] = args[name]
             continue
-        for env in env_names(name):
+        for env in env_names(name, env_prefix):
             if environ.get(env):
                 values[name] = environ[env]
                 break

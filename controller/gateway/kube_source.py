@@ -34,14 +34,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kubernetes import client, config, watch
+from kubernetes import client, watch
 
 from controller import naming
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routing import ObjectKind, RoutingState
 from controller.gateway.settings import GatewaySettings
+from driver.kube import load_api_client
 
-__all__ = ["KubeSource", "load_api_client"]
+__all__ = ["KubeSource"]
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,6 @@ GROUP, VERSION = "resource.k8s.io", "v1"
 _BACKOFF_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _GONE = 410
-
-
-def load_api_client(kubeconfig: str | None) -> client.ApiClient:
-    """An ApiClient from a kubeconfig file, or from the pod's service account (blocking)."""
-    if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)
-    config.load_incluster_config()
-    return client.ApiClient()
 
 
 class _Watch:

@@ -12,12 +12,15 @@ from files (mounted Secrets), named by :attr:`GatewaySettings.activation_token_f
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from driver.errors import ConfigError
+from driver.settings import build_parser as settings_parser
+from driver.settings import parse_settings
 
 __all__ = ["ENV_PREFIX", "GatewaySettings", "SettingsError", "build_parser", "env_name", "load"]
 
@@ -25,8 +28,8 @@ ENV_PREFIX = "ROTA_GATEWAY_"
 MIB = 2**20
 
 
-class SettingsError(ValueError):
-    """The flags or environment variables do not make valid settings."""
+SettingsError = ConfigError
+"""The flags or environment variables do not make valid settings."""
 
 
 class GatewaySettings(BaseModel):
@@ -92,18 +95,15 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
+_PROG = "python -m controller.gateway"
+_DESCRIPTION = ("rota's OpenAI-compatible gateway: routes each request by model to the "
+                "engine awake on its GPU and asks the node's lease controller to switch "
+                "when the model is asleep.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One ``--flag`` per field; help = description, env var and default."""
-    parser = argparse.ArgumentParser(
-        prog="python -m controller.gateway",
-        description="rota's OpenAI-compatible gateway: routes each request by model to the "
-                    "engine awake on its GPU and asks the node's lease controller to switch "
-                    "when the model is asleep.")
-    for name, info in GatewaySettings.model_fields.items():
-        default = "" if info.is_required() else f" Default: {info.default}."
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
-                            help=f"{info.description} Env: {env_name(name)}.{default}")
-    return parser
+    return settings_parser(GatewaySettings, _PROG, _DESCRIPTION, env_prefix=ENV_PREFIX)
 
 
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
@@ -113,17 +113,7 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     Raises:
         SettingsError: a value does not validate; the message names every problem.
     """
-    environ = os.environ if environ is None else environ
-    args = vars(build_parser().parse_args(argv))
-    values: dict[str, str] = {}
-    for name in GatewaySettings.model_fields:
-        if args.get(name) is not None:
-            values[name] = args[name]
-        elif environ.get(env_name(name)):
-            values[name] = environ[env_name(name)]
-    try:
-        return GatewaySettings.model_validate(values)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                             for e in exc.errors())
-        raise SettingsError(f"invalid settings: {problems}") from exc
+    settings: GatewaySettings = parse_settings(GatewaySettings, argv, environ, prog=_PROG,
+                                               description=_DESCRIPTION,
+                                               env_prefix=ENV_PREFIX)
+    return settings
