@@ -87,7 +87,8 @@ async def test_routing_state_follows_watch_events(kube_api: client.ApiClient,
                 "reservedFor": [{"resource": "pods", "name": "engine-x",
                                  "uid": pod.metadata.uid}]}})
         await _until(state, lambda: state.knows(MODEL), "the claim")
-        assert state.claim_namespaces() == {namespace}
+        # Other tests of the session may hold claims in their own namespaces.
+        assert namespace in state.claim_namespaces()
         await asyncio.to_thread(core.patch_namespaced_pod_status, "engine-x", namespace, {
             "status": {"phase": "Running", "podIP": "10.9.0.5", "podIPs": [{"ip": "10.9.0.5"}],
                        "conditions": [{"type": "Ready", "status": "True"}]}})
@@ -124,7 +125,7 @@ async def test_routing_state_follows_watch_events(kube_api: client.ApiClient,
         await asyncio.to_thread(objects.delete_namespaced_custom_object, GROUP, VERSION,
                                 namespace, "resourceclaims", "engine-x")
         await _until(state, lambda: not state.knows(MODEL), "the claim's deletion")
-        assert state.claim_namespaces() == set()
+        assert namespace not in state.claim_namespaces()
     finally:
         source.cancel()
         await asyncio.gather(source, return_exceptions=True)
