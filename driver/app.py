@@ -86,7 +86,8 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
                         devices=publisher.devices, lock_path=settings.lock_path,
                         lock_timeout_s=settings.lock_timeout_s)
     await preparer.restore()
-    health = HealthMonitor(backend=backend, pool=settings.node_name, devices=publisher.devices)
+    health = HealthMonitor(backend=backend, pool=settings.node_name, devices=publisher.devices,
+                           on_change=publisher.set_health)
     inspection = InspectionService(backend=backend, gpus=gpus, proc_root=settings.proc_root)
     registration = RegistrationService(driver_name=DRIVER_NAME, dra_endpoint=settings.dra_socket)
 

@@ -41,8 +41,12 @@ class HealthMonitor:
     """Holds each GPU's health and tells subscribers about changes."""
 
     def __init__(self, *, backend: NvmlBackend, pool: str,
-                 devices: Callable[[], Mapping[str, PublishedDevice]]) -> None:
+                 devices: Callable[[], Mapping[str, PublishedDevice]],
+                 on_change: Callable[[str, bool, str], None] | None = None) -> None:
+        """``on_change(gpu_uuid, healthy, label)`` runs on the event loop after each change
+        (the publisher taints the GPU's devices); ``label`` is short, e.g. ``xid-79``."""
         self.backend = backend
+        self.on_change = on_change
         self.pool = pool
         self.devices = devices
         self._health: dict[str, GpuHealth] = {}
@@ -65,11 +69,13 @@ class HealthMonitor:
             metrics.DEVICE_HEALTHY.labels(name).set(1 if health.healthy else 0)
         return response
 
-    def _mark(self, gpu_uuid: str, healthy: bool, message: str) -> None:
+    def _mark(self, gpu_uuid: str, healthy: bool, message: str, label: str) -> None:
         self._health[gpu_uuid] = GpuHealth(healthy, message, time.time())
         self._version += 1
         if self._loop is not None:
             changed = self._changed
+            if self.on_change is not None:
+                self._loop.call_soon_threadsafe(self.on_change, gpu_uuid, healthy, label)
 
             async def notify() -> None:
                 async with changed:
@@ -94,7 +100,8 @@ class HealthMonitor:
                 log.info("application XID; device stays healthy", extra=fields)
                 continue
             log.error("device unhealthy", extra={**fields, "detail": event.message})
-            self._mark(event.gpu_uuid, False, f"{event.kind.value}: {event.message}")
+            label = f"xid-{event.xid}" if event.xid is not None else event.kind.value
+            self._mark(event.gpu_uuid, False, f"{event.kind.value}: {event.message}", label)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()

@@ -17,6 +17,7 @@ loops on updates the server will keep rewriting.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import threading
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from driver.errors import KubeConflictError, KubeError
 from driver.kube import Kube
 from driver.quantity import parse_quantity
 from driver.slices import (
+    GATE_DEVICE_TAINTS,
     PoolOptions,
     SharingMode,
     build_slices,
@@ -37,6 +39,8 @@ from driver.slices import (
     dropped_fields,
     dropped_gates,
     fallback_mode,
+    unhealthy_taint,
+    with_taints,
 )
 
 log = logging.getLogger(__name__)
@@ -78,6 +82,9 @@ class SlicePublisher:
         self.synced = asyncio.Event()
         self.writes = 0
         self._node_uid: str | None = None
+        self._taints: dict[str, list[dict[str, Any]]] = {}
+        self._taints_supported = True
+        self._changed = asyncio.Event()
         self._devices = published_devices(self._desired(0), gpus)
         self._set_mode_metric()
 
@@ -90,7 +97,20 @@ class SlicePublisher:
         options = PoolOptions(node_name=self.node_name, node_uid=self._node_uid,
                               generation=generation, mode=self.mode, engines=self.engines,
                               driver=self.driver)
-        return build_slices(self.gpus, options)
+        slices = build_slices(self.gpus, options)
+        return with_taints(slices, self._taints) if self._taints_supported else slices
+
+    def set_health(self, gpu_uuid: str, healthy: bool, reason: str) -> None:
+        """Taint (NoSchedule) the devices of an unhealthy GPU, or lift the taint; the next
+        reconciliation publishes it. Call from the event loop."""
+        if healthy:
+            changed = self._taints.pop(gpu_uuid, None) is not None
+        else:
+            since = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            changed = gpu_uuid not in self._taints
+            self._taints[gpu_uuid] = [unhealthy_taint(reason, since)]
+        if changed:
+            self._changed.set()
 
     def _set_mode_metric(self) -> None:
         for mode in SharingMode:
@@ -163,6 +183,13 @@ class SlicePublisher:
         gates = dropped_gates(desired, returned)
         if not gates:
             return False
+        if gates == {GATE_DEVICE_TAINTS}:
+            # Health still reaches the kubelet; only the scheduler-visible taint is lost.
+            log.error("the API server dropped device taints (gate DRADeviceTaints off?); "
+                      "unhealthy GPUs are reported through the kubelet only",
+                      extra={"node": self.node_name})
+            self._taints_supported = False
+            return True
         fields = dropped_fields(desired, returned)
         fallback = fallback_mode(self.mode, gates)
         if fallback is None:
@@ -184,7 +211,7 @@ class SlicePublisher:
     async def run(self, stop: asyncio.Event) -> None:
         """Reconcile on every watch event and at least every ``resync_s``."""
         loop = asyncio.get_running_loop()
-        changed = asyncio.Event()
+        changed = self._changed
         halt = threading.Event()
 
         def on_event(kind: str, obj: dict[str, Any]) -> None:

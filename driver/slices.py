@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,8 @@ MAX_OBJECT_NAME = 253
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 GATE_CONSUMABLE_CAPACITY = "DRAConsumableCapacity"
 GATE_PARTITIONABLE_DEVICES = "DRAPartitionableDevices"
+GATE_DEVICE_TAINTS = "DRADeviceTaints"
+UNHEALTHY_TAINT_KEY = "gpu.rota.dev/unhealthy"
 
 JSON = dict[str, Any]
 
@@ -294,7 +297,35 @@ def _dropped(desired: Mapping[str, Any], returned: Mapping[str, Any]) -> list[tu
                 found.append((f"{path}.capacity[{key}].requestPolicy", GATE_CONSUMABLE_CAPACITY))
         if device.get("consumesCounters") and not back.get("consumesCounters"):
             found.append((f"{path}.consumesCounters", GATE_PARTITIONABLE_DEVICES))
+        if device.get("taints") and not back.get("taints"):
+            found.append((f"{path}.taints", GATE_DEVICE_TAINTS))
     return found
+
+
+def with_taints(slices: Sequence[JSON], taints: Mapping[str, Sequence[JSON]]) -> list[JSON]:
+    """``slices`` with ``taints[gpu uuid]`` on every device of that GPU (pure; the input is
+    not changed). Devices of GPUs without an entry are left as they are."""
+    if not taints:
+        return list(slices)
+    tainted: list[JSON] = []
+    for body in slices:
+        spec = dict(body["spec"])
+        if "devices" in spec:
+            devices = []
+            for device in spec["devices"]:
+                uuid = device.get("attributes", {}).get("uuid", {}).get("string")
+                found = taints.get(uuid) if uuid else None
+                devices.append({**device, "taints": [dict(t) for t in found]} if found else device)
+            spec["devices"] = devices
+        tainted.append({**body, "spec": spec})
+    return tainted
+
+
+def unhealthy_taint(reason: str, since: str) -> JSON:
+    """The NoSchedule taint of an unhealthy GPU; ``since`` is RFC 3339 (seconds)."""
+    value = re.sub(r"[^A-Za-z0-9_.-]", "-", reason)[:63].strip("-_.") or "unhealthy"
+    return {"key": UNHEALTHY_TAINT_KEY, "value": value, "effect": "NoSchedule",
+            "timeAdded": since}
 
 
 def dropped_fields(desired: Mapping[str, Any], returned: Mapping[str, Any]) -> list[str]:

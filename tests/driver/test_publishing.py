@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import re
 import urllib.request
+import uuid
 
 import pytest
 from kubernetes import client
 
+from driver.devices import discover
+from driver.kube import Kube
+from driver.nvml import fixture_path
+from driver.nvml.fake import FakeNvml
+from driver.publisher import SlicePublisher
+from driver.slices import SharingMode
+from e2e.cluster import LocalCluster, create_node
 from e2e.harness import GpuNode
 from e2e.objects import GROUP, VERSION, node_slices
 from e2e.waiting import eventually
@@ -70,3 +78,28 @@ def test_restart_writes_nothing_and_content_change_bumps_generation(
     assert changed["spec"]["devices"][0]["capacity"]["engines"]["value"] == "4"
     assert changed["spec"]["pool"]["generation"] == before["spec"]["pool"]["generation"] + 1
     assert _slice_writes(gpu_node) == 1
+
+
+async def test_an_unhealthy_gpu_is_tainted_and_the_taint_lifted(
+        cluster: LocalCluster, kube_api: client.ApiClient) -> None:
+    backend = FakeNvml.from_path(fixture_path("h200"))
+    backend.init()
+    gpus = discover(backend)
+    node = f"taint-{uuid.uuid4().hex[:6]}"
+    create_node(kube_api, node)
+    publisher = SlicePublisher(kube=Kube(kube_api), node_name=node, gpus=gpus,
+                               mode=SharingMode.SHARED, engines=8)
+    try:
+        await publisher.sync_once()
+        publisher.set_health(gpus[0].uuid, False, "xid-79")
+        assert await publisher.sync_once() == 1
+        (device,) = node_slices(kube_api, node)[0]["spec"]["devices"]
+        (taint,) = device["taints"]
+        assert (taint["key"], taint["value"], taint["effect"]) == (
+            "gpu.rota.dev/unhealthy", "xid-79", "NoSchedule")
+        assert await publisher.sync_once() == 0, "an unchanged taint must not be rewritten"
+        publisher.set_health(gpus[0].uuid, True, "")
+        assert await publisher.sync_once() == 1
+        assert "taints" not in node_slices(kube_api, node)[0]["spec"]["devices"][0]
+    finally:
+        client.CoreV1Api(kube_api).delete_node(node)

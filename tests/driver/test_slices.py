@@ -18,6 +18,7 @@ from driver.nvml.fake import FakeNvml
 from driver.quantity import parse_quantity
 from driver.slices import (
     GATE_CONSUMABLE_CAPACITY,
+    GATE_DEVICE_TAINTS,
     GATE_PARTITIONABLE_DEVICES,
     PoolOptions,
     SharingMode,
@@ -27,6 +28,8 @@ from driver.slices import (
     dropped_gates,
     fallback_mode,
     slice_name,
+    unhealthy_taint,
+    with_taints,
 )
 
 JSON = dict[str, Any]
@@ -450,3 +453,15 @@ def test_device_missing_from_the_answer_blames_no_gate() -> None:
 )
 def test_fallback_mode(mode: SharingMode, gates: list[str], expected: SharingMode | None) -> None:
     assert fallback_mode(mode, gates) is expected
+
+
+def test_taints_land_on_their_gpu_and_dropping_them_is_no_mode_change() -> None:
+    (gpu,) = H200
+    desired = build_slices([gpu], PoolOptions(node_name="n"))
+    taint = unhealthy_taint("xid 79: fallen off the bus", "2026-11-29T12:00:00Z")
+    assert taint["value"] == "xid-79--fallen-off-the-bus"
+    tainted = with_taints(desired, {gpu.uuid: [taint]})
+    assert tainted[0]["spec"]["devices"][0]["taints"] == [taint]
+    assert "taints" not in desired[0]["spec"]["devices"][0], "the input must not change"
+    assert dropped_gates(tainted[0], desired[0]) == {GATE_DEVICE_TAINTS}
+    assert fallback_mode(SharingMode.SHARED, {GATE_DEVICE_TAINTS}) is None
