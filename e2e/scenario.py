@@ -128,6 +128,7 @@ class AwakeMonitor:
     samples: int = 0
     violations: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _sampled: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
 
     def _run(self) -> None:
@@ -148,8 +149,17 @@ class AwakeMonitor:
                              and p.used_bytes > resident[p.claim_uid] + self.tolerance_bytes]
                     if len(awake) > 1:
                         self.violations.append(f"{gpu.device}: {awake}")
-                self.samples += 1
+                with self._sampled:
+                    self.samples += 1
+                    self._sampled.notify_all()
                 await asyncio.sleep(0.005)
+
+    def wait_next(self, timeout: float = 10.0) -> None:
+        """Block until the monitor has taken a sample that started after this call."""
+        with self._sampled:
+            target = self.samples + 2  # the sample in progress may predate the call
+            if not self._sampled.wait_for(lambda: self.samples >= target, timeout):
+                raise TimeoutError(f"the awake monitor took no sample in {timeout} s")
 
     def __enter__(self) -> AwakeMonitor:
         self._thread = threading.Thread(target=self._run, name="awake-monitor", daemon=True)

@@ -53,12 +53,13 @@ async def test_sigkill_during_switches(engine_node: GpuNode, two_engines: list[E
                 except (aiohttp.ClientError, TimeoutError):
                     outcomes["error"] += 1
                 controller = node.start_controller()
+                await asyncio.to_thread(monitor.wait_next)
             for model in (MODEL_B.model, MODEL_A.model):
                 await eventually_async(functools.partial(_serves, session, url, model),
                                        timeout=60, what=f"{model} serving after the kills")
     assert sum(outcomes.values()) == KILLS
     assert outcomes["completed"] > 0, outcomes
-    assert monitor.samples > KILLS
+    assert monitor.samples >= KILLS
     assert monitor.violations == []
 
 

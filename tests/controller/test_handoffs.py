@@ -3,6 +3,8 @@ one fake H200, 19 handoffs through the activation API, never two engines awake."
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
@@ -38,6 +40,8 @@ async def test_nineteen_handoffs_with_one_engine_awake_at_a_time(
                 assert body["switched"] is True
                 switched += 1
                 assert await ask_seven(session, body["endpoint"], target.model) == "7"
+                # The GPU is read at least once with every engine as holder.
+                await asyncio.to_thread(monitor.wait_next)
     assert switched == 19
-    assert monitor.samples > 50
+    assert monitor.samples >= 19
     assert monitor.violations == []
