@@ -26,7 +26,6 @@ import asyncio
 import json
 import statistics
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +33,7 @@ import aiohttp
 from kubernetes import client, config
 
 from e2e.cluster import LocalCluster
-from e2e.harness import GpuNode
-from e2e.objects import MANIFESTS, apply_manifest
+from e2e.harness import engine_node
 from e2e.scenario import EngineSpec, activate, deploy
 from e2e.waiting import eventually_async
 
@@ -109,30 +107,14 @@ def run(cluster: LocalCluster, api: client.ApiClient, *, handoffs: int = 40,
     if handoffs < 2:
         raise ValueError("at least 2 handoffs are needed")
     delays = delays or Delays()
-    apply_manifest(api, MANIFESTS / "deviceclass.yaml")
-    core = client.CoreV1Api(api)
-    own_namespace = namespace is None
-    namespace = namespace or f"bench-{uuid.uuid4().hex[:8]}"
-    if own_namespace:
-        core.create_namespace({"metadata": {"name": namespace}})
-    node = GpuNode(cluster=cluster, api=api, name=f"bench-{uuid.uuid4().hex[:8]}")
-    try:
-        node.start_driver()
-        node.start_agent()
+    with engine_node(cluster, api, prefix="bench", namespace=namespace) as (node, ns):
         specs = [EngineSpec(f"engine-{x}", f"bench/model-{x}", resident="1Gi", awake="20Gi",
                             args=delays.args()) for x in "ab"]
-        deploy(api, namespace, node.name, specs)
+        deploy(api, ns, node.name, specs)
         node.start_controller()
         models = (specs[0].model, specs[1].model)
         all_handoffs = asyncio.run(_handoffs(node.controller_url(), models,
                                              WARMUP_HANDOFFS + handoffs))
-    finally:
-        node.close()
-        if own_namespace:
-            try:
-                core.delete_namespace(namespace)
-            except client.ApiException:
-                pass
     return summarise(all_handoffs[:WARMUP_HANDOFFS], all_handoffs[WARMUP_HANDOFFS:], delays)
 
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import time
-import urllib.request
 import uuid
 from typing import Any
 
@@ -101,14 +99,6 @@ async def _publish_times(cluster: LocalCluster, api: client.ApiClient) -> dict[s
             "unchanged_sync_ms": again * 1e3, "unchanged_writes": again_writes}
 
 
-def _slice_writes(node: GpuNode) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/metrics",
-                                timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(float(m.group(1)) for m in
-               re.finditer(r"^rota_driver_slice_writes_total\{[^}]*\} (\S+)$", text, re.M))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.bench_driver",
                                      description=__doc__,
@@ -139,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"publish_8_gpus: {result['publish_8_gpus']}")
             node.stop_driver()
             node.start_driver()
-            result["writes_on_unchanged_restart"] = _slice_writes(node)
+            result["writes_on_unchanged_restart"] = node.driver_metric(
+                "rota_driver_slice_writes_total")
             print(f"writes_on_unchanged_restart: {result['writes_on_unchanged_restart']}")
         finally:
             node.close()

@@ -29,7 +29,6 @@ import re
 import statistics
 import time
 import urllib.request
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +36,7 @@ import aiohttp
 from kubernetes import client, config
 
 from e2e.cluster import LocalCluster
-from e2e.harness import GpuNode
-from e2e.objects import MANIFESTS, apply_manifest
+from e2e.harness import engine_node
 from e2e.scenario import EngineSpec, activate, deploy
 from e2e.waiting import eventually_async
 
@@ -217,19 +215,10 @@ def run(cluster: LocalCluster, api: client.ApiClient, *, load: Load | None = Non
     """Run the benchmark on ``cluster`` with a node of its own; returns the result object
     (``targets_met`` included). The node and its processes are stopped before returning."""
     load = load or Load()
-    apply_manifest(api, MANIFESTS / "deviceclass.yaml")
-    core = client.CoreV1Api(api)
-    own_namespace = namespace is None
-    namespace = namespace or f"bench-{uuid.uuid4().hex[:8]}"
-    if own_namespace:
-        core.create_namespace({"metadata": {"name": namespace}})
-    node = GpuNode(cluster=cluster, api=api, name=f"bench-{uuid.uuid4().hex[:8]}")
-    try:
-        node.start_driver()
-        node.start_agent()
+    with engine_node(cluster, api, prefix="bench", namespace=namespace) as (node, ns):
         spec = EngineSpec("engine-a", "bench/model-a", resident="1Gi", awake="20Gi",
                           args=load.sim_args())
-        (engine,) = deploy(api, namespace, node.name, [spec])
+        (engine,) = deploy(api, ns, node.name, [spec])
         token = node.dirs.root / "activation-token"
         token.write_text(ACTIVATION_TOKEN + "\n")
         node.start_controller(extra=[f"--token-file={token}"])
@@ -239,13 +228,6 @@ def run(cluster: LocalCluster, api: client.ApiClient, *, load: Load | None = Non
         before = _gateway_first_token(gateway_url)
         phases = asyncio.run(measure(engine.url, gateway_url, spec.model, load))
         after = _gateway_first_token(gateway_url)
-    finally:
-        node.close()
-        if own_namespace:
-            try:
-                core.delete_namespace(namespace)
-            except client.ApiException:
-                pass
     return summarise(phases, load, before, after)
 
 

@@ -3,14 +3,17 @@ real processes, with their directories. Tests, the demo and the benchmarks build
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import urllib.request
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from driver.nvml import fixture_path
 from e2e.cluster import LocalCluster, create_node
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
+from e2e.objects import MANIFESTS, apply_manifest
 from e2e.waiting import eventually
 
 
@@ -127,6 +131,14 @@ class GpuNode:
 
         eventually(ready, timeout=timeout, what=f"driver of {self.name} ready")
 
+    def driver_metric(self, name: str) -> float:
+        """The sum of every sample of one of the driver's Prometheus metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics",
+                                    timeout=5) as resp:
+            text = resp.read().decode()
+        return sum(float(m.group(1)) for m in
+                   re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
     def kill_driver(self) -> None:
         """SIGKILL, as a crash would: no clean-up runs."""
         if self.driver is not None and self.driver.popen is not None:
@@ -217,3 +229,27 @@ class GpuNode:
         except client.ApiException:
             pass
         subprocess.run(["rm", "-rf", str(self.dirs.root)], check=False)
+
+
+@contextlib.contextmanager
+def engine_node(cluster: LocalCluster, api: client.ApiClient, *, prefix: str,
+                namespace: str | None = None) -> Iterator[tuple[GpuNode, str]]:
+    """A fresh GPU node with its driver and node agent, and a namespace for engines (a
+    new one unless given); both are removed on exit. For the demo and the benchmarks."""
+    apply_manifest(api, MANIFESTS / "deviceclass.yaml")
+    core = client.CoreV1Api(api)
+    own_namespace = namespace is None
+    namespace = namespace or f"{prefix}-{uuid.uuid4().hex[:8]}"
+    if own_namespace:
+        core.create_namespace({"metadata": {"name": namespace}})
+    node = GpuNode(cluster=cluster, api=api, name=f"{prefix}-{uuid.uuid4().hex[:8]}")
+    try:
+        node.start_driver()
+        node.start_agent()
+        yield node, namespace
+    finally:
+        node.close()
+        if own_namespace:
+            with contextlib.suppress(client.ApiException):
+                core.delete_namespace(namespace)
+

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from controller.gateway.credentials import SecretFile
 from controller.gateway.errors import Unavailable
 from controller.gateway.metrics import GatewayMetrics
+from controller.gateway.proxy import read_bounded
 
 __all__ = ["Activation", "ActivationFailed", "Activator"]
 
@@ -79,16 +80,6 @@ def _retry_after(value: str | None, default: float) -> float:
         return max(1.0, float(value)) if value else default
     except ValueError:
         return default
-
-
-async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    data = bytearray()
-    while len(data) < limit:
-        chunk = await resp.content.read(limit - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return bytes(data)
 
 
 def _label(value: str) -> str:
@@ -193,7 +184,7 @@ class Activator:
                 async with self._session.post(
                         target, json={"model": model, "claim": claim},
                         headers=self._headers(request_id), timeout=self._timeout) as resp:
-                    raw = await _read_bounded(resp, _MAX_ANSWER)
+                    raw = await read_bounded(resp, _MAX_ANSWER)
                     return self._interpret(resp.status, resp.headers.get("Retry-After"), raw,
                                            model, claim, url)
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:

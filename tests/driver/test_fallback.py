@@ -3,8 +3,6 @@ device lost its fields, says so once, and settles on partitioned share devices."
 
 from __future__ import annotations
 
-import re
-import urllib.request
 import uuid
 from collections.abc import Iterator
 
@@ -33,14 +31,6 @@ def gate_off() -> Iterator[tuple[LocalCluster, client.ApiClient]]:
         local.cleanup()
 
 
-def _metric(node: GpuNode, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/metrics",
-                                timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(float(m.group(1)) for m in
-               re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-
-
 def test_gate_off_falls_back_to_partitioned_and_stays_put(
         gate_off: tuple[LocalCluster, client.ApiClient]) -> None:
     cluster, api = gate_off
@@ -55,17 +45,17 @@ def test_gate_off_falls_back_to_partitioned_and_stays_put(
         assert len(devices) == 8
         assert all("allowMultipleAllocations" not in d for d in devices)
         assert all(d["attributes"]["sharing"] == {"string": "partitioned"} for d in devices)
-        assert _metric(node, "rota_driver_sharing_mode") == 1
+        assert node.driver_metric("rota_driver_sharing_mode") == 1
 
-        writes = _metric(node, "rota_driver_slice_writes_total")
-        syncs = _metric(node, "rota_driver_slice_syncs_total")
+        writes = node.driver_metric("rota_driver_slice_writes_total")
+        syncs = node.driver_metric("rota_driver_slice_syncs_total")
         # Touch a slice: the watch wakes the publisher, which must find nothing to do.
         name = slices[0]["metadata"]["name"]
         client.CustomObjectsApi(api).patch_cluster_custom_object(
             GROUP, VERSION, "resourceslices", name, {"metadata": {"labels": {"touched": "1"}}})
-        eventually(lambda: _metric(node, "rota_driver_slice_syncs_total") > syncs,
+        eventually(lambda: node.driver_metric("rota_driver_slice_syncs_total") > syncs,
                    timeout=30, what="a reconciliation after the touch")
-        assert _metric(node, "rota_driver_slice_writes_total") == writes
+        assert node.driver_metric("rota_driver_slice_writes_total") == writes
 
         log = (node.dirs.logs / "driver.log").read_text()
         reasons = [line for line in log.splitlines() if "is not available on this cluster" in line]

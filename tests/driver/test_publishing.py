@@ -3,8 +3,6 @@ untouched by a restart that finds them intact, re-versioned only when content ch
 
 from __future__ import annotations
 
-import re
-import urllib.request
 import uuid
 
 import pytest
@@ -22,14 +20,6 @@ from e2e.objects import GROUP, VERSION, node_slices
 from e2e.waiting import eventually
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
-
-
-def _slice_writes(node: GpuNode) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/metrics",
-                                timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(float(m.group(1)) for m in
-               re.finditer(r"^rota_driver_slice_writes_total\{[^}]*\} (\S+)$", text, re.M))
 
 
 def test_the_gpu_is_published_as_a_shared_device(gpu_node: GpuNode,
@@ -68,7 +58,7 @@ def test_restart_writes_nothing_and_content_change_bumps_generation(
     (before,) = node_slices(kube_api, gpu_node.name)
     gpu_node.stop_driver()
     gpu_node.start_driver()
-    assert _slice_writes(gpu_node) == 0
+    assert gpu_node.driver_metric("rota_driver_slice_writes_total") == 0
     (after,) = node_slices(kube_api, gpu_node.name)
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
 
@@ -77,7 +67,7 @@ def test_restart_writes_nothing_and_content_change_bumps_generation(
     (changed,) = node_slices(kube_api, gpu_node.name)
     assert changed["spec"]["devices"][0]["capacity"]["engines"]["value"] == "4"
     assert changed["spec"]["pool"]["generation"] == before["spec"]["pool"]["generation"] + 1
-    assert _slice_writes(gpu_node) == 1
+    assert gpu_node.driver_metric("rota_driver_slice_writes_total") == 1
 
 
 async def test_an_unhealthy_gpu_is_tainted_and_the_taint_lifted(
