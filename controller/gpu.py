@@ -79,13 +79,15 @@ class GpuWorker:
     def __init__(self, *, device: str, lease_port: KubeLeasePort, switcher: Switcher,
                  claimants: Callable[[], Awaitable[list[Claimant]]],
                  engine: Callable[[Claimant], EngineAdapter], min_residency_s: float,
-                 idle_sleep_s: float, clock: Callable[[], float]) -> None:
+                 idle_sleep_s: float, clock: Callable[[], float],
+                 coalesce_window_s: float = 0.0) -> None:
         self.device = device
         self.lease_port = lease_port
         self.switcher = switcher
         self.claimants = claimants
         self.engine = engine
         self.min_residency_s = min_residency_s
+        self.coalesce_window_s = coalesce_window_s
         self.idle_sleep_s = idle_sleep_s
         self.clock = clock
         self.lease: GpuLease | None = None
@@ -172,6 +174,8 @@ class GpuWorker:
                     "device": self.device, "holder": holder.ref, "wait_s": round(remaining, 3)})
                 if await wait_any(stop, timeout_s=remaining):
                     return
+            if self.coalesce_window_s > 0 and await self._coalesce(holder, stop):
+                return
         self._queue.pop(uid)
         on_gpu = [c for c in current if c.device == self.device and c.node == target.node]
         result: SwitchResult = await self.switcher.switch(
@@ -188,6 +192,22 @@ class GpuWorker:
         self._resolve(waiting, Activation(result.ok, target, switched=result.ok,
                                           fence=result.lease.fence, reason=result.reason,
                                           message=result.message, timings=result.timings))
+
+    async def _coalesce(self, holder: Claimant, stop: asyncio.Event) -> bool:
+        """Let the holder finish what it is serving (up to the window) before its
+        admission closes; True when the controller is stopping."""
+        deadline = self.clock() + self.coalesce_window_s
+        delay = 0.01
+        engine = self.engine(holder)
+        while self.clock() < deadline:
+            if not await engine.in_flight():
+                return False
+            if await wait_any(stop, timeout_s=min(delay, max(0.0, deadline - self.clock()))):
+                return True
+            delay = min(delay * 2, 0.25)
+        log.info("coalescing window over; switching with work in flight",
+                 extra={"device": self.device, "holder": holder.ref})
+        return False
 
     @staticmethod
     def _resolve(waiting: _Waiting, activation: Activation) -> None:

@@ -116,7 +116,7 @@ class NodeController:
             worker = GpuWorker(device=device, lease_port=lease_port, switcher=switcher,
                                claimants=self.claimants, engine=self.engine,
                                min_residency_s=s.min_residency_s, idle_sleep_s=s.idle_sleep_s,
-                               clock=self.clock)
+                               clock=self.clock, coalesce_window_s=s.coalesce_window_s)
             self.workers[device] = worker
             if self._stop is not None:
                 task = asyncio.create_task(worker.run(self._stop, poll_s=s.resync_s),

@@ -60,6 +60,9 @@ class LeaseSettings(BaseModel):
                                     "controller Lease; renewed every third of it.")
     min_residency_s: float = Field(default=0.0, ge=0, description="An awake engine keeps "
                                    "the GPU at least this long before a switch away.")
+    coalesce_window_s: float = Field(default=0.0, ge=0, description="Before switching away, "
+                                     "let the holder finish its work for up to this long "
+                                     "(its admission stays open meanwhile).")
     idle_sleep_s: float = Field(default=0.0, ge=0, description="Put the holder to sleep "
                                 "after this long without work (0: never).")
     resync_s: float = Field(default=10.0, gt=0, description="Re-read claimants and the "
