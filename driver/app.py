@@ -30,7 +30,7 @@ from driver.probes import make_app
 from driver.publisher import SlicePublisher
 from driver.rpc.dra import DraService
 from driver.rpc.registration import RegistrationService
-from driver.rpc.sockets import UnixServer
+from driver.rpc.sockets import UnixServer, drop_link, point_link
 from driver.settings import DriverSettings, NvmlBackendKind
 from driver.slices import SharingMode
 
@@ -93,7 +93,9 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
 
     dra_server = UnixServer(settings.dra_socket,
                             [*DraService(preparer).handlers(), health.handler()])
-    inspect_server = UnixServer(settings.inspect_socket, [inspection.handler()], mode=0o660)
+    inspect_server = UnixServer(settings.inspect_listen_socket, [inspection.handler()],
+                                mode=0o660)
+    inspect_link = settings.inspect_socket != settings.inspect_listen_socket
     reg_server = UnixServer(settings.registration_socket, [registration.handler()])
 
     def ready() -> str:
@@ -116,6 +118,8 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
         life.http_port = runner.addresses[0][1] if runner.addresses else 0
         await dra_server.start()
         await inspect_server.start()
+        if inspect_link:
+            point_link(settings.inspect_socket, settings.inspect_listen_socket)
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(publisher.run(life.stop), name="slice-publisher")
             tasks.create_task(health.run(life.stop), name="health-monitor")
@@ -129,6 +133,8 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
             log.info("driver stopping", extra={"node": settings.node_name})
     finally:
         await reg_server.stop(1)
+        if inspect_link:
+            drop_link(settings.inspect_socket, settings.inspect_listen_socket)
         await inspect_server.stop(1)
         await dra_server.stop(5)
         await runner.cleanup()

@@ -8,6 +8,7 @@ Nothing else in the driver reads ``os.environ``. Each field's description is its
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -60,6 +61,10 @@ class DriverSettings(BaseModel):
     api_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of each API call.")
     lock_timeout_s: float = Field(default=10.0, gt=0, description="Wait at most this long for "
                                   "the node-wide prepare lock.")
+    pod_uid: str | None = Field(default=None, description="This driver pod's uid (downward "
+                                "API). When set, the registration and DRA sockets carry it, "
+                                "so two driver pods can overlap during a rolling update. Env "
+                                "POD_UID works too.")
     log_level: str = Field(default="info", description="debug | info | warning | error")
 
     @field_validator("sharing_mode")
@@ -78,15 +83,27 @@ class DriverSettings(BaseModel):
 
     @property
     def dra_socket(self) -> Path:
-        return self.plugin_data_dir / "dra.sock"
+        if not self.pod_uid:
+            return self.plugin_data_dir / "dra.sock"
+        return self.plugin_data_dir / f"dra-{_short(self.pod_uid)}.sock"
 
     @property
     def registration_socket(self) -> Path:
-        return self.plugin_registry_dir / f"{DRIVER_NAME}-reg.sock"
+        if not self.pod_uid:
+            return self.plugin_registry_dir / f"{DRIVER_NAME}-reg.sock"
+        return self.plugin_registry_dir / f"{DRIVER_NAME}-{_short(self.pod_uid)}-reg.sock"
 
     @property
     def inspect_socket(self) -> Path:
+        """Where the lease controller dials the inspection API (with a pod uid: a symlink
+        to the socket of the newest driver pod)."""
         return self.plugin_data_dir / "inspect.sock"
+
+    @property
+    def inspect_listen_socket(self) -> Path:
+        if not self.pod_uid:
+            return self.inspect_socket
+        return self.plugin_data_dir / f"inspect-{_short(self.pod_uid)}.sock"
 
     @property
     def ledger_path(self) -> Path:
@@ -97,7 +114,15 @@ class DriverSettings(BaseModel):
         return self.plugin_data_dir / "prepare.lock"
 
 
-_ENV_ALIASES = {"node_name": ("NODE_NAME",)}
+_ENV_ALIASES = {"node_name": ("NODE_NAME",), "pod_uid": ("POD_UID",)}
+
+
+def _short(pod_uid: str) -> str:
+    """A pod uid as it may appear in a socket name: as is when short and plain, else a
+    hash (unix socket paths are limited to 107 bytes)."""
+    if len(pod_uid) <= 36 and all(c.isalnum() or c == "-" for c in pod_uid):
+        return pod_uid
+    return hashlib.sha256(pod_uid.encode()).hexdigest()[:16]
 
 
 def env_names(field: str, prefix: str = "ROTA_") -> tuple[str, ...]:

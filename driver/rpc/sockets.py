@@ -8,6 +8,7 @@ its own sockets and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -47,18 +48,41 @@ class UnixServer:
         self.mode = mode
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._server.add_generic_rpc_handlers(tuple(handlers))
+        self._inode: tuple[int, int] | None = None
 
     async def start(self) -> None:
         prepare_socket_path(self.path)
         self._server.add_insecure_port(f"unix://{self.path}")
         await self._server.start()
         os.chmod(self.path, self.mode)
+        info = self.path.lstat()
+        self._inode = (info.st_dev, info.st_ino)
         log.info("grpc server listening", extra={"socket": str(self.path)})
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self._server.stop(grace_s)
+        # Remove the socket only if it is still ours: during a rolling update the next
+        # driver may have bound the same path since.
         try:
-            if stat.S_ISSOCK(self.path.lstat().st_mode):
-                self.path.unlink()
+            info = self.path.lstat()
         except FileNotFoundError:
-            pass
+            return
+        if stat.S_ISSOCK(info.st_mode) and (info.st_dev, info.st_ino) == self._inode:
+            self.path.unlink()
+
+
+def point_link(link: Path, target: Path) -> None:
+    """Make ``link`` a symlink to ``target``, atomically (a temp link renamed over it)."""
+    temp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        temp.unlink()
+    temp.symlink_to(target.name)
+    os.replace(temp, link)
+
+
+def drop_link(link: Path, target: Path) -> None:
+    """Remove ``link`` if it still points to ``target`` (a newer process may own it)."""
+    with contextlib.suppress(OSError):
+        if os.readlink(link) == target.name:
+            link.unlink()
+
