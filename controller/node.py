@@ -164,6 +164,14 @@ class NodeController:
     async def _reconcile_device(self, worker: GpuWorker, on_gpu: list[Claimant]) -> None:
         device = worker.device
         lease = await worker.lease_port.read()
+        if lease.state == naming.STATE_SWITCHING:
+            # Nobody switches while this worker's lock is held: a switch was cut short by
+            # the crash (or the loss of leadership) of the instance that ran it.
+            metrics.FAILURES.labels("controller_crash").inc()
+            log.warning("found a switch its controller never finished",
+                        extra={"device": device, "fence": lease.fence,
+                               "controller": lease.controller or None,
+                               "target": lease.target_model or None})
         states = dict(zip([c.claim_uid for c in on_gpu],
                           await asyncio.gather(*(self._sleeping(c) for c in on_gpu)),
                           strict=True))

@@ -14,6 +14,8 @@ as a Prometheus label value as is. The reasons, all distinct:
 ``rejected``         :class:`EngineRejected`: any other non-2xx answer.
 ``gpu_oom``          :class:`EngineRejected`: the answer says CUDA ran out of memory
                      (vLLM's 500 for a wake that found no room on the device).
+``host_oom``         :class:`EngineRejected`: the answer says host memory ran out (a
+                     level-1 sleep pins the weights in host memory).
 ``unauthorized``     :class:`EngineRejected`: 401 or 403; the control credential is wrong.
 ``ack_error``        :class:`EngineRejected`: a vLLM-Omni ACK with status ``ERROR`` (or an
                      unknown overall status) inside a 200 answer.
@@ -53,6 +55,8 @@ MAX_BODY_CHARS = 256
 """At most this many characters of an engine's answer are kept in an error."""
 
 _OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError", re.IGNORECASE)
+_HOST_OOM = re.compile(r"DefaultCPUAllocator|cannot allocate memory|host memory|pinned memory"
+                       r"|\bENOMEM\b", re.IGNORECASE)
 
 
 def truncate(text: str, limit: int = MAX_BODY_CHARS) -> str:
@@ -63,6 +67,11 @@ def truncate(text: str, limit: int = MAX_BODY_CHARS) -> str:
 def is_gpu_oom(message: str) -> bool:
     """True when an engine's error message reports a device out-of-memory."""
     return bool(_OOM.search(message))
+
+
+def is_host_oom(message: str) -> bool:
+    """True when an engine's error message reports host (CPU, pinned) memory exhausted."""
+    return bool(_HOST_OOM.search(message))
 
 
 def error_message(body: str) -> str:
@@ -138,7 +147,10 @@ class EngineRejected(EngineError):
 
     @staticmethod
     def _classify(status: int, body: str) -> str:
-        if is_gpu_oom(error_message(body)):
+        message = error_message(body)
+        if is_host_oom(message):  # checked first: host messages may say "out of memory" too
+            return "host_oom"
+        if is_gpu_oom(message):
             return "gpu_oom"
         if status in (401, 403):
             return "unauthorized"
