@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from controller import naming
 from controller.claimants import Claimant
 from controller.engines.base import EngineAdapter
+from controller.engines.errors import EngineError
 from controller.kube import ControllerKube
 from controller.leases import GpuLease, lease_body
 from controller.switch import Fenced, Switcher, SwitchResult
@@ -95,6 +96,7 @@ class GpuWorker:
         """Outcome and timings of the latest switch, for /v1/state."""
         self._queue: dict[str, _Waiting] = {}
         self._wakeup = asyncio.Event()
+        self._switching = False
         self.lock = asyncio.Lock()
         """Held by every switch and by reconciliation of this GPU: one actor at a time."""
         self._holder_since = clock()
@@ -105,7 +107,8 @@ class GpuWorker:
     async def activate(self, claimant: Claimant) -> Activation:
         lease = self.lease
         if (lease is not None and lease.holder == claimant.ref
-                and lease.state == naming.STATE_AWAKE and not self._queue):
+                and lease.state == naming.STATE_AWAKE and not self._switching):
+            # The holder serves now, even while a switch away waits for its residency.
             return Activation(True, claimant, switched=False, fence=lease.fence)
         future: asyncio.Future[Activation] = asyncio.get_running_loop().create_future()
         self._queue.setdefault(claimant.claim_uid, _Waiting(claimant, [])).futures.append(future)
@@ -178,9 +181,13 @@ class GpuWorker:
                 return
         self._queue.pop(uid)
         on_gpu = [c for c in current if c.device == self.device and c.node == target.node]
-        result: SwitchResult = await self.switcher.switch(
-            lease, holder=holder if lease.state != naming.STATE_IDLE else None, target=target,
-            claimants=on_gpu)
+        self._switching = True
+        try:
+            result: SwitchResult = await self.switcher.switch(
+                lease, holder=holder if lease.state != naming.STATE_IDLE else None,
+                target=target, claimants=on_gpu)
+        finally:
+            self._switching = False
         self.lease = result.lease
         self.last_switch = {"ok": result.ok, "from": holder.ref if holder else None,
                             "to": target.ref, "reason": result.reason,
@@ -200,7 +207,12 @@ class GpuWorker:
         delay = 0.01
         engine = self.engine(holder)
         while self.clock() < deadline:
-            if not await engine.in_flight():
+            try:
+                if not await engine.in_flight():
+                    return False
+            except EngineError as exc:  # the drain step will find out what is going on
+                log.info("holder's load unknown; not waiting for it",
+                         extra={"device": self.device, "error": str(exc)})
                 return False
             if await wait_any(stop, timeout_s=min(delay, max(0.0, deadline - self.clock()))):
                 return True
@@ -222,9 +234,18 @@ class GpuWorker:
         holder = next((c for c in await self.claimants() if c.ref == lease.holder), None)
         if holder is None:
             return
-        busy = await self.engine(holder).in_flight()
+        try:
+            busy = await self.engine(holder).in_flight()
+        except EngineError as exc:
+            log.info("holder's load unknown; not putting it to sleep",
+                     extra={"device": self.device, "error": str(exc)})
+            return
         if busy:
             self._last_busy = self.clock()
             return
         if self.clock() - self._last_busy >= self.idle_sleep_s:
-            self.lease = await self.switcher.sleep_holder(lease, holder, reason="idle")
+            self._switching = True
+            try:
+                self.lease = await self.switcher.sleep_holder(lease, holder, reason="idle")
+            finally:
+                self._switching = False
