@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 
 from driver import app, logs, settings
-from driver.errors import ConfigError
+from driver.errors import ConfigError, RotaDriverError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rota-driver: {exc}", file=sys.stderr)
         return 2
+    except RotaDriverError as exc:
+        # E.g. a corrupt ledger: starting anyway could over-commit GPUs in use.
+        logging.getLogger("driver").critical("cannot run", extra={"error": str(exc)})
+        print(f"rota-driver: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

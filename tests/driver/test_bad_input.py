@@ -151,3 +151,14 @@ async def test_malformed_grpc_requests(gpu_node: GpuNode) -> None:
     assert gpu_node.ledger() == {}
     assert gpu_node.driver is not None
     assert gpu_node.driver.alive()
+
+
+def test_a_corrupt_ledger_stops_the_driver_with_a_clear_message(gpu_node: GpuNode) -> None:
+    gpu_node.stop_driver()
+    gpu_node.dirs.ledger.write_text('{"apiVersion": "ledger.gpu.rota.dev/v1", "kind": "Ledger",'
+                                    ' "checksum": "sha256:00", "data": {}}')
+    gpu_node.start_driver(wait=False)
+    assert gpu_node.driver is not None
+    assert gpu_node.driver.popen is not None
+    assert gpu_node.driver.popen.wait(timeout=30) == 1
+    assert "ledger" in gpu_node.driver.log_tail().lower()

@@ -93,3 +93,4 @@ async def test_an_unhealthy_gpu_is_tainted_and_the_taint_lifted(
         assert "taints" not in node_slices(kube_api, node)[0]["spec"]["devices"][0]
     finally:
         client.CoreV1Api(kube_api).delete_node(node)
+
