@@ -16,7 +16,6 @@ control endpoints are never reachable through it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from typing import Any
 
@@ -25,13 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller import metrics
+from controller.gateway.credentials import ApiKeys
 from controller.node import NodeController, UnknownModel
 from controller.switch import Fenced
 
 log = logging.getLogger(__name__)
 
 NODE: web.AppKey[NodeController] = web.AppKey("node", NodeController)
-TOKEN: web.AppKey[str] = web.AppKey("token", str)
+CALLERS: web.AppKey[ApiKeys] = web.AppKey("callers", ApiKeys)
 _MAX_BODY = 16 * 1024
 
 
@@ -51,11 +51,9 @@ def _error(status: int, kind: str, message: str, *, retry_after: int | None = No
 
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    token = request.app[TOKEN]
-    if token and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            return _error(401, "unauthorized", "a valid bearer token is required")
+    if request.path.startswith("/v1/") and not request.app[CALLERS].admits(
+            request.headers.get("Authorization")):
+        return _error(401, "unauthorized", "a valid bearer token is required")
     response: web.StreamResponse = await handler(request)
     return response
 
@@ -117,10 +115,12 @@ async def metrics_page(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_app(node: NodeController, *, token: str) -> web.Application:
+def make_app(node: NodeController, *, callers: ApiKeys) -> web.Application:
+    """``callers`` holds the accepted tokens (every line of the token file, so a rotation
+    can overlap); with no file the API is open."""
     app = web.Application(middlewares=[_auth], client_max_size=_MAX_BODY)
     app[NODE] = node
-    app[TOKEN] = token
+    app[CALLERS] = callers
     app.router.add_post("/v1/activate", activate)
     app.router.add_get("/v1/state", state)
     app.router.add_get("/healthz", healthz)

@@ -19,6 +19,7 @@ from aiohttp import web
 from controller.activation import make_app
 from controller.device import DeviceReader
 from controller.election import Election
+from controller.gateway.credentials import ApiKeys, SecretFile, reload_forever
 from controller.kube import ControllerKube
 from controller.node import NodeController
 from controller.settings import LeaseSettings
@@ -47,10 +48,12 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, life.stop.set)
-    token = await asyncio.to_thread(_read_secret, settings.token_file)
-    engine_token = await asyncio.to_thread(_read_secret, settings.engine_token_file)
-    if not token:
+    callers = SecretFile(settings.token_file) if settings.token_file else None
+    if callers is not None:
+        await callers.load()
+    else:
         log.warning("the activation API runs without a token; set --token-file in production")
+    engine_token = await asyncio.to_thread(_read_secret, settings.engine_token_file)
     api = load_api_client(settings.kubeconfig)
     kube = ControllerKube(api, timeout_s=settings.timeouts.lease_s)
     await kube.ensure_namespace(settings.namespace)
@@ -66,7 +69,7 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
                                 duration_s=settings.election_lease_s, activation_url="")
             node = NodeController(settings=settings, kube=kube, election=election,
                                   device=device, session=session, engine_token=engine_token)
-            app = make_app(node, token=token or "")
+            app = make_app(node, callers=ApiKeys(callers))
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, host or "0.0.0.0", int(port))
@@ -81,8 +84,13 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(election.run(life.stop), name="election")
                 tasks.create_task(node.run(life.stop), name="node-controller")
+                if callers is not None:  # a rotated Secret reaches the volume, not the process
+                    reload = tasks.create_task(reload_forever([callers], settings.token_reload_s),
+                                               name="token-reload")
                 life.ready.set()
                 await life.stop.wait()
+                if callers is not None:
+                    reload.cancel()
         finally:
             if runner is not None:
                 await runner.cleanup()

@@ -54,6 +54,9 @@ class LeaseSettings(BaseModel):
                                       "the activation API (default http://<listen>).")
     token_file: Path | None = Field(default=None, description="File holding the bearer "
                                     "token the activation API requires (a mounted Secret).")
+    token_reload_s: float = Field(default=30.0, gt=0, description="Re-read the token file "
+                                  "this often (a rotated Secret reaches the volume, not the "
+                                  "process); every line of the file is a valid token.")
     engine_token_file: Path | None = Field(default=None, description="File holding the "
                                            "bearer token sent to engines' control endpoints.")
     election_lease_s: float = Field(default=15.0, gt=1, description="Duration of the "

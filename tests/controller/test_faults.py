@@ -112,3 +112,29 @@ async def test_the_activation_api_refuses_garbage(
     status, body = await activate(session, url, "no/such-model")
     assert status == 404
     assert body["error"]["type"] == "unknown_model"
+
+
+async def test_the_activation_token_rotates_without_a_restart(
+        engine_node: GpuNode, two_engines: list[Engine]) -> None:
+    token = engine_node.dirs.root / "token"
+    token.write_text("old-token\n")
+    engine_node.start_controller(extra=[f"--token-file={token}", "--token-reload-s=0.2"])
+    url = engine_node.controller_url()
+    async with aiohttp.ClientSession() as session:
+        async def serves(secret: str) -> bool:
+            status, _ = await activate(session, url, MODEL_A.model, token=secret)
+            return status == 200
+
+        await eventually_async(lambda: serves("old-token"), timeout=60, what="old token works")
+        status, body = await activate(session, url, MODEL_A.model)
+        assert status == 401, body
+        # During a rotation both tokens are in the Secret, then only the new one.
+        token.write_text("old-token\nnew-token\n")
+        await eventually_async(lambda: serves("new-token"), timeout=30, what="new token works")
+        token.write_text("new-token\n")
+
+        async def old_refused() -> bool:
+            status, _ = await activate(session, url, MODEL_A.model, token="old-token")
+            return status == 401
+
+        await eventually_async(old_refused, timeout=30, what="old token refused")
