@@ -43,7 +43,15 @@ if have_all; then echo "$BIN"; exit 0; fi
 
 export GOFLAGS="${GOFLAGS:-} -mod=mod"
 export CGO_ENABLED=0
-export GOTOOLCHAIN=local
+# Kubernetes 1.37 needs Go 1.26. An older local Go fetches that toolchain from the module
+# proxy (it is served there like any module); a new enough one is used as it is.
+go_minor=$(go env GOVERSION | sed -n 's/^go1\.\([0-9]*\).*/\1/p')
+if [[ -n "$go_minor" && "$go_minor" -lt 26 ]]; then
+  export GOTOOLCHAIN="${ROTA_GO_TOOLCHAIN:-go1.26.8}"
+  log "local $(go env GOVERSION) is too old; using $GOTOOLCHAIN from the module proxy"
+else
+  export GOTOOLCHAIN=local
+fi
 start=$(date +%s)
 mkdir -p "$BIN"
 
