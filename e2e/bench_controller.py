@@ -35,6 +35,7 @@ from kubernetes import client, config
 from e2e.cluster import LocalCluster
 from e2e.harness import engine_node
 from e2e.scenario import EngineSpec, activate, deploy
+from e2e.stats import summary_ms
 from e2e.waiting import eventually_async
 
 TARGET_P50_MS = 20.0
@@ -59,18 +60,6 @@ class Delays:
         return (f"--first-sleep-seconds={self.later_sleep_s}",
                 f"--later-sleep-seconds={self.later_sleep_s}",
                 f"--wake-level1-seconds={self.wake_s}", f"--ttft-seconds={self.ttft_s}")
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def summary_ms(values_s: list[float]) -> dict[str, float]:
-    ms = [v * 1e3 for v in values_s]
-    return {"n": len(ms), "p50_ms": round(statistics.median(ms), 2),
-            "p99_ms": round(percentile(ms, 0.99), 2), "max_ms": round(max(ms), 2)}
 
 
 @dataclass(frozen=True)

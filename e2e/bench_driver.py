@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import time
 import uuid
 from typing import Any
@@ -35,13 +34,9 @@ from driver.slices import SharingMode
 from e2e.cluster import LocalCluster, create_node
 from e2e.harness import GpuNode
 from e2e.objects import GROUP, VERSION, claim, create_claim, engine_config
+from e2e.stats import summary_ms
 
 SERVICE = dra.DESCRIPTOR.services_by_name["DRAPlugin"]
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _allocated_claims(api: client.ApiClient, namespace: str, node: str, count: int
@@ -120,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             one = asyncio.run(_prepare_latency(node, refs, 1, args.rounds))
             many = asyncio.run(_prepare_latency(node, refs, 32, args.batch_rounds))
             for label, values in (("prepare_1", one), ("prepare_32", many)):
-                result[label] = {"n": len(values),
-                                 "p50_ms": round(statistics.median(values) * 1e3, 2),
-                                 "p99_ms": round(_percentile(values, 0.99) * 1e3, 2)}
+                result[label] = summary_ms(values)
                 print(f"{label}: {result[label]}")
             result["publish_8_gpus"] = {k: round(v, 2) for k, v in
                                         asyncio.run(_publish_times(cluster, api)).items()}

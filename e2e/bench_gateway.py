@@ -38,6 +38,7 @@ from kubernetes import client, config
 from e2e.cluster import LocalCluster
 from e2e.harness import engine_node
 from e2e.scenario import EngineSpec, activate, deploy
+from e2e.stats import percentile
 from e2e.waiting import eventually_async
 
 TTFT_RATIO_TARGET = 1.15
@@ -73,12 +74,6 @@ class Phase:
         return {"n": len(ms), "ttft_p50_ms": round(statistics.median(ms), 2),
                 "ttft_p99_ms": round(percentile(ms, 0.99), 2),
                 "chunks_per_s": round(self.chunks / self.wall_s, 1) if self.wall_s else 0.0}
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _body(model: str, max_tokens: int) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from driver.logs import configure
 from e2e.cluster import LocalCluster
 from e2e.harness import GpuNode
 from e2e.objects import MANIFESTS, apply_manifest
+from e2e.scenario import stream_chat
 from e2e.waiting import eventually
 
 NAMESPACE = "demo"
@@ -56,35 +56,15 @@ async def _last_switch(session: aiohttp.ClientSession, controller: str, token: s
     return dict(lease.get("last_switch") or {})
 
 
-async def _ask(session: aiohttp.ClientSession, gateway: str, model: str) -> tuple[str, float,
-                                                                                   float]:
-    body = {"model": model, "stream": True, "max_tokens": 12, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "What is 3 + 4?"}]}
-    start = time.perf_counter()
-    first = 0.0
-    parts: list[str] = []
-    async with session.post(f"{gateway}/v1/chat/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=120)) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices") or []:
-                piece = choice.get("delta", {}).get("content") or ""
-                if piece and not first:
-                    first = time.perf_counter() - start
-                parts.append(piece)
-    return "".join(parts), first, time.perf_counter() - start
-
-
 async def _conversation(api: client.ApiClient, gateway: str, controller: str, token: str,
                         rounds: int) -> None:
     async with aiohttp.ClientSession() as session:
         for i in range(rounds):
             model = MODELS[i % 2]
             before = _lease(api)
-            answer, ttft, total = await _ask(session, gateway, model)
+            reply = await stream_chat(session, gateway, model, max_tokens=12, ignore_eos=True,
+                                      timeout_s=120)
+            answer, ttft, total = reply.content, reply.ttft_s, reply.total_s
             after = _lease(api)
             switched = after["fence"] != before["fence"]
             say(f"  {i + 1:>2}. {model:<12} -> {answer[:24]!r:<28} first token {ttft * 1e3:7.1f} ms"

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import json
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,21 +101,42 @@ async def set_faults(session: aiohttp.ClientSession, engine: Engine, **faults: b
         resp.raise_for_status()
 
 
-async def ask_seven(session: aiohttp.ClientSession, base_url: str, model: str) -> str:
-    """The correctness question, streamed; returns the content."""
+@dataclass(frozen=True)
+class StreamedAnswer:
+    content: str
+    ttft_s: float
+    """From sending the request to its first content token (0 when none came)."""
+    total_s: float
+
+
+async def stream_chat(session: aiohttp.ClientSession, base_url: str, model: str, *,
+                      prompt: str = "What is 3 + 4?", max_tokens: int = 4,
+                      ignore_eos: bool = False, timeout_s: float = 30.0) -> StreamedAnswer:
+    """One streamed chat completion, with its content and timing."""
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": 4, "messages": [{"role": "user", "content": "What is 3 + 4?"}]}
-    content = []
+            "max_tokens": max_tokens, "ignore_eos": ignore_eos,
+            "messages": [{"role": "user", "content": prompt}]}
+    start = time.perf_counter()
+    first = 0.0
+    parts: list[str] = []
     async with session.post(f"{base_url}/v1/chat/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
         resp.raise_for_status()
         async for raw in resp.content:
             line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                for choice in chunk.get("choices") or []:
-                    content.append(choice.get("delta", {}).get("content") or "")
-    return "".join(content)
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices") or []:
+                piece = choice.get("delta", {}).get("content") or ""
+                if piece and not first:
+                    first = time.perf_counter() - start
+                parts.append(piece)
+    return StreamedAnswer("".join(parts), first, time.perf_counter() - start)
+
+
+async def ask_seven(session: aiohttp.ClientSession, base_url: str, model: str) -> str:
+    """The correctness question, streamed; returns the content."""
+    return (await stream_chat(session, base_url, model)).content
 
 
 @dataclass
