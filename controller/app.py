@@ -35,13 +35,6 @@ class Lifecycle:
     url: str = ""
 
 
-def _read_secret(path: object) -> str | None:
-    if path is None:
-        return None
-    with open(str(path), encoding="utf-8") as f:
-        return f.read().strip() or None
-
-
 async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
     life = life or Lifecycle()
     loop = asyncio.get_running_loop()
@@ -53,7 +46,11 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
         await callers.load()
     else:
         log.warning("the activation API runs without a token; set --token-file in production")
-    engine_token = await asyncio.to_thread(_read_secret, settings.engine_token_file)
+    engine_token: str | None = None
+    if settings.engine_token_file is not None:
+        engine_secret = SecretFile(settings.engine_token_file)
+        await engine_secret.load()
+        engine_token = engine_secret.lines[0] if engine_secret.lines else None
     api = load_api_client(settings.kubeconfig)
     kube = ControllerKube(api, timeout_s=settings.timeouts.lease_s)
     await kube.ensure_namespace(settings.namespace)

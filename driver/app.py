@@ -43,7 +43,6 @@ class Lifecycle:
 
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    http_port: int = 0
 
 
 def make_backend(settings: DriverSettings) -> NvmlBackend:
@@ -115,7 +114,6 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
     site = web.TCPSite(runner, host or "127.0.0.1", int(port))
     try:
         await site.start()
-        life.http_port = runner.addresses[0][1] if runner.addresses else 0
         await dra_server.start()
         await inspect_server.start()
         if inspect_link:

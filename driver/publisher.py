@@ -80,7 +80,6 @@ class SlicePublisher:
         self.resync_s = resync_s
         self.driver = driver
         self.synced = asyncio.Event()
-        self.writes = 0
         self._node_uid: str | None = None
         self._taints: dict[str, list[dict[str, Any]]] = {}
         self._taints_supported = True
@@ -134,7 +133,6 @@ class SlicePublisher:
             if not fell_back:
                 break
         self._devices = published_devices(self._desired(0), self.gpus)
-        self.writes += writes
         metrics.SLICE_SYNCS.inc()
         self.synced.set()
         return writes
