@@ -21,6 +21,7 @@ from driver.claims import engine_config_of
 from driver.errors import ClaimError
 from driver.opaque import EngineConfig
 from driver.quantity import parse_quantity
+from driver.slices import physical_device
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Claimant:
     node: str
     """The pool (rota names pools after nodes)."""
     device: str
+    """The allocated device as the claim names it (``gpu-0``, or ``gpu-0-share-2``)."""
     share_id: str | None
     config: EngineConfig
     model: str
@@ -51,6 +53,12 @@ class Claimant:
     pod_ip: str | None
     pod_ready: bool
     pod_deleting: bool
+
+    @property
+    def gpu(self) -> str:
+        """The physical GPU (``gpu-<i>``) the claimant shares, whatever the sharing mode
+        named its allocation: the unit of "one engine awake" and of the GPU Lease."""
+        return physical_device(self.device)
 
     @property
     def ref(self) -> str:

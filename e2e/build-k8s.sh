@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build the control-plane binaries rota's local cluster runs (etcd, kube-apiserver,
-# kube-scheduler, kube-controller-manager) from the Go module proxy, at pinned versions.
+# Build the Kubernetes binaries rota's local cluster runs from the Go module proxy, at pinned
+# versions: the control plane (etcd, kube-apiserver, kube-scheduler, kube-controller-manager),
+# and what a real node needs (kubelet; containerd with ctr and the runc shim).
 #
 # The binaries land in a cache outside the repository, keyed by version, and are reused
 # when present:   ${ROTA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rota}/k8s/<k8s>-etcd<etcd>/bin
@@ -15,10 +16,13 @@ set -euo pipefail
 
 K8S_VERSION="${ROTA_K8S_VERSION:-1.37.2}"
 ETCD_VERSION="${ROTA_ETCD_VERSION:-3.7.3}"
+CONTAINERD_VERSION="${ROTA_CONTAINERD_VERSION:-2.4.2}"
 CACHE_ROOT="${ROTA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rota}"
-OUT="$CACHE_ROOT/k8s/v${K8S_VERSION}-etcd${ETCD_VERSION}"
+OUT="$CACHE_ROOT/k8s/v${K8S_VERSION}-etcd${ETCD_VERSION}-containerd${CONTAINERD_VERSION}"
 BIN="$OUT/bin"
-WANT=(etcd kube-apiserver kube-scheduler kube-controller-manager)
+KUBE=(kube-apiserver kube-scheduler kube-controller-manager kubelet)
+CONTAINERD=(containerd containerd-shim-runc-v2 ctr)
+WANT=(etcd "${KUBE[@]}" "${CONTAINERD[@]}")
 
 log() { printf '[build-k8s] %s\n' "$*" >&2; }
 
@@ -89,31 +93,42 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubelet"
 )
 GO
   log "resolving dependencies"
   go mod tidy -e >&2 || true
-  go get "k8s.io/kubernetes/cmd/kube-apiserver@v${K8S_VERSION}" \
-         "k8s.io/kubernetes/cmd/kube-scheduler@v${K8S_VERSION}" \
-         "k8s.io/kubernetes/cmd/kube-controller-manager@v${K8S_VERSION}" >&2
+  local c pkgs=()
+  for c in "${KUBE[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
+  go get "${pkgs[@]/%/@v${K8S_VERSION}}" >&2
   local ldf="-s -w" p now
   now=$(date -u +%Y-%m-%dT%H:%M:%SZ)
   for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ldf="$ldf -X $p.gitVersion=v${K8S_VERSION} -X $p.gitMajor=1 -X $p.gitMinor=${minor}"
     ldf="$ldf -X $p.gitTreeState=clean -X $p.buildDate=${now}"
   done
-  log "building kube-apiserver, kube-scheduler, kube-controller-manager (this is the slow part)"
+  log "building ${KUBE[*]} (this is the slow part; one build shares the compiled packages)"
   go build -trimpath -buildvcs=false -tags selinux,notest,grpcnotrace -ldflags "$ldf" -o "$BIN/" \
-    k8s.io/kubernetes/cmd/kube-apiserver \
-    k8s.io/kubernetes/cmd/kube-scheduler \
-    k8s.io/kubernetes/cmd/kube-controller-manager
+    "${pkgs[@]}"
+}
+
+build_containerd() {
+  local w="$OUT/src-containerd" m="github.com/containerd/containerd/v2" c pkgs=()
+  rm -rf "$w"; mkdir -p "$w"; cd "$w"
+  go mod init rota.local/containerdbin >/dev/null 2>&1
+  for c in "${CONTAINERD[@]}"; do pkgs+=("$m/cmd/$c"); done
+  log "resolving $m@v${CONTAINERD_VERSION}"
+  go get "${pkgs[@]/%/@v${CONTAINERD_VERSION}}" >&2
+  log "building ${CONTAINERD[*]}"
+  go build -trimpath -buildvcs=false -tags "no_btrfs netgo osusergo" \
+    -ldflags "-s -w -X $m/version.Version=v${CONTAINERD_VERSION}" -o "$BIN/" "${pkgs[@]}"
 }
 
 [[ -x "$BIN/etcd" ]] || build_etcd
-if [[ ! -x "$BIN/kube-apiserver" || ! -x "$BIN/kube-scheduler" || ! -x "$BIN/kube-controller-manager" ]]; then
-  build_kube
-fi
-rm -rf "$OUT/src-etcd" "$OUT/src-kube"
+missing() { local b; for b in "$@"; do [[ -x "$BIN/$b" ]] || return 0; done; return 1; }
+if missing "${KUBE[@]}"; then build_kube; fi
+if missing "${CONTAINERD[@]}"; then build_containerd; fi
+rm -rf "$OUT/src-etcd" "$OUT/src-kube" "$OUT/src-containerd"
 touch "$OUT/.complete"
 log "built in $(( $(date +%s) - start )) s: $BIN"
 echo "$BIN"

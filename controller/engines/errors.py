@@ -19,6 +19,11 @@ as a Prometheus label value as is. The reasons, all distinct:
 ``unauthorized``     :class:`EngineRejected`: 401 or 403; the control credential is wrong.
 ``ack_error``        :class:`EngineRejected`: a vLLM-Omni ACK with status ``ERROR`` (or an
                      unknown overall status) inside a 200 answer.
+``engine_dead``      :class:`EngineDead`: the engine process is alive but its core is dead
+                     (``/health`` 503, or a 500 ``EngineDeadError``); only a restart helps.
+``state_unknown``    :class:`EngineStateUnknown`: a sleep or wake whose outcome is not known
+                     and that may still take effect later (vLLM keeps an abandoned
+                     ``/sleep?mode=wait`` registered and fires it when the engine idles).
 ``lied``             :class:`EngineLied`: a 200 answer, then ``/is_sleeping`` contradicts it.
 ``bad_response``     :class:`EngineProtocolError`: a 2xx answer that cannot be parsed.
 ``probe_<reason>``   :class:`ProbeFailed`: the correctness probe failed; ``<reason>`` is one
@@ -39,10 +44,12 @@ from typing import Any
 
 __all__ = [
     "MAX_BODY_CHARS",
+    "EngineDead",
     "EngineError",
     "EngineLied",
     "EngineProtocolError",
     "EngineRejected",
+    "EngineStateUnknown",
     "EngineTimeout",
     "EngineUnreachable",
     "ProbeFailed",
@@ -155,6 +162,25 @@ class EngineRejected(EngineError):
         if status in (401, 403):
             return "unauthorized"
         return "rejected"
+
+
+class EngineDead(EngineError):
+    """The engine's core is dead (vLLM: ``/health`` 503, or 500 ``EngineDeadError``).
+
+    Nothing but a restart of its pod brings it back; it must never be woken or probed again.
+    """
+
+    reason = "engine_dead"
+
+
+class EngineStateUnknown(EngineError):
+    """A sleep or wake whose outcome is unknown and may still take effect later.
+
+    The engine must be treated as possibly awake *and* possibly about to fall asleep until
+    ``/is_sleeping`` and the device agree; it must not be woken while such a call may fire.
+    """
+
+    reason = "state_unknown"
 
 
 class EngineLied(EngineError):

@@ -27,6 +27,7 @@ from driver.slices import (
     dropped_fields,
     dropped_gates,
     fallback_mode,
+    physical_device,
     slice_name,
     unhealthy_taint,
     with_taints,
@@ -465,3 +466,21 @@ def test_taints_land_on_their_gpu_and_dropping_them_is_no_mode_change() -> None:
     assert "taints" not in desired[0]["spec"]["devices"][0], "the input must not change"
     assert dropped_gates(tainted[0], desired[0]) == {GATE_DEVICE_TAINTS}
     assert fallback_mode(SharingMode.SHARED, {GATE_DEVICE_TAINTS}) is None
+
+
+@pytest.mark.parametrize(("name", "gpu"), [
+    ("gpu-0", "gpu-0"), ("gpu-3-share-0", "gpu-3"), ("gpu-12-share-7", "gpu-12"),
+    ("gpu-1-share-x", "gpu-1-share-x"), ("other", "other"),
+])
+def test_physical_device_names_the_gpu_behind_every_published_name(name: str, gpu: str) -> None:
+    assert physical_device(name) == gpu
+
+
+
+@pytest.mark.parametrize("mode", list(SharingMode))
+def test_every_published_device_maps_to_the_gpu_whose_uuid_it_carries(mode: SharingMode) -> None:
+    by_uuid = {gpu.uuid: gpu.name for gpu in H200X8}
+    for body in build_slices(H200X8, PoolOptions("node-a", mode=mode)):
+        for device in body["spec"].get("devices", []):
+            uuid = device["attributes"]["uuid"]["string"]
+            assert physical_device(device["name"]) == by_uuid[uuid]
