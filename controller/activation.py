@@ -4,11 +4,7 @@ Gateways call it; each node's controller serves it on the address its controller
 advertises. It requires a bearer token when one is configured (a mounted Secret); engine
 control endpoints are never reachable through it.
 
-- ``POST /v1/activate`` ``{"model": "...", "claim": "<namespace>/<name>"?}`` ->
-  200 ``{"model", "claim", "endpoint", "switched", "fence", "timings"}``;
-  401 without the token; 400 malformed; 404 unknown model; 409 ``not_leader``;
-  503 ``{"error": {"type": <reason>, "message"}}`` with ``Retry-After`` when the switch
-  failed.
+- ``POST /v1/activate``: the contract is :mod:`controller.activation_api`.
 - ``GET /v1/state``: the GPU Leases this instance knows and its claimants.
 - ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
 """
@@ -21,9 +17,10 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from controller import metrics
+from controller.activation_api import PATH, ActivateAnswer, ActivateRequest, ErrorBody, ErrorDetail
 from controller.gateway.credentials import ApiKeys
 from controller.node import NodeController, UnknownModel
 from controller.switch import Fenced
@@ -35,18 +32,11 @@ CALLERS: web.AppKey[ApiKeys] = web.AppKey("callers", ApiKeys)
 _MAX_BODY = 16 * 1024
 
 
-class ActivateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(min_length=1, max_length=253)
-    claim: str | None = Field(default=None, max_length=507)
-
-
 def _error(status: int, kind: str, message: str, *, retry_after: int | None = None
            ) -> web.Response:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return web.json_response({"error": {"type": kind, "message": message}}, status=status,
-                             headers=headers)
+    body = ErrorBody(error=ErrorDetail(type=kind, message=message))
+    return web.json_response(body.model_dump(), status=status, headers=headers)
 
 
 @web.middleware
@@ -77,11 +67,11 @@ async def activate(request: web.Request) -> web.Response:
         return _error(503, result.reason or "switch_failed", result.message or result.reason,
                       retry_after=2)
     claimant = result.claimant
-    return web.json_response({
-        "model": claimant.model, "claim": claimant.ref, "endpoint": claimant.endpoint,
-        "switched": result.switched, "fence": result.fence,
-        "timings": {k: round(v, 6) for k, v in result.timings.items()},
-    })
+    answer = ActivateAnswer(model=claimant.model, claim=claimant.ref,
+                            switched=result.switched, fence=result.fence,
+                            endpoint=claimant.endpoint,
+                            timings={k: round(v, 6) for k, v in result.timings.items()})
+    return web.json_response(answer.model_dump())
 
 
 async def state(request: web.Request) -> web.Response:
@@ -121,7 +111,7 @@ def make_app(node: NodeController, *, callers: ApiKeys) -> web.Application:
     app = web.Application(middlewares=[_auth], client_max_size=_MAX_BODY)
     app[NODE] = node
     app[CALLERS] = callers
-    app.router.add_post("/v1/activate", activate)
+    app.router.add_post(PATH, activate)
     app.router.add_get("/v1/state", state)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
