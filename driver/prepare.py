@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from driver import cdi, metrics
 from driver.budget import check_admission
 from driver.claims import ClaimPlan, PublishedDevice, plan_claim
+from driver.disk import OS_DISK, Disk
 from driver.errors import ClaimError, KubeError, KubeNotFoundError, LedgerError
 from driver.ledger import (
     ClaimRecord,
@@ -79,7 +80,7 @@ class Preparer:
                  driver_name: str, pool: str,
                  devices: Callable[[], Mapping[str, PublishedDevice]],
                  lock_path: Path, lock_timeout_s: float = 10.0,
-                 fetch_concurrency: int = 16) -> None:
+                 fetch_concurrency: int = 16, disk: Disk = OS_DISK) -> None:
         self.kube = kube
         self.ledger = ledger
         self.cdi_root = cdi_root
@@ -89,6 +90,7 @@ class Preparer:
         self.devices = devices
         self.lock_path = lock_path
         self.lock_timeout_s = lock_timeout_s
+        self.disk = disk
         self._fetch_slots = asyncio.Semaphore(fetch_concurrency)
         self._lock = asyncio.Lock()
         self._state: LedgerState | None = None
@@ -106,18 +108,19 @@ class Preparer:
             return await asyncio.to_thread(self._restore_locked)
 
     def _restore_locked(self) -> LedgerState:
-        with file_lock(self.lock_path, self.lock_timeout_s):
+        with file_lock(self.lock_path, self.lock_timeout_s, disk=self.disk):
             state = self.ledger.read()
             started = [r for r in state.claims.values() if r.state != "PrepareCompleted"]
             for record in started:
-                cdi.remove_spec(self.cdi_root, record.uid)
+                cdi.remove_spec(self.cdi_root, record.uid, disk=self.disk)
                 state = state.without(record.uid)
                 log.warning("rolled back a prepare interrupted by a restart",
                             extra={"claim_uid": record.uid, "claim": record.ref})
             if started:
                 self._write(state)
-            for uid in sorted(cdi.list_spec_claim_uids(self.cdi_root) - set(state.claims)):
-                cdi.remove_spec(self.cdi_root, uid)
+            specs = cdi.list_spec_claim_uids(self.cdi_root, disk=self.disk)
+            for uid in sorted(specs - set(state.claims)):
+                cdi.remove_spec(self.cdi_root, uid, disk=self.disk)
                 log.warning("removed a CDI spec with no ledger record",
                             extra={"claim_uid": uid})
             self._remember(state)
@@ -160,7 +163,7 @@ class Preparer:
         outcomes: dict[str, Sequence[DeviceAnswer] | Exception] = {}
         devices = self.devices()
         try:
-            with file_lock(self.lock_path, self.lock_timeout_s):
+            with file_lock(self.lock_path, self.lock_timeout_s, disk=self.disk):
                 state = self.ledger.read()
                 admitted: list[tuple[ClaimPlan, ClaimRecord]] = []
                 for ref, claim in batch:
@@ -169,7 +172,7 @@ class Preparer:
                         outcomes[ref.uid] = record.devices
                         continue
                     if record is not None:  # a prepare of this claim died half-way
-                        cdi.remove_spec(self.cdi_root, ref.uid)
+                        cdi.remove_spec(self.cdi_root, ref.uid, disk=self.disk)
                         state = state.without(ref.uid)
                     if isinstance(claim, ClaimError):
                         outcomes[ref.uid] = claim
@@ -193,7 +196,7 @@ class Preparer:
                 self._write(state)
                 for plan, record in admitted:
                     spec = cdi.build_claim_spec(plan, devices, dev_root=str(self.dev_root))
-                    cdi.write_spec(self.cdi_root, plan.uid, spec)
+                    cdi.write_spec(self.cdi_root, plan.uid, spec, disk=self.disk)
                     done = record.model_copy(update={"state": "PrepareCompleted"})
                     state = state.with_record(done)
                     outcomes[plan.uid] = done.devices
@@ -240,7 +243,7 @@ class Preparer:
 
     def _unprepare_locked(self, claims: list[ClaimRef]) -> dict[str, Exception | None]:
         try:
-            with file_lock(self.lock_path, self.lock_timeout_s):
+            with file_lock(self.lock_path, self.lock_timeout_s, disk=self.disk):
                 state = self.ledger.read()
                 known = [ref for ref in claims if state.get(ref.uid) is not None]
                 for ref in known:
@@ -250,7 +253,7 @@ class Preparer:
                 else:
                     self._remember(state)
                 for ref in claims:
-                    if cdi.remove_spec(self.cdi_root, ref.uid) or ref in known:
+                    if cdi.remove_spec(self.cdi_root, ref.uid, disk=self.disk) or ref in known:
                         log.info("unprepared claim", extra=ref.fields)
         except (LedgerError, OSError) as exc:
             error = ClaimError(f"unprepare failed on the node: {exc}", reason="node_error",
