@@ -8,20 +8,25 @@ unchanged. :data:`OS_DISK` is the real one.
 
 :func:`atomic_write` replaces a file so that a crash or an error leaves the old or the new
 content, never a mix: temp file in the same directory (``.<name>.<random>.tmp``), write,
-fsync, rename over the file, fsync the directory. It raises whatever the disk raised; a
-failure after the rename (the directory fsync) leaves the new content in place, which
-callers must treat as "maybe written".
+fsync, rename over the file, fsync the directory. An error before the rename is raised and
+leaves the old content. Once the rename is done the new content is what every reader sees
+for the rest of the boot, which is all the driver's state needs (the ledger belongs to one
+boot, and the kubelet prepares everything again after a reboot), so a failing directory
+fsync after it is logged, not raised: a write reported failed never took effect.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import secrets
 from pathlib import Path
 
 __all__ = ["OS_DISK", "Disk", "atomic_write", "fsync_dir", "remove_temp_files", "temp_name"]
+
+log = logging.getLogger(__name__)
 
 
 class Disk:
@@ -116,11 +121,12 @@ def atomic_write(path: Path, content: bytes, *, mode: int = 0o600,
                  disk: Disk = OS_DISK) -> None:
     """Replace ``path`` with ``content`` so that a crash leaves the old or the new file.
 
-    On failure before the rename, the temp file is removed (best effort) and ``path`` is
-    unchanged. A failure of the final directory fsync leaves the new content in place.
+    On failure the temp file is removed (best effort) and ``path`` is unchanged. Once the
+    rename is done the write counts as done: a failure of the final directory fsync is
+    logged (see the module docstring).
 
     Raises:
-        OSError: any call of the disk failed.
+        OSError: a call of the disk failed before the rename.
     """
     temp = temp_name(path)
     fd = disk.create(temp, mode)
@@ -136,7 +142,11 @@ def atomic_write(path: Path, content: bytes, *, mode: int = 0o600,
         with contextlib.suppress(OSError):
             disk.unlink(temp)
         raise
-    fsync_dir(path.parent, disk)
+    try:
+        fsync_dir(path.parent, disk)
+    except OSError as exc:
+        log.warning("renamed a file in place but could not flush its directory; it stays "
+                    "in place for this boot", extra={"path": str(path), "error": str(exc)})
 
 
 def remove_temp_files(path: Path, disk: Disk = OS_DISK) -> int:
