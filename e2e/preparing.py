@@ -46,10 +46,15 @@ def node_devices(pool: str, fixture: str = "h200") -> dict[str, PublishedDevice]
 
 def set_allocation(api: client.ApiClient, namespace: str, name: str, *, pool: str,
                    device: str = "gpu-0", memory: str = "12Gi") -> dict[str, Any]:
-    """Allocate a claim to one share of ``device`` in ``pool`` (or move it there)."""
+    """Allocate a claim to one share of ``device`` in ``pool`` (or move it there: an
+    allocation cannot change in place, so it is removed first, as a deallocation does)."""
     objects = client.CustomObjectsApi(api)
     current = objects.get_namespaced_custom_object(GROUP, VERSION, namespace,
                                                    "resourceclaims", name)
+    if current.get("status", {}).get("allocation"):
+        current["status"] = {}
+        current = objects.replace_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, "resourceclaims", name, current)
     current["status"] = {"allocation": {"devices": {"results": [{
         "request": "gpu", "driver": DRIVER_NAME, "pool": pool, "device": device,
         "shareID": str(uuid.uuid4()),
