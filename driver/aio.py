@@ -94,9 +94,10 @@ class Backoff:
 
 
 async def retry(call: Callable[[], Awaitable[T]], *, retry_on: tuple[type[BaseException], ...],
-                backoff: Backoff, on_retry: Callable[[BaseException, float], None] | None = None
-                ) -> T:
-    """``await call()`` until it returns, retrying only the exceptions in ``retry_on``.
+                backoff: Backoff, on_retry: Callable[[BaseException, float], None] | None = None,
+                transient: Callable[[BaseException], bool] = lambda exc: True) -> T:
+    """``await call()`` until it returns, retrying only the exceptions in ``retry_on`` for
+    which ``transient(error)`` holds (e.g. not a 403).
 
     At most ``backoff.attempts`` retries (it must be bounded); the last failure is
     re-raised. ``on_retry(error, pause_s)`` is told of each retry (log it there).
@@ -108,7 +109,7 @@ async def retry(call: Callable[[], Awaitable[T]], *, retry_on: tuple[type[BaseEx
         try:
             return await call()
         except retry_on as exc:
-            pause = next(delays, None)
+            pause = next(delays, None) if transient(exc) else None
             if pause is None:
                 raise
             if on_retry is not None:
