@@ -1,7 +1,9 @@
-"""Small asyncio helpers shared by rota's processes.
+"""Small asyncio helpers shared by rota's processes: waiting on events, finishing work that
+must not be cut off, and the one way to back off between attempts (and to repeat a step).
 
-Waiting on events, finishing work that must not be cut off, and the one way to repeat
-something: :class:`Backoff` (bounded, jittered delays) and :func:`run_periodically`.
+Every retry in rota is bounded, grows its pause, jitters it, and can be interrupted. Write
+it with :class:`Backoff` (the pauses) and, for a whole retried call, :func:`retry`; never
+with a hand-written ``delay = min(delay * 2, ...)`` loop.
 """
 
 from __future__ import annotations
@@ -9,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-log = logging.getLogger(__name__)
-
 T = TypeVar("T")
+
+__all__ = ["Backoff", "finish_first", "retry", "run_periodically", "wait_any"]
+
+log = logging.getLogger(__name__)
 
 
 async def wait_any(*events: asyncio.Event, timeout_s: float | None = None) -> bool:
@@ -34,6 +39,85 @@ async def wait_any(*events: asyncio.Event, timeout_s: float | None = None) -> bo
             task.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
     return bool(done)
+
+
+@dataclass
+class Backoff:
+    """Exponentially growing, jittered pauses: ``first_s``, then times ``factor`` up to
+    ``max_s``; each pause is drawn uniformly from ``[(1 - jitter) * p, p]`` ("equal
+    jitter" keeps a floor, so a retry never comes at once).
+
+    ``attempts`` bounds how many pauses :meth:`delays` yields (None: unbounded, for loops
+    that run until stopped, such as watches); :meth:`reset` starts over after a success.
+    Pure apart from ``rng``: tests pass a seeded ``random.Random``.
+    """
+
+    first_s: float = 0.2
+    max_s: float = 10.0
+    factor: float = 2.0
+    jitter: float = 0.5
+    attempts: int | None = None
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+    _next_s: float = field(init=False, default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.first_s <= 0 or self.max_s < self.first_s or self.factor < 1:
+            raise ValueError("backoff needs 0 < first_s <= max_s and factor >= 1")
+        if not 0 <= self.jitter < 1:
+            raise ValueError("jitter must be in [0, 1)")
+        self.reset()
+
+    def reset(self) -> None:
+        self._next_s = self.first_s
+
+    def next_delay(self) -> float:
+        """The next pause, in seconds; grows the one after it."""
+        ceiling = self._next_s
+        self._next_s = min(self._next_s * self.factor, self.max_s)
+        return self.rng.uniform((1 - self.jitter) * ceiling, ceiling)
+
+    def delays(self) -> Iterator[float]:
+        """The pauses, at most ``attempts`` of them."""
+        count = 0
+        while self.attempts is None or count < self.attempts:
+            count += 1
+            yield self.next_delay()
+
+    async def sleep(self, stop: asyncio.Event | None = None) -> bool:
+        """Pause for the next delay; True when ``stop`` was set meanwhile (stop now)."""
+        delay = self.next_delay()
+        if stop is None:
+            await asyncio.sleep(delay)
+            return False
+        return await wait_any(stop, timeout_s=delay)
+
+    def wait(self, stop: threading.Event) -> bool:
+        """The same for a thread (watch loops): True when ``stop`` was set meanwhile."""
+        return stop.wait(self.next_delay())
+
+
+async def retry(call: Callable[[], Awaitable[T]], *, retry_on: tuple[type[BaseException], ...],
+                backoff: Backoff, on_retry: Callable[[BaseException, float], None] | None = None,
+                transient: Callable[[BaseException], bool] = lambda exc: True) -> T:
+    """``await call()`` until it returns, retrying only the exceptions in ``retry_on`` for
+    which ``transient(error)`` holds (e.g. not a 403).
+
+    At most ``backoff.attempts`` retries (it must be bounded); the last failure is
+    re-raised. ``on_retry(error, pause_s)`` is told of each retry (log it there).
+    """
+    if backoff.attempts is None:
+        raise ValueError("retry needs a bounded Backoff (attempts=N)")
+    delays = backoff.delays()
+    while True:
+        try:
+            return await call()
+        except retry_on as exc:
+            pause = next(delays, None) if transient(exc) else None
+            if pause is None:
+                raise
+            if on_retry is not None:
+                on_retry(exc, pause)
+            await asyncio.sleep(pause)
 
 
 async def finish_first(work: Awaitable[T], *,
@@ -63,51 +147,21 @@ async def finish_first(work: Awaitable[T], *,
     return result
 
 
-@dataclass
-class Backoff:
-    """Bounded exponential delays with jitter.
-
-    Each :meth:`next` returns the current delay spread by ``±jitter`` (a fraction), then
-    grows it by ``factor`` up to ``max_s``; :meth:`reset` starts over. Jitter keeps many
-    nodes from acting in step.
-    """
-
-    initial_s: float
-    max_s: float
-    factor: float = 2.0
-    jitter: float = 0.2
-    rng: random.Random = field(default_factory=random.Random)
-    _current: float = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.initial_s <= self.max_s or self.factor < 1 or not 0 <= self.jitter < 1:
-            raise ValueError(f"unusable backoff {self!r}")
-        self._current = self.initial_s
-
-    def next(self) -> float:
-        """The next delay in seconds (never above ``max_s * (1 + jitter)``)."""
-        delay = self._current * (1 + self.rng.uniform(-self.jitter, self.jitter))
-        self._current = min(self._current * self.factor, self.max_s)
-        return delay
-
-    def reset(self) -> None:
-        self._current = self.initial_s
-
-
 async def run_periodically(step: Callable[[], Awaitable[object]], *, stop: asyncio.Event,
                            interval: Backoff, on_error: Backoff, what: str) -> None:
-    """Run ``step`` until ``stop`` is set: after a success wait ``interval.next()``, after a
-    failure (logged) ``on_error.next()``, reset by the next success. Waits end at once when
-    ``stop`` is set. Use ``Backoff(initial_s=T, max_s=T)`` for a jittered period ``T``.
+    """Run ``step`` until ``stop`` is set: after a success pause ``interval``'s next delay,
+    after a failure (logged) ``on_error``'s, reset by the next success. Pauses end at once
+    when ``stop`` is set. ``Backoff(first_s=T, max_s=T, jitter=0.2)`` is a period of
+    0.8-1 T.
     """
     while not stop.is_set():
         try:
             await step()
         except Exception as exc:
-            delay = on_error.next()
-            log.warning(f"{what} failed; trying again", extra={"error": str(exc)[:300],
-                                                               "retry_in_s": round(delay, 3)})
+            pause = on_error
+            log.warning(f"{what} failed; trying again", extra={"error": str(exc)[:300]})
         else:
             on_error.reset()
-            delay = interval.next()
-        await wait_any(stop, timeout_s=delay)
+            pause = interval
+        if await pause.sleep(stop):
+            return

@@ -112,8 +112,8 @@ class LedgerCollector:
         """Pass after pass until ``stop``; a failed pass is retried with backoff."""
         await run_periodically(
             self.collect_once, stop=stop, what="ledger garbage collection",
-            interval=Backoff(initial_s=self.interval_s, max_s=self.interval_s),
-            on_error=Backoff(initial_s=min(5.0, self.interval_s), max_s=self.interval_s))
+            interval=Backoff(first_s=self.interval_s, max_s=self.interval_s, jitter=0.2),
+            on_error=Backoff(first_s=min(5.0, self.interval_s), max_s=self.interval_s))
 
     async def collect_once(self) -> PassResult:
         """One pass; see the module docstring.
