@@ -47,7 +47,7 @@ from driver import cdi, metrics
 from driver.aio import finish_first
 from driver.budget import check_admission
 from driver.claims import ClaimPlan, PublishedDevice, plan_claim
-from driver.disk import OS_DISK, Disk
+from driver.disk import OS_DISK, Disk, remove_temp_files
 from driver.errors import ClaimError, KubeError, KubeNotFoundError, LedgerError
 from driver.ledger import (
     ClaimRecord,
@@ -120,7 +120,8 @@ class Preparer:
     # -- start-up ------------------------------------------------------------------------
 
     async def restore(self) -> LedgerState:
-        """Roll back half-done prepares and remove CDI specs that no record backs."""
+        """Roll back half-done prepares, remove CDI specs that no record backs and temp
+        files of interrupted writes."""
         async with self._lock:
             return await finish_first(asyncio.to_thread(self._restore_locked))
 
@@ -130,6 +131,7 @@ class Preparer:
             state = self._roll_back_started(on_disk, strict=True)
             if state != on_disk:
                 self._write(state)
+            remove_temp_files(self.ledger.path, self.disk)
             self._remove_orphan_specs(state, strict=True)
             self._remember(state)
             return state
