@@ -18,6 +18,7 @@ fsync after it is logged, not raised: a write reported failed never took effect.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -83,10 +84,11 @@ class Disk:
         """Take an exclusive ``flock`` without waiting; False when another holder has it."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        except PermissionError:  # EACCES: some file systems answer a held lock so
-            return False
+        except OSError as exc:
+            # EACCES: some file systems answer a held lock so.
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            raise
         return True
 
     def unlock(self, fd: int) -> None:
