@@ -103,7 +103,7 @@ def render(*, values_files: Sequence[Path] = (), set_values: Mapping[str, str] |
     for path in values_files:
         args += ["--values", str(path)]
     for key, value in (set_values or {}).items():
-        args += ["--set-string", f"{key}={value}"]
+        args += ["--set", f"{key}={value}"]
     return Rendered(run_tool("helm", args, bin_dir=bin_dir).stdout)
 
 
