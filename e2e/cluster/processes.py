@@ -57,7 +57,7 @@ class ManagedProcess:
                 env=dict(self.env) if self.env is not None else None,
                 start_new_session=True,
             )
-        log.info("process started", extra={"process": self.name, "pid": self.popen.pid,
+        log.info("process started", extra={"component": self.name, "pid": self.popen.pid,
                                             "log": str(self.log_path)})
 
     def alive(self) -> bool:
@@ -76,7 +76,7 @@ class ManagedProcess:
         try:
             self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            log.warning("process ignored SIGTERM; killing", extra={"process": self.name,
+            log.warning("process ignored SIGTERM; killing", extra={"component": self.name,
                                                                   "pid": self.popen.pid})
             self.popen.kill()
             self.popen.wait(timeout=timeout_s)
