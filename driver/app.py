@@ -18,6 +18,7 @@ from aiohttp import web
 
 from driver import DRIVER_NAME
 from driver.aio import wait_any
+from driver.cdi import ExtraEdits, fake_nvml_edits
 from driver.devices import discover
 from driver.errors import ConfigError
 from driver.health import HealthMonitor
@@ -55,6 +56,14 @@ def make_backend(settings: DriverSettings) -> NvmlBackend:
     from driver.nvml.real import PynvmlBackend
 
     return PynvmlBackend()
+
+
+def cdi_edits(settings: DriverSettings) -> ExtraEdits | None:
+    """With the fake NVML backend, engines get its process registry through their CDI
+    spec, as a real engine's memory shows in NVML without anything mounted."""
+    if settings.nvml_backend is NvmlBackendKind.FAKE and settings.fake_nvml_proc_dir:
+        return fake_nvml_edits(settings.fake_nvml_proc_dir)
+    return None
 
 
 async def run(settings: DriverSettings, lifecycle: Lifecycle | None = None,

@@ -79,11 +79,12 @@ class Preparer:
                  driver_name: str, pool: str,
                  devices: Callable[[], Mapping[str, PublishedDevice]],
                  lock_path: Path, lock_timeout_s: float = 10.0,
-                 fetch_concurrency: int = 16) -> None:
+                 fetch_concurrency: int = 16, cdi_edits: cdi.ExtraEdits | None = None) -> None:
         self.kube = kube
         self.ledger = ledger
         self.cdi_root = cdi_root
         self.dev_root = dev_root
+        self.cdi_edits = cdi_edits
         self.driver_name = driver_name
         self.pool = pool
         self.devices = devices
@@ -192,7 +193,8 @@ class Preparer:
                     return outcomes
                 self._write(state)
                 for plan, record in admitted:
-                    spec = cdi.build_claim_spec(plan, devices, dev_root=str(self.dev_root))
+                    spec = cdi.build_claim_spec(plan, devices, dev_root=str(self.dev_root),
+                                                extra=self.cdi_edits)
                     cdi.write_spec(self.cdi_root, plan.uid, spec)
                     done = record.model_copy(update={"state": "PrepareCompleted"})
                     state = state.with_record(done)
