@@ -87,6 +87,9 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
                                mode=SharingMode(settings.sharing_mode),
                                engines=settings.engines_per_gpu,
                                resync_s=settings.slice_resync_s)
+    # The kubelet creates <root>/plugins, not rota's directory in it.
+    await asyncio.to_thread(settings.plugin_data_dir.mkdir, mode=0o750, parents=True,
+                            exist_ok=True)
     boot_id = await asyncio.to_thread(current_boot_id, settings.proc_root)
     preparer = Preparer(kube=kube, ledger=Ledger(settings.ledger_path, boot_id=boot_id),
                         cdi_root=settings.cdi_root, dev_root=settings.dev_root,
