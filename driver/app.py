@@ -103,7 +103,7 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
     registration = RegistrationService(driver_name=DRIVER_NAME, dra_endpoint=settings.dra_socket)
 
     dra_server = UnixServer(settings.dra_socket,
-                            [*DraService(preparer).handlers(), health.handler()])
+                            [*DraService(preparer).handlers(), *health.handlers()])
     inspect_server = UnixServer(settings.inspect_listen_socket, [inspection.handler()],
                                 mode=0o660)
     inspect_link = settings.inspect_socket != settings.inspect_listen_socket
