@@ -25,6 +25,7 @@ from driver.health import HealthMonitor
 from driver.inspection import InspectionService
 from driver.kube import Kube, load_api_client
 from driver.ledger import Ledger, current_boot_id
+from driver.nvml import fixture_path
 from driver.nvml.api import NvmlBackend
 from driver.prepare import Preparer
 from driver.probes import make_app
@@ -50,9 +51,12 @@ def make_backend(settings: DriverSettings) -> NvmlBackend:
     if settings.nvml_backend is NvmlBackendKind.FAKE:
         from driver.nvml.fake import FakeNvml
 
-        if settings.fake_nvml_fixture is None:
+        fixture = settings.fake_nvml_fixture
+        if fixture is None:
             raise ConfigError("--nvml-backend=fake needs --fake-nvml-fixture")
-        return FakeNvml.from_path(settings.fake_nvml_fixture, settings.fake_nvml_proc_dir)
+        if "/" not in str(fixture):  # the name of a fixture shipped with the driver
+            fixture = fixture_path(str(fixture))
+        return FakeNvml.from_path(fixture, settings.fake_nvml_proc_dir)
     from driver.nvml.real import PynvmlBackend
 
     return PynvmlBackend()
