@@ -24,7 +24,10 @@ plus every live registered process on that GPU; free is total minus used, never 
 zero. The directory is read on every call: callers poll, as they would poll NVML.
 
 Tests and e2e runs can inject NVML errors (:meth:`FakeNvml.fail`, or ``failures`` in the
-fixture) and health events (:meth:`FakeNvml.inject_health_event`).
+fixture) and health events: in the process (:meth:`FakeNvml.inject_health_event`), or from
+another one through ``<dir>/events/`` (:func:`write_health_event`; the driver in a
+container reads the registry directory from the node), each delivered once, in the order
+written.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -42,7 +46,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from driver.errors import ConfigError, NvmlError
-from driver.nvml.api import HealthEvent, MemoryInfo, ProcessInfo
+from driver.nvml.api import HealthEvent, HealthEventKind, MemoryInfo, ProcessInfo
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +182,36 @@ def register_process(
             out.write(record.model_dump_json(exclude_none=True))
             out.flush()
             os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+class _EventRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_uuid: str = Field(min_length=1)
+    kind: HealthEventKind
+    xid: int | None = None
+    message: str = ""
+
+
+EVENTS_DIR = "events"
+
+
+def write_health_event(directory: str | os.PathLike[str], event: HealthEvent) -> Path:
+    """Queue ``event`` for the fake NVML reading the registry ``directory``; atomic."""
+    folder = Path(directory) / EVENTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    record = _EventRecord(gpu_uuid=event.gpu_uuid, kind=event.kind, xid=event.xid,
+                          message=event.message)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".event.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(record.model_dump_json())
+        target = folder / f"{time.time_ns():020d}-{os.getpid()}.json"
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -388,12 +422,47 @@ class FakeNvml:
 
     def wait_health_event(self, timeout_ms: int) -> HealthEvent | None:
         self._check("wait_health_event")
-        try:
-            if timeout_ms <= 0:
-                return self._events.get_nowait()
-            return self._events.get(timeout=timeout_ms / 1000)
-        except queue.Empty:
+        deadline = time.monotonic() + max(0, timeout_ms) / 1000
+        while True:
+            written = self._written_event()
+            if written is not None:
+                return written
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    return self._events.get_nowait()
+                return self._events.get(timeout=min(remaining, 0.1))
+            except queue.Empty:
+                if remaining <= 0:
+                    return None
+
+    def _written_event(self) -> HealthEvent | None:
+        """The oldest event another process wrote, taken (removed) first."""
+        if self._proc_dir is None:
             return None
+        folder = self._proc_dir / EVENTS_DIR
+        try:
+            names = sorted(p.name for p in folder.iterdir()
+                           if p.suffix == ".json" and not p.name.startswith("."))
+        except FileNotFoundError:
+            return None
+        for name in names:
+            taken = folder / f".{name}.taken"
+            try:
+                os.replace(folder / name, taken)
+                raw = taken.read_bytes()
+            except FileNotFoundError:
+                continue
+            finally:
+                taken.unlink(missing_ok=True)
+            try:
+                record = _EventRecord.model_validate_json(raw)
+            except ValueError as err:
+                log.warning("ignoring an unreadable health event file",
+                            extra={"path": str(folder / name), "problem": str(err)[:300]})
+                continue
+            return HealthEvent(record.gpu_uuid, record.kind, record.xid, record.message)
+        return None
 
     # the registry
 

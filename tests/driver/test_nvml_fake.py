@@ -345,3 +345,24 @@ def test_a_process_in_a_container_pid_namespace_is_reported_by_its_host_pid(
         holder.wait(10)
     eventually(lambda: fake.compute_processes(0) == [], timeout=10,
                what="the gone process forgotten")
+
+
+def test_an_event_written_by_another_process_is_delivered_once(fake: FakeNvml,
+                                                               proc_dir: Path) -> None:
+    # How a test reaches the fake NVML of a driver running in a container.
+    from driver.nvml.fake import write_health_event
+
+    event = HealthEvent(H200_UUID, HealthEventKind.XID, 79, "GPU has fallen off the bus")
+    subprocess.run([sys.executable, "-c",
+                    "import sys; from driver.nvml import HealthEvent, HealthEventKind; "
+                    "from driver.nvml.fake import write_health_event; "
+                    "write_health_event(sys.argv[1], HealthEvent(sys.argv[2], "
+                    "HealthEventKind.XID, 79, 'GPU has fallen off the bus'))",
+                    str(proc_dir), H200_UUID], check=True)
+    assert fake.wait_health_event(2000) == event
+    assert fake.wait_health_event(0) is None
+    write_health_event(proc_dir, event)
+    write_health_event(proc_dir, HealthEvent(H200_UUID, HealthEventKind.ECC_DOUBLE_BIT, None,
+                                             "dbe"))
+    assert fake.wait_health_event(1000) == event
+    assert fake.wait_health_event(1000).kind is HealthEventKind.ECC_DOUBLE_BIT  # type: ignore[union-attr]
