@@ -205,6 +205,8 @@ class FakeController:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     fence: int = 0
     node: str = NODE
+    hold_answer: asyncio.Event | None = None
+    """When set to an unset event, activation calls wait for it before anything else."""
     after_switch: Callable[[], None] | None = None
     """Called after a switch published its Lease, before the activation is answered."""
 
@@ -235,6 +237,8 @@ class FakeController:
                                      status=401)
         body = await request.json()
         self.calls += 1
+        if self.hold_answer is not None:
+            await self.hold_answer.wait()
         sim = next((s for s in self.sims.values() if s.claim == body["claim"]), None)
         if sim is None or sim.model != body["model"]:
             return web.json_response(
