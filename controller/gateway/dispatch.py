@@ -46,6 +46,9 @@ __all__ = ["Dispatcher", "ModelRequest"]
 
 log = logging.getLogger(__name__)
 
+_WAIT_CODES = frozenset({"no_controller", "controller_lost"})
+"""Reasons to wait that name the 503 when the wait runs out (else ``switch_timeout``)."""
+
 
 @dataclass(frozen=True)
 class ModelRequest:
@@ -173,12 +176,13 @@ class Dispatcher:
         headers.setdefault("Retry-After", str(self.settings.retry_after_s))
         return web.Response(status=refused.status, body=refused.body, headers=headers)
 
-    async def _wait(self, model: str, until: float, deadline: float, what: str) -> None:
+    async def _wait(self, model: str, until: float, deadline: float, what: str, *,
+                    code: str = "switch_timeout") -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
         if now >= deadline:
             raise Unavailable(f"Waited too long for model '{model}': {what}.",
-                              code="switch_timeout", retry_after=self.settings.retry_after_s)
+                              code=code, retry_after=self.settings.retry_after_s)
         await self.state.wait_changed(self.state.version, min(until, deadline) - now)
 
     async def _route(self, gen: ModelRequest, deadline: float,
@@ -211,7 +215,8 @@ class Dispatcher:
                 why = decision.reason or "declined for now"
                 downstream.note = f"model '{model}' is being switched in ({why})"
                 until = deadline if decision.action is Action.WAIT else declined_until
-                await self._wait(model, until, deadline, "a switch")
+                code = decision.reason if decision.reason in _WAIT_CODES else "switch_timeout"
+                await self._wait(model, until, deadline, why, code=code)
                 continue
             if not (decision.activation_url and decision.claim):
                 raise Unavailable(f"Model '{model}' has no engine to wake.",

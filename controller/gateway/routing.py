@@ -385,9 +385,11 @@ class RoutingState:
             # Its node's controller stopped renewing mid-switch and nothing else can be
             # woken: a restarted controller may still finish it.
             return Decision(Action.WAIT, model, reason="controller_lost")
-        serving = any(c.serving for c in claimants)
-        return Decision(Action.UNAVAILABLE, model,
-                        reason="no_controller" if serving else "no_serving_engine")
+        if any(c.serving for c in claimants):
+            # Serving engines, but no live controller to wake one (one is starting, or
+            # being replaced by a rollout): wait for it, bounded.
+            return Decision(Action.WAIT, model, reason="no_controller")
+        return Decision(Action.UNAVAILABLE, model, reason="no_serving_engine")
 
     @staticmethod
     def _forward(claimant: Claimant, lease: GpuLease) -> Decision:

@@ -79,9 +79,10 @@ async def test_an_awake_engine_whose_pod_is_not_ready_gets_no_traffic(
 
 async def test_an_awake_engine_on_a_node_whose_controller_expired_gets_no_traffic(
         make_rig: RigFactory) -> None:
-    rig = await make_rig()
+    rig = await make_rig(max_wait_s=1.0)
     _node_1_dead(rig)
-    resp = await rig.chat(MODEL_A)
+    resp = await rig.chat(MODEL_A)  # waits for a controller to come back, bounded
     assert resp.status == 503, await resp.text()
+    assert (await resp.json())["error"]["code"] == "no_controller"
     assert resp.headers["Retry-After"]
     assert rig.a.engine.generations_started == 0

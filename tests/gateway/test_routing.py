@@ -80,10 +80,11 @@ def test_unknown_models_and_not_yet_synced() -> None:
 
 
 def test_without_a_controller_lease_nothing_is_routed_or_woken() -> None:
+    """Requests wait (bounded) for a controller: one may be starting or rolling over."""
     state = _state(lease=_a_awake(), with_controller=False)
-    assert (state.decide(B).action, state.decide(B).reason) == (Action.UNAVAILABLE,
-                                                                "no_controller")
-    assert state.decide(A).action is Action.UNAVAILABLE
+    for model in (A, B):
+        assert (state.decide(model).action, state.decide(model).reason) == (
+            Action.WAIT, "no_controller")
 
 
 def test_a_stale_holder_claim_uid_is_not_routed_to() -> None:
@@ -185,7 +186,7 @@ def test_an_awake_lease_on_a_dead_node_or_not_ready_pod_gets_no_traffic() -> Non
     state.apply("pod", "MODIFIED", pod_obj("pod-ca", uid="pa", ip="10.1.0.1"))
     assert state.decide(A).action is Action.FORWARD
     state.apply("lease", "MODIFIED", controller_lease(URL, renewed_ago_s=30, duration_s=15))
-    assert state.decide(A).action is Action.UNAVAILABLE
+    assert (state.decide(A).action, state.decide(A).reason) == (Action.WAIT, "no_controller")
 
 
 async def test_a_controller_lease_running_out_wakes_waiters() -> None:
@@ -199,7 +200,7 @@ async def test_a_controller_lease_running_out_wakes_waiters() -> None:
     version = state.version
     now[0] = 60.0  # the clock passes the controller Lease's end without any event
     assert await state.wait_changed(version, 5.0)
-    assert state.decide(A).action is Action.UNAVAILABLE
+    assert state.decide(A).action is Action.WAIT
 
 
 def test_a_forwarded_request_is_lost_once_the_lease_settles_elsewhere() -> None:
