@@ -11,7 +11,7 @@ one call among its own requests for the same (controller, model, claim), which o
 connections: every replica may call, and correctness rests on the controller and its Lease.
 
 A call that cannot reach the controller is retried a bounded number of times with
-jittered backoff (:func:`driver.aio.backoff`); connecting has its own short timeout, so a
+jittered backoff (:class:`driver.aio.Backoff`); connecting has its own short timeout, so a
 controller whose address does not answer costs seconds, not the request's whole wait. A
 refusal is not retried here: it becomes a 503 for the client carrying the controller's
 reason and Retry-After.
@@ -35,7 +35,7 @@ from controller.gateway.credentials import SecretFile
 from controller.gateway.errors import Unavailable
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.proxy import read_bounded
-from driver.aio import backoff
+from driver.aio import Backoff
 
 __all__ = ["Activation", "ActivationFailed", "Activator"]
 
@@ -180,10 +180,10 @@ class Activator:
                                    code="bad_activation_request",
                                    retry_after=self._retry_after) from exc
         last: Exception | None = None
-        pauses = backoff(_BACKOFF_S, _BACKOFF_MAX_S)
+        pauses = Backoff(first_s=_BACKOFF_S, max_s=_BACKOFF_MAX_S)
         for attempt in range(self._attempts):
             if attempt:
-                await asyncio.sleep(next(pauses))
+                await pauses.sleep()
             try:
                 async with self._session.post(
                         target, json=body,

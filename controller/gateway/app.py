@@ -37,7 +37,7 @@ from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routes import error_middleware, routes
 from controller.gateway.routing import RoutingSource, RoutingState
 from controller.gateway.settings import GatewaySettings
-from driver.aio import backoff
+from driver.aio import Backoff
 from driver.kube import load_api_client
 
 __all__ = ["StartupError", "make_app", "serve"]
@@ -144,15 +144,14 @@ def _clients(token: SecretFile | None, secrets: SecretReader | None, *, kube_sec
 
 
 async def _supervise(source: RoutingSource, state: RoutingState) -> None:
-    pauses = backoff(_SOURCE_BACKOFF_S, _SOURCE_BACKOFF_MAX_S)
+    pauses = Backoff(first_s=_SOURCE_BACKOFF_S, max_s=_SOURCE_BACKOFF_MAX_S)
     while True:
         try:
             await source.run(state)
             return
         except Exception:
-            pause = next(pauses)
-            log.exception("routing source failed; restarting it", extra={"backoff_s": pause})
-            await asyncio.sleep(pause)
+            log.exception("routing source failed; restarting it")
+            await pauses.sleep()
 
 
 def _routing(source: RoutingSource) -> Callable[[web.Application], AsyncIterator[None]]:

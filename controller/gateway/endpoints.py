@@ -1,8 +1,8 @@
-"""Base URLs the gateway sends to, built so that IPv6 addresses work.
+"""Activation URLs as controllers advertise them, made usable for IPv6. Pure.
 
-A URL's host is an IP address the gateway watches (an engine pod's IP) or that a
-controller advertises. An IPv6 address must be bracketed in a URL (``http://[fd00::5]:8000``);
-``f"http://{ip}:{port}"`` is not a URL for one, and aiohttp refuses it. Pure.
+An IPv6 address must be bracketed in a URL (``http://[fd00::5]:8090``); a controller that
+advertises ``http://$(POD_IP):8090`` unbracketed (older ones did) would be unreachable.
+Engine URLs are built from pod IPs with :func:`controller.urls.http_url`.
 """
 
 from __future__ import annotations
@@ -10,20 +10,7 @@ from __future__ import annotations
 import ipaddress
 from urllib.parse import urlsplit
 
-__all__ = ["base_url", "normalize_base_url"]
-
-
-def _host(ip: str) -> str:
-    try:
-        address = ipaddress.ip_address(ip.strip("[]"))
-    except ValueError:
-        return ip  # a name: used as it is
-    return f"[{address.compressed}]" if address.version == 6 else address.compressed
-
-
-def base_url(ip: str, port: int, *, scheme: str = "http") -> str:
-    """``http://<ip>:<port>`` with an IPv6 address in brackets."""
-    return f"{scheme}://{_host(ip)}:{port}"
+__all__ = ["normalize_base_url"]
 
 
 def normalize_base_url(url: str) -> str | None:

@@ -40,7 +40,7 @@ from controller import naming
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routing import ObjectKind, RoutingState
 from controller.gateway.settings import GatewaySettings
-from driver.aio import backoff
+from driver.aio import Backoff
 from driver.kube import load_api_client
 
 __all__ = ["KubeSource"]
@@ -127,28 +127,28 @@ class _Watch:
                 w.stop()
 
     def _run(self) -> None:
-        pauses = backoff(_BACKOFF_S, _BACKOFF_MAX_S)
+        pauses = Backoff(first_s=_BACKOFF_S, max_s=_BACKOFF_MAX_S)
         while not self.stop.is_set():
             try:
                 items, version = self._list()
                 self._deliver(functools.partial(self._replace, items))
-                pauses = backoff(_BACKOFF_S, _BACKOFF_MAX_S)
+                pauses.reset()
                 self._watch(version, time.monotonic())
             except client.ApiException as exc:
                 if exc.status == _GONE:
                     continue  # our resourceVersion is too old: list again at once
-                self._failed(exc, next(pauses))
+                self._failed(exc, pauses)
             except Exception as exc:
-                self._failed(exc, next(pauses))
+                self._failed(exc, pauses)
 
-    def _failed(self, exc: Exception, backoff: float) -> None:
+    def _failed(self, exc: Exception, pauses: Backoff) -> None:
         if self.stop.is_set():
             return
         self._on_restart(self.resource)
         log.warning("watch failed; listing again after a pause", extra={
             "resource": self.resource, "namespace": self.namespace,
-            "error": repr(exc)[:300], "backoff_s": backoff})
-        self.stop.wait(backoff)
+            "error": repr(exc)[:300]})
+        pauses.wait(self.stop)
 
 
 class KubeSource:

@@ -38,10 +38,10 @@ from typing import Any, Literal, Protocol
 from controller import naming
 from controller.claimants import DRIVER, Claimant, claimants_from
 from controller.gateway.binding import ModelBinding
-from controller.gateway.endpoints import base_url
 from controller.gateway.engine_keys import secret_ref
 from controller.gateway.lease_view import ControllerLease, gpu_lease_of, slim_pod
 from controller.leases import GpuLease
+from controller.urls import http_url
 
 __all__ = [
     "Action",
@@ -395,7 +395,7 @@ class RoutingState:
     def _forward(claimant: Claimant, lease: GpuLease) -> Decision:
         assert claimant.pod_ip is not None  # serving
         return Decision(Action.FORWARD, claimant.model,
-                        endpoint=base_url(claimant.pod_ip, claimant.port), claim=claimant.ref,
+                        endpoint=http_url(claimant.pod_ip, claimant.port), claim=claimant.ref,
                         claim_uid=claimant.claim_uid, namespace=claimant.namespace,
                         gpu=f"{claimant.node}/{claimant.gpu}", fence=lease.fence,
                         key_secret=secret_ref(claimant.config))
