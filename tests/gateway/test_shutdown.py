@@ -146,9 +146,8 @@ async def _drive(first: asyncio.subprocess.Process, first_url: str, second_url: 
         _tail(tmp_path / "gateway-0.log")
 
 
-
 def test_the_manifest_gives_the_longest_stream_time_to_finish() -> None:
-    docs = list(yaml.safe_load_all((MANIFESTS / "gateway.yaml").read_text()))
+    docs = list(yaml.safe_load_all((MANIFESTS / "gateway-deployment.yaml").read_text()))
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
