@@ -515,7 +515,7 @@ def _bytes(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    from e2e.gpu.scenarios import SCENARIOS
+    from e2e.gpu.scenarios import EXTRA, SCENARIOS
 
     p = argparse.ArgumentParser(prog="python -m e2e.bench_gpu --engine vllm",
                                 description=__doc__,
@@ -535,13 +535,17 @@ def parser() -> argparse.ArgumentParser:
                         "(default: a temporary folder)")
     p.add_argument("--scenarios", default="all",
                    help=f"comma-separated, in order; 'all' or 'next' (those this state has "
-                        f"not run yet). Known: {', '.join(SCENARIOS)}")
+                        f"not run yet). Known: {', '.join(SCENARIOS)}; only when named: "
+                        f"{', '.join(EXTRA)}")
     p.add_argument("--models", type=Path, default=REPO_ROOT / ".vllm" / "models",
                    help="folder holding model-14b and model-small (config + tokenizer)")
     p.add_argument("--small-weights", type=Path, default=None,
                    help="model-small with real weight files (python -m e2e.gpu.weights); "
                         "engine B loads them, so that level 2 can reload; default "
                         "<state-dir>/weights/model-small when it holds weights")
+    p.add_argument("--a-model", default="model-14b",
+                   help="the model of engine A, a folder under --models (model-small fits a "
+                        "smaller GPU)")
     p.add_argument("--handoffs", type=int, default=19)
     p.add_argument("--a-kv", type=_bytes, default=8 * GIB, metavar="BYTES")
     p.add_argument("--b-kv", type=_bytes, default=4 * GIB, metavar="BYTES")
@@ -598,7 +602,7 @@ def check_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         args.estimate_scale = 1.0 if args.launcher == "vllm" else 0.05
     if args.handoffs < 2:
         p.error("--handoffs must be >= 2 (both directions)")
-    for name in ("model-14b", "model-small"):
+    for name in (args.a_model, "model-small"):
         if not (args.models / name / "config.json").is_file():
             p.error(f"{args.models / name} holds no config.json (copy the model folders "
                     f"into {args.models})")
@@ -644,9 +648,9 @@ def specs(args: argparse.Namespace, state_dir: Path) -> dict[str, EngineSpec]:
     """The engines the scenarios may start (``x`` is sized when admission_nofit runs)."""
     small_weights = args.small_weights or state_dir / "weights" / "model-small"
     has_weights = any(small_weights.glob("*.safetensors")) if small_weights.is_dir() else False
-    big, small = args.models / "model-14b", args.models / "model-small"
+    big, small = args.models / args.a_model, args.models / "model-small"
     return {
-        "a": EngineSpec(key="a", model_dir=big, served_name="bench/model-14b",
+        "a": EngineSpec(key="a", model_dir=big, served_name=f"bench/{args.a_model}",
                         kv_cache_bytes=args.a_kv),
         "b": EngineSpec(key="b", model_dir=small_weights if has_weights else small,
                         served_name="bench/model-small", kv_cache_bytes=args.b_kv,
@@ -776,8 +780,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report.text(summary), flush=True)
     if error:
         print(f"ERROR: {error}", flush=True)
-    print(json.dumps(summary, default=str), flush=True)
+    print(json.dumps(headline(summary, args.out / f"{args.stage}.json")), flush=True)
     return 0 if summary.get("ok") else 1
+
+
+def headline(summary: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The last line of stdout: the verdicts and a few numbers; the whole result is in
+    ``path`` (printing it would bury the report in a call's output tail)."""
+    scenarios = summary.get("scenarios") or {}
+    main = (scenarios.get("main") or {}).get("summary") or {}
+    overall = main.get("all") or {}
+    return {
+        "benchmark": summary.get("benchmark"), "stage": summary.get("stage"),
+        "ok": summary.get("ok"), "error": summary.get("error"), "results": str(path),
+        "scenarios": {name: ("skipped" if r.get("skipped") else "error" if r.get("error")
+                             else "ok" if r.get("ok") else "not ok")
+                      for name, r in scenarios.items()},
+        "handoffs_ok": main.get("ok"), "handoffs": main.get("handoffs"),
+        "p50_s": {k: (overall.get(k) or {}).get("p50") for k in (
+            "handoff_to_first_token", "recovery_to_first_token", "wake_call",
+            "controller_overhead")},
+        "nvml_violations": (summary.get("sampler") or {}).get("violations"),
+    }
 
 
 if __name__ == "__main__":

@@ -375,3 +375,35 @@ class EngineProcess:
 def stop_all(engines: Sequence[EngineProcess], grace_s: float = 20.0) -> dict[str, list[int]]:
     """Stop every engine; the pids that needed SIGKILL, by engine."""
     return {e.key: e.stop(grace_s) for e in engines}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m e2e.gpu.engines status|stop STATE_DIR``: the engines a benchmark state
+    records, alive or not; ``stop`` ends them (SIGTERM to each process group, then
+    SIGKILL). Needs no GPU library: it works when nothing else does."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2 or args[0] not in ("status", "stop"):
+        print("usage: python -m e2e.gpu.engines status|stop STATE_DIR", file=sys.stderr)
+        return 2
+    path = Path(args[1]) / "state.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        print(f"no readable state in {path}: {exc}", file=sys.stderr)
+        return 1
+    for key, data in (raw.get("engines") or {}).items():
+        engine = EngineProcess(EngineRecord.model_validate(data))
+        group = engine.group() if engine.record.boot_id == boot_id() else []
+        line = f"{key}: pid {engine.record.pid} port {engine.record.port} " \
+               f"{'alive' if engine.alive() else 'not running'}, {len(group)} processes"
+        if args[0] == "stop" and group:
+            killed = engine.stop(20.0)
+            line += f"; stopped{' (SIGKILL: ' + str(killed) + ')' if killed else ''}"
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
@@ -78,7 +79,7 @@ def _say(text: str) -> None:
 
 
 async def _http(bench: Bench, method: str, key: str, path: str, *, timeout_s: float,
-                json_body: dict[str, Any] | None = None) -> dict[str, Any]:
+                json_body: dict[str, Any] | None = None, keep: int = 300) -> dict[str, Any]:
     """One call straight to an engine (no adapter): status, milliseconds, body (cut)."""
     url = bench.record(key).base_url + path
     began = time.monotonic()
@@ -86,7 +87,7 @@ async def _http(bench: Bench, method: str, key: str, path: str, *, timeout_s: fl
         async with bench.session.request(method, url, json=json_body,
                                          timeout=aiohttp.ClientTimeout(total=timeout_s)
                                          ) as resp:
-            body = (await resp.text())[:300]
+            body = (await resp.text())[:keep]
             return {"status": resp.status, "ms": round((time.monotonic() - began) * 1e3, 3),
                     "body": body}
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -335,21 +336,27 @@ async def scenario_wake_detail(bench: Bench) -> dict[str, Any]:
                              f"(is_sleeping {sleeping}, probe {probe.reason}: {probe.detail})")
         cycles.append(cycle)
         _say("  " + report.wake_cycle_line(cycle))
-    weights = bench.record("a").spec.weights_bytes()
+    spec = bench.record("a").spec
     return {"cycles": cycles,
-            "decomposition": report.wake_decomposition(cycles, bench.state.h2d or {},
-                                                       model="model-14b",
-                                                       weights_bytes=weights)}
+            "decomposition": report.wake_decomposition(
+                cycles, bench.state.h2d or {}, model=spec.model_dir.name,
+                weights_bytes=spec.weights_bytes())}
 
 
 async def _generates(bench: Bench, key: str) -> dict[str, Any]:
+    """A plain completion of 32 forced tokens: the engine generates (any text)."""
     record = bench.record(key)
     answer = await _http(bench, "POST", key, "/v1/completions", timeout_s=bench.bound(60),
                          json_body={"model": record.spec.served_name, "prompt": "Hello",
-                                    "max_tokens": 32, "ignore_eos": True, "temperature": 0})
-    answer["ok"] = answer.get("status") == 200 and '"completion_tokens":32' in \
-        answer.get("body", "").replace(" ", "")
-    answer.pop("body", None)
+                                    "max_tokens": 32, "ignore_eos": True, "temperature": 0},
+                         keep=4096)
+    body = answer.pop("body", "")
+    try:
+        tokens = json.loads(body)["usage"]["completion_tokens"]
+    except (ValueError, KeyError, TypeError):
+        tokens = None
+    answer["completion_tokens"] = tokens
+    answer["ok"] = answer.get("status") == 200 and tokens == 32
     return answer
 
 
@@ -602,8 +609,6 @@ class Ballast:
         self.ready: dict[str, Any] = {}
 
     async def start(self, timeout_s: float) -> None:
-        import json
-
         launcher = self.bench.launcher
         env = dict(getattr(launcher, "base_env", {}) or os.environ)
         env["ROTA_CLAIM_UID"] = self.claim_uid
@@ -748,6 +753,25 @@ async def _recover_from_oom(bench: Bench, ballast: Ballast) -> dict[str, Any]:
     return steps
 
 
+async def scenario_smoke(bench: Bench) -> dict[str, Any]:
+    """A short check on whatever engines run (the real-GPU test): start A and B if fewer
+    than two are up, then two handoffs between A and another live engine and back."""
+    if "a" not in bench.live() or len(bench.live()) < 2:
+        await scenario_startup(bench)
+    _require(bench, "a")
+    other = next(k for k in bench.live() if k != "a")
+    await ensure_holder(bench, "a")
+    entries = [await bench.handoff(other, label="smoke 1"), await bench.handoff(
+        "a", label="smoke 2")]
+    for entry in entries:
+        _say("  " + report.handoff_line(entry))
+    return {"other": other, "handoffs": entries, "summary": report.handoff_summary(entries),
+            "ok": all(e["ok"] for e in entries)}
+
+
+EXTRA: dict[str, Scenario] = {"smoke": Scenario("smoke", scenario_smoke, 30)}
+"""Scenarios run only when named (never by ``all`` or ``next``)."""
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("startup", scenario_startup, 300),
     Scenario("main", scenario_main, 80),
@@ -770,16 +794,17 @@ def select(spec: str, done: list[str]) -> list[str]:
     if spec == "next":
         return [name for name in SCENARIOS if name not in done]
     wanted = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [s for s in wanted if s not in SCENARIOS]
+    known = SCENARIOS | EXTRA
+    unknown = [s for s in wanted if s not in known]
     if unknown:
-        raise BenchError(f"unknown scenarios {unknown}; known: {list(SCENARIOS)}")
-    return [name for name in SCENARIOS if name in wanted]
+        raise BenchError(f"unknown scenarios {unknown}; known: {list(known)}")
+    return [name for name in known if name in wanted]
 
 
 async def run_scenarios(bench: Bench) -> None:
     results: dict[str, Any] = bench.results.setdefault("scenarios", {})
     for name in select(bench.args.scenarios, bench.state.done):
-        scenario = SCENARIOS[name]
+        scenario = (SCENARIOS | EXTRA)[name]
         need = scenario.estimate_s * bench.args.estimate_scale
         left = bench.remaining() - RESERVE_S
         if left < need:
