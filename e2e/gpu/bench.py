@@ -673,7 +673,10 @@ async def _run(args: argparse.Namespace, state: BenchState, state_file: Path,
     sampler = NvmlSampler(backend, gpu.index, interval_s=args.sample_interval_ms / 1e3)
     trace = HttpTrace()
     try:
-        async with aiohttp.ClientSession(trace_configs=[trace.config()]) as session:
+        # Idle connections are dropped before vLLM's 5 s keep-alive closes them under a call.
+        connector = aiohttp.TCPConnector(keepalive_timeout=3.0)
+        async with aiohttp.ClientSession(connector=connector,
+                                         trace_configs=[trace.config()]) as session:
             bench = Bench(args=args, state=state, state_file=state_file,
                           out_file=args.out / f"{args.stage}.json", backend=backend, gpu=gpu,
                           launcher=launcher, session=session, device=ReaderDevice(reader),
@@ -727,8 +730,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         env.pop("ROTA_CLAIM_UID", None)
         launcher: Launcher
         if args.launcher == "vllm":
+            # By index, in NVML's (PCI bus) order: parts of vLLM read the variable as numbers.
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu.index)
             launcher = VllmLauncher(python=args.vllm_python, pythonpath=args.vllm_pythonpath,
                                     base_env=env)
         else:

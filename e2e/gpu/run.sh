@@ -190,12 +190,15 @@ EOF
     ensure_rota_imports
     bench more next
     rc=$?
-    if [ "$(left)" -gt 90 ]; then
+    live=$(PYTHONPATH="$(rota_path)" "$PY" -m e2e.gpu.engines status "$STATE" | grep -c " alive,")
+    if [ "$(left)" -gt 90 ] && [ "$live" -ge 2 ]; then
       say "real-GPU pytest on the running engines ($(left) s left)"
       timeout -k 10 $(( $(left) - 40 )) env PYTHONPATH="$(rota_path)" ROTA_VLLM_PYTHONPATH="$SITE" \
         ROTA_GPU_STATE="$STATE" ROTA_GPU_MODELS="$INPUT/models" \
         "$PY" -m pytest -q -m gpu --noconftest -p no:cacheprovider -o addopts="" \
         -W "ignore::pytest.PytestConfigWarning" tests/gpu/test_vllm_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log"
+    else
+      say "no real-GPU pytest: $(left) s left, $live engines running (it needs 90 s and two)"
     fi
     exit $rc
     ;;
