@@ -405,6 +405,7 @@ class Bench:
         handoff = t.get("handoff_to_first_token")
         entry: dict[str, Any] = {
             "label": label, "from": holder, "to": target, "ok": result.ok,
+            "holder_level": self.record(holder).asleep_level if holder and result.ok else None,
             "reason": result.reason or None, "message": result.message or None,
             "holder_after": self.state.holder,
             "handoff_to_first_token_s": handoff,
@@ -586,8 +587,9 @@ def parser() -> argparse.ArgumentParser:
                    help="abandoned_sleep: the adapter's sleep bound while a long stream runs")
     p.add_argument("--long-tokens", type=int, default=1500,
                    help="abandoned_sleep: length of the stream the sleep waits for")
-    p.add_argument("--kill-delay-s", type=float, default=0.02,
-                   help="killed_mid_switch: SIGKILL the target this long into its wake")
+    p.add_argument("--kill-delay-s", type=float, default=-1.0,
+                   help="killed_mid_switch: SIGKILL the target this long into its wake "
+                        "(negative: 40%% of its last wake, else 20 ms)")
     p.add_argument("--estimate-scale", type=float, default=None,
                    help="scale of the scenarios' time estimates (default 1 for vllm, 0.05 "
                         "for the simulator)")

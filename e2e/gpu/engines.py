@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -343,11 +344,17 @@ class EngineProcess:
         return any(isinstance(m, dict) and m.get("id") == self.record.spec.served_name
                    for m in data)
 
-    def kill(self) -> None:
-        """SIGKILL the whole process group at once (a crash, as the scenarios need it)."""
+    def kill(self) -> list[int]:
+        """SIGKILL the whole process group at once (a crash, as the scenarios need it);
+        the pids it had. A child of this process is reaped in the background."""
+        pids = self.group()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.record.pid, signal.SIGKILL)
         self.record.dead = True
+        if self.proc is not None:
+            threading.Thread(target=self.proc.wait, name=f"reap-{self.key}",
+                             daemon=True).start()
+        return pids
 
     def stop(self, grace_s: float = 20.0) -> list[int]:
         """SIGTERM the process group, wait (bounded), SIGKILL what is left; the pids that

@@ -96,6 +96,8 @@ def wake_decomposition(cycles: Sequence[Mapping[str, Any]], h2d: Mapping[str, An
                                     if r.get("confirm_ms") is not None]),
             "probe_ttft_s": summary_s([r["probe_ttft_ms"] / 1e3 for r in rows
                                        if r.get("probe_ttft_ms") is not None]),
+            "warm_probe_ttft_s": summary_s([r["warm_probe_ttft_ms"] / 1e3 for r in rows
+                                            if r.get("warm_probe_ttft_ms") is not None]),
             "recovery_s": summary_s([r["recovery_ms"] / 1e3 for r in rows
                                      if r.get("recovery_ms") is not None])}
     split = [c for c in cycles if c.get("mode") == "split"]
@@ -210,11 +212,21 @@ def markdown(summary: Mapping[str, Any]) -> str:
                              _p(b["wake_call"]), _p(b["wake_over_floor"], digits=2),
                              _p(b["vllm_wake"]), _p(b["probe_ttft"]),
                              _p(b["controller_overhead"], scale=1e3, digits=1)]))
+        overall = s["all"]
+        out += ["", "Controller overhead p50 "
+                    f"{_p(overall['controller_overhead'], scale=1e3, digits=1)} ms; its parts "
+                    f"(p50): sleep confirmation {_p(overall['sleep_confirm'], scale=1e3, digits=1)}"
+                    f" ms, NVML check {_p(overall['inspect'], scale=1e3, digits=1)} ms, wake "
+                    f"confirmation {_p(overall['wake_confirm'], scale=1e3, digits=1)} ms."]
         first = s.get("first_user_visible") or {}
         out += ["", f"First user-visible handoff ({first.get('direction')}): "
                     f"{_s(first.get('handoff_to_first_token_s'))} s; later ones of that "
                     f"direction p50 {_s(first.get('later_same_direction_p50_s'))} s "
                     f"(ratio {_s(first.get('ratio'), 2)})."]
+        startup = scenarios.get("startup") or {}
+        if startup.get("first_sleeps_s"):
+            out.append("First sleeps, done by start-up admission before any traffic: " + ", ".join(
+                f"{k.upper()} {_s(v)} s" for k, v in startup["first_sleeps_s"].items()) + ".")
         tp = main.get("throughput") or {}
         if tp.get("before"):
             out.append(f"Throughput of A ({tp['before']['concurrency']} x "
@@ -227,12 +239,14 @@ def markdown(summary: Mapping[str, Any]) -> str:
         out += ["Level-1 wake of A taken apart (p50):", "",
                 _row(["copy floor s", "tensor-by-tensor copy s", "fresh allocations s",
                       "vLLM executor s", "HTTP + engine core s", "wake POST s",
-                      "confirmation overlapped with probe saves s"]),
-                _row(["---"] * 7),
+                      "confirmation overlapped with probe saves s", "TTFT after wake / warm s"]),
+                _row(["---"] * 8),
                 _row([_s(detail["copy_floor_s"]), _s(detail["chunked_copy_s"]),
                       _s(detail["fresh_allocations_s"]), _s(detail["vllm_executor_p50_s"]),
                       _s(detail["http_and_engine_core_s"]), _s(detail["wake_post_p50_s"]),
-                      _s(detail["overlap_saves_s"], 4)]), ""]
+                      _s(detail["overlap_saves_s"], 4),
+                      f"{_p(detail['by_mode']['sequential']['probe_ttft_s'])} / "
+                      f"{_p(detail['by_mode']['sequential']['warm_probe_ttft_s'])}"]), ""]
     for name, result in scenarios.items():
         if name in ("main", "wake_detail"):
             continue

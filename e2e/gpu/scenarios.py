@@ -30,7 +30,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,12 +123,16 @@ def _require(bench: Bench, *keys: str) -> None:
             raise BenchError(f"engine {key} has exited; its log: {bench.record(key).log}")
 
 
-async def _wait_released(bench: Bench, key: str, *, limit_bytes: int, timeout_s: float
-                         ) -> float | None:
-    """Seconds until NVML shows ``key`` at or below ``limit_bytes``; None if it never did."""
+async def _wait_released(bench: Bench, key: str, *, limit_bytes: int, timeout_s: float,
+                         pids: Sequence[int] = ()) -> float | None:
+    """Seconds until NVML shows ``key`` at or below ``limit_bytes`` and none of ``pids``
+    (a killed engine's processes: while one exits, its environment can no longer be read,
+    so its memory is nobody's); None if that never happened."""
     began = time.monotonic()
     while time.monotonic() - began < timeout_s:
-        if await bench.used_by(key) <= limit_bytes:
+        snapshot = await bench.snapshot()
+        listed = {p.pid for p in snapshot.processes} & set(pids)
+        if not listed and snapshot.used_by(bench.record(key).claim_uid) <= limit_bytes:
             return round(time.monotonic() - began, 4)
         await asyncio.sleep(0.02)
     return None
@@ -328,6 +332,9 @@ async def scenario_wake_detail(bench: Bench) -> dict[str, Any]:
         cycle["is_sleeping_after"] = sleeping
         cycle["probe_ok"] = probe.ok
         cycle["probe_ttft_ms"] = None if probe.ttft_s is None else round(probe.ttft_s * 1e3, 3)
+        warm = await adapter.probe()  # the same request again: what the wake adds to TTFT
+        cycle["warm_probe_ttft_ms"] = None if warm.ttft_s is None else round(
+            warm.ttft_s * 1e3, 3)
         if probe.ttft_s is not None:
             cycle["recovery_ms"] = round((probe_began + probe.ttft_s - woke) * 1e3, 3)
         events = bench.log_events("a")
@@ -398,8 +405,7 @@ async def scenario_level2(bench: Bench) -> dict[str, Any]:
         if level == 2 and "b_asleep_level2" not in views:
             views["b_asleep_level2"] = to_a["nvml_after"]
     wakes = [e for e in entries if e["to"] == "b" and e["ok"] and e is not entries[0]]
-    sleeps = [e for e in entries if e["from"] == "b" and e["ok"]
-              and "level 2" in e["label"].split(", B sleeps at ")[-1]]
+    sleeps = [e for e in entries if e["from"] == "b" and e["ok"] and e["holder_level"] == 2]
     return {"handoffs": entries, "generation_after_wake": generation, "memory_mib": views,
             "level2_wakes": report.level2_summary(wakes), "level2_sleeps": summary_s(
                 [e["sleep_call_s"] for e in sleeps if e.get("sleep_call_s") is not None]),
@@ -494,8 +500,10 @@ async def scenario_abandoned_sleep(bench: Bench) -> dict[str, Any]:
     _say(f"  abandoned sleep: engine alive afterwards: {not crashed}; the pending sleep fired "
          f"after rota reported {victim} awake: {fired}")
     if crashed:
-        bench.engine(victim).kill()
+        pids = bench.engine(victim).kill()
         bench.sampler.unwatch(victim)
+        result["release_after_kill_s"] = await _wait_released(
+            bench, victim, limit_bytes=0, timeout_s=bench.bound(20), pids=pids)
         if bench.state.holder == victim:
             bench.state.holder = None
     if bench.state.holder is None:
@@ -513,15 +521,23 @@ async def scenario_killed_mid_switch(bench: Bench) -> dict[str, Any]:
     _require(bench, "a", target)
     await ensure_holder(bench, "a")
     proc = bench.engine(target)
-    killed: dict[str, float] = {}
+    killed: dict[str, Any] = {}
     loop = asyncio.get_running_loop()
+    delay = bench.args.kill_delay_s
+    earlier = [float(c.detail["wake_call_ms"]) for c in bench.calls
+               if c.engine == target and c.name == "wake_l1" and c.ok
+               and c.detail.get("wake_call_ms") is not None]
+    if delay < 0 and earlier:  # adaptive: 40 % into a wake as long as the last one
+        delay = 0.4 * earlier[-1] / 1e3
+    delay = max(0.0, delay if delay >= 0 else 0.02)
 
     def kill() -> None:
         killed["at"] = time.monotonic()
-        proc.kill()
+        killed["pids"] = proc.kill()
 
     def on_wake() -> None:
-        loop.call_later(bench.args.kill_delay_s, kill)
+        killed["wake_started"] = time.monotonic()
+        loop.call_later(delay, kill)
 
     bench.wake_hooks[target] = on_wake
     try:
@@ -529,13 +545,21 @@ async def scenario_killed_mid_switch(bench: Bench) -> dict[str, Any]:
     finally:
         bench.wake_hooks.pop(target, None)
     _say("  " + report.handoff_line(entry))
+    if "at" not in killed:  # the wake never started (the switch failed before it)
+        kill()
     bench.record(target).dead = True
-    release = await _wait_released(bench, target, limit_bytes=0, timeout_s=bench.bound(20))
+    release = await _wait_released(bench, target, limit_bytes=0, timeout_s=bench.bound(20),
+                                   pids=killed.get("pids", []))
     bench.sampler.unwatch(target)
-    result: dict[str, Any] = {"target": target, "kill_delay_s": bench.args.kill_delay_s,
-                              "switch": entry, "killed": "at" in killed,
-                              "nvml_release_after_kill_s": release,
-                              "holder_after_switch": bench.state.holder}
+    switched = entry["ok"]
+    result: dict[str, Any] = {
+        "target": target, "kill_delay_s": round(delay, 4), "switch": entry,
+        "killed": True, "pids_killed": killed.get("pids"),
+        "kill_landed_mid_switch": not switched and "wake_started" in killed,
+        "nvml_release_after_kill_s": release, "holder_after_switch": bench.state.holder}
+    if switched:
+        result["note"] = ("the wake and the probe finished before the kill: the holder "
+                          "was killed instead (no switch to back out)")
     if bench.state.holder == "a":
         result["restored_by"] = "rota"
     else:
@@ -544,7 +568,7 @@ async def scenario_killed_mid_switch(bench: Bench) -> dict[str, Any]:
         result["holder_back"] = back
         result["restored_by"] = "bench (after NVML released the dead engine)" if back["ok"] \
             else "nobody"
-    result["ok"] = "at" in killed and bench.state.holder == "a" and not entry["ok"]
+    result["ok"] = bench.state.holder == "a" and result["kill_landed_mid_switch"]
     return result
 
 
@@ -747,11 +771,11 @@ async def _recover_from_oom(bench: Bench, ballast: Ballast) -> dict[str, Any]:
         finish["x_mib"] = mib(await bench.used_by("x"))
         steps["finish_wake_then_sleep"] = finish
     if await bench.used_by("x") > limit:
-        bench.engine("x").kill()
+        pids = bench.engine("x").kill()
         bench.sampler.unwatch("x")
         steps["x_killed_as_a_pod_restart"] = True
         steps["x_release_s"] = await _wait_released(bench, "x", limit_bytes=0,
-                                                    timeout_s=bench.bound(20))
+                                                    timeout_s=bench.bound(20), pids=pids)
     bench.record("x").asleep_level = 1
     bench.state.holder = None
     back = await bench.handoff("a", label="after the failed wake: A back")
