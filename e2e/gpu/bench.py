@@ -647,7 +647,8 @@ def load_h2d(args: argparse.Namespace, state: BenchState) -> dict[str, Any]:
 
 
 def specs(args: argparse.Namespace, state_dir: Path) -> dict[str, EngineSpec]:
-    """The engines the scenarios may start (``x`` is sized when admission_nofit runs)."""
+    """The engines the scenarios may start (``x`` is sized when admission_nofit runs; ``v``
+    is started only when a failure scenario is run again with no small engine left)."""
     small_weights = args.small_weights or state_dir / "weights" / "model-small"
     has_weights = any(small_weights.glob("*.safetensors")) if small_weights.is_dir() else False
     big, small = args.models / args.a_model, args.models / "model-small"
@@ -659,6 +660,8 @@ def specs(args: argparse.Namespace, state_dir: Path) -> dict[str, EngineSpec]:
                         load_format="auto" if has_weights else "dummy"),
         "g": EngineSpec(key="g", model_dir=small, served_name="bench/model-small-graphs",
                         kv_cache_bytes=args.g_kv, enforce_eager=False),
+        "v": EngineSpec(key="v", model_dir=small, served_name="bench/model-small-victim",
+                        kv_cache_bytes=args.b_kv),
     }
 
 

@@ -6,10 +6,10 @@
 #                            report the environment, measure the copy floors, write B's
 #                            real weight files
 #   e2e/gpu/run.sh bench     (alias install+bench) add the second piece, install the bundle,
-#                            then run the scenarios in order while time is left; the engines
-#                            stay up (own sessions) for the next stage
-#   e2e/gpu/run.sh more      the scenarios not run yet, on the running engines, then the
-#                            real-GPU pytest if time is left
+#                            run the scenarios that leave every engine alive, the real-GPU
+#                            pytest on those engines, then the next scenarios while time is
+#                            left; the engines stay up (own sessions) for the next stage
+#   e2e/gpu/run.sh more      the scenarios not run yet, on the running engines
 #   e2e/gpu/run.sh stop      stop every engine of the state
 #   e2e/gpu/run.sh status    the state, the GPU, the engines' health
 #
@@ -17,9 +17,10 @@
 # wheels.tar.xz.part-00 / -01, SHA256SUMS, WHOLE.sha256 built by the bundle script),
 # .vllm/models/{model-14b,model-small} (config + tokenizer), optionally .vllm/whl/ (wheels
 # for rota itself, e.g. protobuf, installed only when rota's imports fail).
-# Outputs: $OUT/<stage>.log (everything printed), $OUT/<stage>.json (the results, rewritten
-# after every step), $OUT/<stage>-nvml.json (the NVML timeline), $OUT/<stage>-engines.log
-# (the engines' own logs, cut), $OUT/prep.json (piece0), $OUT/pytest-gpu.log (more).
+# Outputs: $OUT/<stage>.log (everything printed), $OUT/<run>.json (the results, rewritten
+# after every step; the bench stage has two runs, bench and bench2), $OUT/<run>-nvml.json
+# (the NVML timeline), $OUT/<stage>-engines.log (the engines' own logs, cut), $OUT/prep.json
+# (piece0), $OUT/pytest-gpu.log (bench).
 # Knobs: ROTA_GPU_BUDGET_S (570: seconds this command may take), ROTA_GPU_WORK (/tmp/vllm:
 # chunks, wheels), ROTA_GPU_SITE (/tmp/site: vLLM), ROTA_GPU_STATE (/tmp/rota-gpu: engines'
 # state and logs), ROTA_GPU_INPUT (.vllm of the checkout), ROTA_BENCH_ARGS (extra arguments of the benchmark), PY (python3).
@@ -141,8 +142,22 @@ bench() {  # bench STAGE SCENARIOS
     --keep-engines --vllm-python "$(command -v "$PY")" "${h2d_arg[@]}" ${ROTA_BENCH_ARGS:-}
   local rc=$?
   say "benchmark exited with status $rc"
-  engine_logs "$stage"
   return $rc
+}
+
+gpu_pytest() {  # the real-GPU pytest, on the running engines, when two run and time is left
+  local live
+  live=$(PYTHONPATH="$(rota_path)" "$PY" -m e2e.gpu.engines status "$STATE" | grep -c " alive,")
+  if [ "$(left)" -lt 120 ] || [ "$live" -lt 2 ]; then
+    say "no real-GPU pytest: $(left) s left, $live engines running (it needs 120 s and two)"
+    return 0
+  fi
+  say "real-GPU pytest on the running engines ($(left) s left)"
+  timeout -k 10 90 env PYTHONPATH="$(rota_path)" ROTA_VLLM_PYTHONPATH="$SITE" \
+    ROTA_GPU_STATE="$STATE" ROTA_GPU_MODELS="$INPUT/models" \
+    "$PY" -m pytest -q -rs -m gpu --noconftest -p no:cacheprovider -o addopts="" \
+    -W "ignore::pytest.PytestConfigWarning" tests/gpu/test_vllm_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log"
+  say "real-GPU pytest exited with status ${PIPESTATUS[0]}"
 }
 
 engine_logs() {  # the engines' own logs, the last 1.5 MiB of each, into one file
@@ -182,7 +197,14 @@ EOF
     ensure_rota_imports
     weights
     h2d
-    bench bench next
+    # The scenarios that leave every engine alive, the real-GPU pytest on those engines, then
+    # the rest in order while time is left.
+    bench bench startup,main,wake_detail,level2
+    rc=$?
+    gpu_pytest
+    bench bench2 next || rc=$?
+    engine_logs bench
+    exit $rc
     ;;
   more)
     [ -f "$SITE/vllm/__init__.py" ] || die "vLLM is not installed on this machine (it went back since the bench stage): start again with piece0"
@@ -190,16 +212,7 @@ EOF
     ensure_rota_imports
     bench more next
     rc=$?
-    live=$(PYTHONPATH="$(rota_path)" "$PY" -m e2e.gpu.engines status "$STATE" | grep -c " alive,")
-    if [ "$(left)" -gt 90 ] && [ "$live" -ge 2 ]; then
-      say "real-GPU pytest on the running engines ($(left) s left)"
-      timeout -k 10 $(( $(left) - 40 )) env PYTHONPATH="$(rota_path)" ROTA_VLLM_PYTHONPATH="$SITE" \
-        ROTA_GPU_STATE="$STATE" ROTA_GPU_MODELS="$INPUT/models" \
-        "$PY" -m pytest -q -m gpu --noconftest -p no:cacheprovider -o addopts="" \
-        -W "ignore::pytest.PytestConfigWarning" tests/gpu/test_vllm_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log"
-    else
-      say "no real-GPU pytest: $(left) s left, $live engines running (it needs 90 s and two)"
-    fi
+    engine_logs more
     exit $rc
     ;;
   stop)

@@ -439,9 +439,11 @@ async def scenario_cuda_graphs(bench: Bench) -> dict[str, Any]:
 async def scenario_abandoned_sleep(bench: Bench) -> dict[str, Any]:
     """A sleep whose client gives up while a long stream runs (vLLM 0.26 keeps it
     registered and fires it later, even after a wake): does rota leave a live engine?"""
-    victim = next((k for k in ("b", "g") if k in bench.live()), None)
-    if victim is None:
-        raise BenchError("no small engine (B or G) left for the abandoned sleep")
+    victim = next((k for k in ("b", "g", "v") if k in bench.live()), None)
+    if victim is None:  # run again after the others died: a fresh small engine
+        _say("no small engine left: start-up admission of V (model-small)")
+        await admit(bench, specs(bench.args, bench.args.state_dir)["v"], stay_awake=False)
+        victim = "v"
     _require(bench, "a", victim)
     await ensure_holder(bench, victim)
     record = bench.record(victim)
@@ -515,9 +517,11 @@ async def scenario_abandoned_sleep(bench: Bench) -> dict[str, Any]:
 
 async def scenario_killed_mid_switch(bench: Bench) -> dict[str, Any]:
     """The target SIGKILLed while its wake is in flight: one owner, the old holder back."""
-    target = next((k for k in ("g", "b") if k in bench.live()), None)
+    target = next((k for k in ("g", "b", "v") if k in bench.live()), None)
     if target is None:
-        raise BenchError("no small engine (G or B) left to kill")
+        _say("no small engine left: start-up admission of V (model-small)")
+        await admit(bench, specs(bench.args, bench.args.state_dir)["v"], stay_awake=False)
+        target = "v"
     _require(bench, "a", target)
     await ensure_holder(bench, "a")
     proc = bench.engine(target)

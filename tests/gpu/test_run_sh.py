@@ -74,7 +74,9 @@ def machine(tmp_path: Path) -> dict[str, str]:
                 ROTA_GPU_STATE=str(tmp_path / "state"), OUT=str(tmp_path / "out"),
                 PY=sys.executable, ROTA_GPU_BUDGET_S="240",
                 ROTA_BENCH_ARGS="--launcher simulator --fake-nvml h200 --handoffs 2 "
-                                "--concurrency 2 --rounds 1 --max-tokens 8 --wake-cycles 3")
+                                "--concurrency 2 --rounds 1 --max-tokens 8 --wake-cycles 3 "
+                                "--level2-cycles 1 --graph-handoffs 2 --long-tokens 2000 "
+                                "--abandon-after-s 0.3 --kill-delay-s 0")
 
 
 def _stage(env: dict[str, str], stage: str, **extra: str) -> subprocess.CompletedProcess[str]:
@@ -91,31 +93,36 @@ def test_the_stages_in_order(machine: dict[str, str], tmp_path: Path) -> None:
     assert json.loads((out / "prep.json").read_text())["weights"]
     assert "piece0 done" in (out / "piece0.log").read_text()
 
-    bench = _stage(machine, "install+bench", ROTA_BENCH_ARGS=machine["ROTA_BENCH_ARGS"]
-                   + " --scenarios startup,main")
-    assert bench.returncode == 0, bench.stdout[-4000:]
+    bench = _stage(machine, "install+bench")
+    assert bench.returncode in (0, 1), bench.stdout[-4000:]  # 1: a scenario was not ok
     assert (tmp_path / "site" / "vllm" / "__init__.py").is_file()
     assert "installed 1 wheels" in bench.stdout
-    results = json.loads((out / "bench.json").read_text())
-    assert results["ok"] is True
-    assert list(results["scenarios"]) == ["startup", "main"]
-    assert "| a_to_b |" in bench.stdout  # the report comes last, for the call's output tail
+    first = json.loads((out / "bench.json").read_text())
+    assert first["ok"] is True
+    assert list(first["scenarios"]) == ["startup", "main", "wake_detail", "level2"]
+    assert "skipped" in (out / "pytest-gpu.log").read_text()  # no NVIDIA driver here
+    second = json.loads((out / "bench2.json").read_text())
+    assert list(second["scenarios"]) == ["cuda_graphs", "abandoned_sleep",
+                                         "killed_mid_switch", "admission_nofit", "wake_oom"]
+    assert not any("error" in r for r in second["scenarios"].values())
+    assert (bench.returncode == 0) == all(r["ok"] for r in second["scenarios"].values())
+    assert "| a_to_b |" in bench.stdout  # the tables are in the call's output tail
     assert "===== engine-a.log" in (out / "bench-engines.log").read_text()
     assert (out / "bench-nvml.json").is_file()
-    assert (out / "bench.log").read_text().count("benchmark exited with status 0") == 1
+    assert (out / "bench.log").read_text().count("benchmark exited with status") == 2
+    assert len(list(out.iterdir())) <= 8 + 2  # a call brings back 8 files (piece0 left 2)
 
     more = _stage(machine, "more", ROTA_BENCH_ARGS=machine["ROTA_BENCH_ARGS"]
                   + " --scenarios wake_detail")
     assert more.returncode == 0, more.stdout[-4000:]
     assert list(json.loads((out / "more.json").read_text())["scenarios"]) == ["wake_detail"]
-    assert "skipped" in (out / "pytest-gpu.log").read_text()  # no NVIDIA driver here
 
     status = _stage(machine, "status")
     assert "a: pid" in status.stdout
     assert "alive, 1 processes" in status.stdout
     stop = _stage(machine, "stop")
     assert stop.returncode == 0, stop.stdout[-3000:]
-    assert stop.stdout.count("; stopped") == 2  # A and B
+    assert stop.stdout.count("; stopped") >= 2  # A and the engines the failures left
     assert "alive" not in _stage(machine, "status").stdout
 
 
