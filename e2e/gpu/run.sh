@@ -97,7 +97,7 @@ weights() {  # real weight files for model-small (level 2 reloads them)
   if ls "$dst"/*.safetensors >/dev/null 2>&1; then say "weights of model-small already in $dst"; return 0; fi
   say "writing random weights for model-small into $dst"
   mkdir -p "$STATE/weights"
-  timeout 120 env PYTHONPATH="$REPO" "$PY" -m e2e.gpu.weights "$INPUT/models/model-small" "$dst" \
+  timeout 120 env PYTHONPATH="$REPO" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" -m e2e.gpu.weights "$INPUT/models/model-small" "$dst" \
     || say "weights not written: B runs on dummy weights and level 2 is skipped"
 }
 

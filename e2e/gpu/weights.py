@@ -41,7 +41,7 @@ def write_weights(src: Path, dst: Path) -> dict[str, Any]:
     tmp.mkdir(parents=True)
     config = transformers.AutoConfig.from_pretrained(str(src))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(str(tmp), safe_serialization=True)
+    model.save_pretrained(str(tmp))  # safetensors by default
     for name in _COPIED:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
