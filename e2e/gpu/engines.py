@@ -246,6 +246,7 @@ class SimulatorLauncher:
                     ) -> dict[str, str]:
         env = dict(self.base_env)
         env["ROTA_CLAIM_UID"] = claim_uid
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # the sleep routes, as vLLM serves them only so
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(self.repo_root), env.get("PYTHONPATH", "")) if p)
         return env
