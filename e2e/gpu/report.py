@@ -1,6 +1,8 @@
 """Statistics and tables of the GPU benchmark's results (pure: dicts in, dicts and text out).
 
-    python -m e2e.gpu.report bench.json [more.json ...]     # markdown tables
+    python -m e2e.gpu.report bench.json [bench2.json more.json ...]   # markdown tables
+
+Several files of one machine are read as one run (a later run of a scenario wins).
 
 The handoff blocks follow the reference experiment's three timing boundaries (DESIGN.md):
 the wake call, recovery to first token (wake call + the probe's time to first token) and
@@ -261,6 +263,85 @@ def markdown(summary: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+REFERENCE = {
+    "setup": "NVIDIA L20 48 GB, vLLM sleep mode, A = 27B FP8, B = 1.7B BF16",
+    "handoffs": "19 of 19",
+    "recovery_a_s": 1.86,
+    "first_sleep_a_s": 18.47,
+    "later_sleep_a_s": "1.33-1.34",
+    "first_sleep_b_s": 2.07,
+    "later_sleep_b_s": "0.17-0.19",
+    "awake_gib": "A 33.05, B 8.31",
+    "asleep_gib": 1.03,
+    "throughput": "92.64 / 92.68 tok/s (concurrency 4)",
+}
+"""The published reference experiment (DESIGN.md), beside which the tables are read."""
+
+
+def merge(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several result files of one machine as one: scenarios of all (a later run of a
+    scenario wins), engines as the last file knows them, NVML samples and violations
+    summed."""
+    if not summaries:
+        return {}
+    merged: dict[str, Any] = dict(summaries[-1])
+    merged["stage"] = "+".join(str(s.get("stage")) for s in summaries)
+    merged["scenarios"] = {}
+    for summary in summaries:
+        merged["scenarios"].update(summary.get("scenarios") or {})
+    samplers = [s.get("sampler") or {} for s in summaries]
+    merged["sampler"] = {
+        "samples": sum(x.get("samples") or 0 for x in samplers),
+        "violations": sum(x.get("violations") or 0 for x in samplers),
+        "interval_ms": {"p50": max((x.get("interval_ms") or {}).get("p50") or 0
+                                   for x in samplers),
+                        "p99": max((x.get("interval_ms") or {}).get("p99") or 0
+                                   for x in samplers)}}
+    return merged
+
+
+def reference_table(summary: Mapping[str, Any]) -> str:
+    """This run beside the reference experiment, row for row."""
+    engines = summary.get("engines") or {}
+    scenarios = summary.get("scenarios") or {}
+    main = (scenarios.get("main") or {}).get("summary") or {}
+    by = main.get("by_direction") or {}
+    to_a = by.get("b_to_a") or {}
+    from_a = by.get("a_to_b") or {}
+    a, b = engines.get("a") or {}, engines.get("b") or {}
+    tp = (scenarios.get("main") or {}).get("throughput") or {}
+
+    def gib(mib_value: Any) -> str:
+        return "-" if mib_value is None else f"{float(mib_value) / 1024:.2f}"
+
+    rows = [
+        ("setup", REFERENCE["setup"],
+         f"{summary.get('device')}, "
+         f"{'vLLM' if summary.get('launcher') == 'vllm' else 'engine simulator'}, A = "
+         f"{a.get('model')} bf16, B = {b.get('model')} bf16"),
+        ("level-1 handoffs", REFERENCE["handoffs"], f"{main.get('ok')} of {main.get('handoffs')}"),
+        ("recovery to first token of A, p50 s", REFERENCE["recovery_a_s"],
+         _p(to_a.get("recovery_to_first_token"))),
+        ("first level-1 sleep of A s", REFERENCE["first_sleep_a_s"],
+         f"{_s(a.get('first_sleep_s'))} (at start-up, before any traffic)"),
+        ("later sleeps of A, p50 s", REFERENCE["later_sleep_a_s"], _p(from_a.get("sleep_call"))),
+        ("first level-1 sleep of B s", REFERENCE["first_sleep_b_s"],
+         f"{_s(b.get('first_sleep_s'))} (at start-up)"),
+        ("later sleeps of B, p50 s", REFERENCE["later_sleep_b_s"], _p(to_a.get("sleep_call"))),
+        ("GPU memory awake GiB", REFERENCE["awake_gib"],
+         f"A {gib(a.get('awake_mib'))}, B {gib(b.get('awake_mib'))} (per process)"),
+        ("asleep GiB", REFERENCE["asleep_gib"],
+         f"A {gib(a.get('asleep_mib'))}, B {gib(b.get('asleep_mib'))} (per process)"),
+        ("throughput before / after a recovery", REFERENCE["throughput"],
+         f"{(tp.get('before') or {}).get('tokens_per_s')} / "
+         f"{(tp.get('after') or {}).get('tokens_per_s')} tok/s (concurrency "
+         f"{(tp.get('before') or {}).get('concurrency')})"),
+    ]
+    lines = [_row(["", "reference experiment", "this run"]), _row(["---"] * 3)]
+    lines += [_row(row) for row in rows]
+    return "\n".join(lines)
+
+
 def text(summary: Mapping[str, Any]) -> str:
     """What a run prints at its end (the markdown, plus the error if any)."""
     lines = [markdown(summary)]
@@ -274,9 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not paths:
         print(__doc__, file=sys.stderr)
         return 2
-    for path in paths:
-        print(markdown(json.loads(Path(path).read_text(encoding="utf-8"))))
+    summary = merge([json.loads(Path(p).read_text(encoding="utf-8")) for p in paths])
+    print(markdown(summary))
+    if (summary.get("scenarios") or {}).get("main"):
         print()
+        print(reference_table(summary))
     return 0
 
 

@@ -227,3 +227,41 @@ def test_markdown_carries_the_tables() -> None:
     assert "12.0 |" in text  # controller overhead in ms
     assert "203.0 tok/s before, 326.0 after" in text
     assert "**level2**: ok in 12.0 s; NVML invariant violations 0" in text
+
+
+def test_several_files_read_as_one_run() -> None:
+    first = {"stage": "bench", "scenarios": {"startup": {"ok": True}, "main": {"ok": False}},
+             "sampler": {"samples": 10, "violations": 0, "interval_ms": {"p50": 5.0,
+                                                                          "p99": 6.0}},
+             "engines": {"a": {"dead": False}}}
+    second = {"stage": "more", "scenarios": {"main": {"ok": True}, "wake_oom": {"ok": True}},
+              "sampler": {"samples": 5, "violations": 1, "interval_ms": {"p50": 5.5,
+                                                                          "p99": 9.0}},
+              "engines": {"a": {"dead": True}}}
+    merged = report.merge([first, second])
+    assert merged["stage"] == "bench+more"
+    assert merged["scenarios"] == {"startup": {"ok": True}, "main": {"ok": True},
+                                   "wake_oom": {"ok": True}}
+    assert merged["sampler"] == {"samples": 15, "violations": 1,
+                                 "interval_ms": {"p50": 5.5, "p99": 9.0}}
+    assert merged["engines"] == {"a": {"dead": True}}
+
+
+def test_the_reference_experiment_beside_the_run() -> None:
+    entries = [_handoff(i, recovery_to_first_token_s=0.6 if i % 2 == 0 else 0.1,
+                        sleep_call_s=0.5 if i % 2 else 0.04) for i in range(1, 20)]
+    summary = {"device": "NVIDIA H200", "launcher": "vllm",
+               "engines": {"a": {"model": "model-14b", "first_sleep_s": 24.7,
+                                 "awake_mib": 35666.0, "asleep_mib": 786.0},
+                           "b": {"model": "model-small", "first_sleep_s": 0.9,
+                                 "awake_mib": 6224.0, "asleep_mib": 782.0}},
+               "scenarios": {"main": {"summary": report.handoff_summary(entries),
+                                      "throughput": {"before": {"tokens_per_s": 203.0,
+                                                                "concurrency": 8},
+                                                     "after": {"tokens_per_s": 326.0}}}}}
+    table = report.reference_table(summary)
+    assert "| level-1 handoffs | 19 of 19 | 19 of 19 |" in table
+    assert "| recovery to first token of A, p50 s | 1.86 | 0.600 |" in table
+    assert "| later sleeps of A, p50 s | 1.33-1.34 | 0.500 |" in table
+    assert "A 34.83, B 6.08 (per process)" in table
+    assert "203.0 / 326.0 tok/s (concurrency 8)" in table
