@@ -19,6 +19,8 @@ done, so that the next command goes on with the next one on the same engines.
 ``admission_nofit``  X = model-small with a KV cache that does not fit beside awake A
 ``wake_oom``         X's wake into less free memory than its KV cache (ballast held by
                      another claimant; X's claim understates its budget) -> gpu_oom
+``admission_counterexample``  Y, which does not fit beside awake A, started without
+                     admission: its start fails while A keeps serving
 """
 
 from __future__ import annotations
@@ -585,14 +587,13 @@ async def scenario_admission_nofit(bench: Bench) -> dict[str, Any]:
     a_used = snapshot.used_by(record_a.claim_uid)
     free_if_a_asleep = snapshot.free_bytes + a_used - (record_a.resident_bytes or 0)
     overhead = _overhead_bytes(bench)
-    kv = snapshot.free_bytes - overhead + 10 * GIB
-    kv = min(kv, free_if_a_asleep - overhead - 4 * GIB)
+    kv = _nofit_kv(bench, snapshot.free_bytes, free_if_a_asleep)
     if kv + overhead <= snapshot.free_bytes:
         return {"ok": False, "skipped": True,
                 "reason": f"this GPU has room for X beside A ({mib(snapshot.free_bytes)} MiB "
                           "free); nothing to admit"}
     spec = EngineSpec(key="x", model_dir=bench.args.models / "model-small",
-                      served_name="bench/model-small-big-kv", kv_cache_bytes=kv // MIB * MIB)
+                      served_name="bench/model-small-big-kv", kv_cache_bytes=kv)
     _say(f"start-up admission of X (model-small, {mib(spec.kv_cache_bytes)} MiB KV cache: does "
          f"not fit beside A)")
     entry = await admit(bench, spec, stay_awake=False)
@@ -788,6 +789,55 @@ async def _recover_from_oom(bench: Bench, ballast: Ballast) -> dict[str, Any]:
     return steps
 
 
+def _nofit_kv(bench: Bench, free_now: int, free_if_a_asleep: int) -> int:
+    """A KV cache that makes a small model not fit beside awake A, but fit alone."""
+    overhead = _overhead_bytes(bench)
+    kv = min(free_now - overhead + 10 * GIB, free_if_a_asleep - overhead - 4 * GIB)
+    return kv // MIB * MIB
+
+
+async def scenario_admission_counterexample(bench: Bench) -> dict[str, Any]:
+    """What admission saves: Y, which does not fit beside awake A, is started anyway. vLLM's
+    start fails (CUDA out of memory) after its initialisation, while A keeps serving."""
+    _require(bench, "a")
+    await ensure_holder(bench, "a")
+    snapshot = await bench.snapshot()
+    record_a = bench.record("a")
+    a_used = snapshot.used_by(record_a.claim_uid)
+    kv = _nofit_kv(bench, snapshot.free_bytes,
+                   snapshot.free_bytes + a_used - (record_a.resident_bytes or 0))
+    if kv + _overhead_bytes(bench) <= snapshot.free_bytes:
+        return {"ok": False, "skipped": True, "reason": "Y would fit beside A on this GPU"}
+    spec = EngineSpec(key="y", model_dir=bench.args.models / "model-small",
+                      served_name="bench/model-small-no-admission", kv_cache_bytes=kv)
+    _say(f"starting Y ({mib(kv)} MiB KV cache) beside awake A, without admission")
+    bench.sampler.phase("counterexample: Y starts beside awake A", allowed_above=2)
+    began = time.monotonic()
+    result: dict[str, Any] = {"y_kv_cache_mib": mib(kv), "free_mib_before": mib(
+        snapshot.free_bytes)}
+    try:
+        await bench.start_engine(spec)
+        result["y_started"] = True
+    except EngineStartError as exc:
+        result["y_started"] = False
+        lines = str(exc).splitlines()
+        result["failure"] = [line for line in lines if "memory" in line.lower()][-3:] or \
+            lines[-3:]
+    result["seconds_to_outcome"] = round(time.monotonic() - began, 2)
+    pids = bench.engine("y").kill()
+    bench.sampler.unwatch("y")
+    result["release_s"] = await _wait_released(bench, "y", limit_bytes=0,
+                                               timeout_s=bench.bound(30), pids=pids)
+    bench.sampler.phase("counterexample: after Y")
+    probe = await asyncio.wait_for(bench.adapter("a").probe(),
+                                   bench.bound(bench.args.probe_timeout_s))
+    result["a_serves_after"] = probe.ok
+    result["ok"] = not result["y_started"] and probe.ok
+    _say(f"  Y {'started' if result['y_started'] else 'failed to start'} after "
+         f"{result['seconds_to_outcome']} s; A serves: {probe.ok}")
+    return result
+
+
 async def scenario_smoke(bench: Bench) -> dict[str, Any]:
     """A short check on the engines that run (the real-GPU test): two handoffs between A
     and another live engine and back."""
@@ -818,6 +868,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("killed_mid_switch", scenario_killed_mid_switch, 30),
     Scenario("admission_nofit", scenario_admission_nofit, 130),
     Scenario("wake_oom", scenario_wake_oom, 60),
+    Scenario("admission_counterexample", scenario_admission_counterexample, 100),
 )}
 
 

@@ -103,7 +103,7 @@ def test_two_commands_share_the_engines_and_run_every_scenario(tmp: Path) -> Non
     assert second["error"] is None
     scenarios = second["scenarios"]
     assert list(scenarios) == ["cuda_graphs", "abandoned_sleep", "killed_mid_switch",
-                               "admission_nofit", "wake_oom"]
+                               "admission_nofit", "wake_oom", "admission_counterexample"]
     assert {k: second["engines"][k]["pid"] for k in pids} == pids  # the same engines
     for name, result in scenarios.items():
         assert result["invariant_violations"] == 0, name

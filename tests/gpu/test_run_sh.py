@@ -103,7 +103,8 @@ def test_the_stages_in_order(machine: dict[str, str], tmp_path: Path) -> None:
     assert "skipped" in (out / "pytest-gpu.log").read_text()  # no NVIDIA driver here
     second = json.loads((out / "bench2.json").read_text())
     assert list(second["scenarios"]) == ["cuda_graphs", "abandoned_sleep",
-                                         "killed_mid_switch", "admission_nofit", "wake_oom"]
+                                         "killed_mid_switch", "admission_nofit", "wake_oom",
+                                         "admission_counterexample"]
     assert not any("error" in r for r in second["scenarios"].values())
     assert (bench.returncode == 0) == all(r["ok"] for r in second["scenarios"].values())
     assert "| a_to_b |" in bench.stdout  # the tables are in the call's output tail
