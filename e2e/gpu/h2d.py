@@ -6,7 +6,8 @@ A level-1 wake copies every weight back from pinned host memory and maps the KV 
 again. This measures what such a wake can at best cost, in the pieces a wake is made of:
 
 - ``bulk``: one pinned buffer copied to the device in one call (best and median of the
-  repeats): the bandwidth of the link, the floor rota's reports divide by;
+  repeats): the bandwidth of the link, the floor rota's reports divide by; the same from
+  pageable memory (what a backup that is not pinned would give);
 - per model, ``chunked_sync``: every weight tensor (as vLLM holds them, see
   :mod:`e2e.gpu.shapes`) copied on its own and synchronised after each, as vLLM's
   allocator copies one allocation at a time; ``chunked_async``: the same copies queued
@@ -66,9 +67,14 @@ def _bulk(torch: Any, nbytes: int, repeats: int) -> dict[str, Any]:
              for _ in range(repeats)]
     back = [nbytes / _timed(torch, lambda: host.copy_(device, non_blocking=True))
             for _ in range(max(1, repeats // 2))]
+    pageable = torch.empty(nbytes, dtype=torch.uint8)  # what an unpinned backup would give
+    pageable.fill_(1)
+    unpinned = [nbytes / _timed(torch, lambda: device.copy_(pageable))
+                for _ in range(max(1, repeats // 2))]
     return {"bytes": nbytes, "repeats": repeats, "best_bytes_per_s": max(rates),
             "median_bytes_per_s": statistics.median(rates), "samples": rates,
             "d2h_best_bytes_per_s": max(back),
+            "pageable_best_bytes_per_s": max(unpinned),
             "pin": {"bytes": nbytes, "seconds": pin_s,
                     "bytes_per_s": nbytes / pin_s if pin_s > 0 else None}}
 

@@ -120,8 +120,14 @@ def wake_decomposition(cycles: Sequence[Mapping[str, Any]], h2d: Mapping[str, An
     def share(value: float | None) -> float | None:
         return None if value is None else round(value / floor, 3)
 
+    bulk = (h2d.get("detail") or {}).get("bulk") or {}
+    pin_rate = (bulk.get("pin") or {}).get("bytes_per_s")
+    pageable = bulk.get("pageable_best_bytes_per_s")
     return {
         "weights_bytes": weights_bytes, "bandwidth_bytes_per_s": bandwidth,
+        "pageable_copy_s": round(weights_bytes / pageable, 4) if pageable else None,
+        "first_sleep_pinning_estimate_s": (round(weights_bytes / pin_rate, 2)
+                                           if pin_rate else None),
         "copy_floor_s": round(floor, 4),
         "chunked_copy_s": chunked, "fresh_allocations_s": alloc,
         "wake_post_p50_s": post, "vllm_executor_p50_s": internal,
