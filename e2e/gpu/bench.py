@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -697,6 +697,16 @@ async def _run(args: argparse.Namespace, state: BenchState, state_file: Path,
         await server.stop(1.0)
 
 
+async def _signalled(work: Coroutine[Any, Any, None]) -> None:
+    """``work``, cancelled by SIGTERM or SIGINT (results so far are written all the same)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    await work
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -748,16 +758,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"copy floor bandwidth {state.h2d['bytes_per_s'] / 1e9:.1f} GB/s "
               f"({state.h2d['source']}); state in {state_dir}", flush=True)
 
-        async def bounded() -> None:
-            loop = asyncio.get_running_loop()
-            task = asyncio.current_task()
-            assert task is not None
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, task.cancel)
-            await _run(args, state, state_file, backend_, gpu_, launcher, deadline, holder)
-
-        backend_, gpu_ = backend, gpu
-        asyncio.run(bounded())
+        asyncio.run(_signalled(_run(args, state, state_file, backend, gpu, launcher, deadline,
+                                    holder)))
     except asyncio.CancelledError:
         error = "stopped by a signal; results so far are kept"
     except Exception as exc:

@@ -17,6 +17,7 @@ import pytest
 
 from e2e.gpu.bench import BenchState
 from e2e.gpu.engines import process_group
+from e2e.waiting import eventually
 from tests.gpu.models import write_fake_weights, write_models
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,3 +153,35 @@ def test_a_state_from_another_boot_is_refused(tmp: Path) -> None:
     done, summary = _bench(tmp, "more", "--scenarios", "next", timeout=60)
     assert done.returncode == 1
     assert "another boot" in summary["error"]
+
+
+def test_sigterm_stops_the_run_keeps_its_results_and_stops_the_engines(tmp: Path) -> None:
+    command = [sys.executable, "-m", "e2e.bench_gpu", "--engine", "vllm",
+               "--launcher", "simulator", "--fake-nvml", "h200", "--stage", "bench",
+               "--out", str(tmp / "out"), "--state-dir", str(tmp / "state"),
+               "--models", str(tmp / "models"), "--handoffs", "400", "--deadline-s", "200"]
+    run = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    state = tmp / "state" / "state.json"
+    try:
+        eventually(lambda: "main" in _partial(tmp), timeout=120, what="the handoffs running")
+        run.terminate()
+        stdout, _ = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 1
+    summary = json.loads((tmp / "out" / "bench.json").read_text())
+    assert "stopped by a signal" in summary["error"]
+    assert summary["scenarios"]["startup"]["ok"]
+    assert json.loads(stdout.strip().splitlines()[-1])["error"] == summary["error"]
+    pids = [r.pid for r in BenchState.model_validate_json(state.read_text()).engines.values()]
+    assert pids
+    assert all(process_group(pid) == [] for pid in pids)
+
+
+def _partial(tmp: Path) -> dict[str, Any]:
+    """What the run has written so far (it rewrites its result after every handoff)."""
+    try:
+        return dict(json.loads((tmp / "out" / "bench.json").read_text()))
+    except (OSError, ValueError):
+        return {}
