@@ -42,7 +42,7 @@ LOG="$OUT/$STAGE.log"
 exec > >(tee -a "$LOG") 2>&1
 TEE=$!
 trap 'exec 1>&- 2>&-; wait "$TEE" 2>/dev/null' EXIT
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONUNBUFFERED=1  # (bytecode is written: engines started later import vLLM faster)
 
 say() { echo "[$(( $(date +%s) - BEGAN ))s] $*"; }
 left() { echo $(( BUDGET - ($(date +%s) - BEGAN) )); }
