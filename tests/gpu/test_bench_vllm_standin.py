@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from e2e.gpu.bench import BenchState
+from e2e.gpu.context import BenchState
 from e2e.gpu.engines import process_group
 from e2e.waiting import eventually
 from tests.gpu.models import write_fake_weights, write_models
