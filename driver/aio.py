@@ -1,5 +1,5 @@
-"""Small asyncio helpers shared by rota's processes: waiting on events, and the one way to
-back off between attempts.
+"""Small asyncio helpers shared by rota's processes: waiting on events, finishing work that
+must not be cut off, and the one way to back off between attempts (and to repeat a step).
 
 Every retry in rota is bounded, grows its pause, jitters it, and can be interrupted. Write
 it with :class:`Backoff` (the pauses) and, for a whole retried call, :func:`retry`; never
@@ -9,6 +9,7 @@ with a hand-written ``delay = min(delay * 2, ...)`` loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -17,7 +18,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Backoff", "retry", "wait_any"]
+__all__ = ["Backoff", "finish_first", "retry", "run_periodically", "wait_any"]
+
+log = logging.getLogger(__name__)
 
 
 async def wait_any(*events: asyncio.Event, timeout_s: float | None = None) -> bool:
@@ -115,3 +118,50 @@ async def retry(call: Callable[[], Awaitable[T]], *, retry_on: tuple[type[BaseEx
             if on_retry is not None:
                 on_retry(exc, pause)
             await asyncio.sleep(pause)
+
+
+async def finish_first(work: Awaitable[T], *,
+                       on_cancel: Callable[[], None] | None = None) -> T:
+    """Await ``work`` to its end even when the caller is cancelled meanwhile.
+
+    For work that cannot be stopped half-way (a worker thread that writes files): a
+    cancellation of the caller is held back until ``work`` is done, then raised, so that
+    whatever the caller holds (a lock) is held until then. ``on_cancel`` runs when the
+    first cancellation arrives. The result of work finished after a cancellation is
+    dropped; its exception is raised in place of the cancellation.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as exc:
+            if task.cancelled():
+                raise
+            if cancelled is None and on_cancel is not None:
+                on_cancel()
+            cancelled = exc
+    result = task.result()  # an error of the work comes first
+    if cancelled is not None:
+        raise cancelled
+    return result
+
+
+async def run_periodically(step: Callable[[], Awaitable[object]], *, stop: asyncio.Event,
+                           interval: Backoff, on_error: Backoff, what: str) -> None:
+    """Run ``step`` until ``stop`` is set: after a success pause ``interval``'s next delay,
+    after a failure (logged) ``on_error``'s, reset by the next success. Pauses end at once
+    when ``stop`` is set. ``Backoff(first_s=T, max_s=T, jitter=0.2)`` is a period of
+    0.8-1 T.
+    """
+    while not stop.is_set():
+        try:
+            await step()
+        except Exception as exc:
+            pause = on_error
+            log.warning(f"{what} failed; trying again", extra={"error": str(exc)[:300]})
+        else:
+            on_error.reset()
+            pause = interval
+        if await pause.sleep(stop):
+            return

@@ -20,6 +20,7 @@ from driver import DRIVER_NAME
 from driver.aio import wait_any
 from driver.devices import discover
 from driver.errors import ConfigError
+from driver.gc import LedgerCollector
 from driver.health import HealthMonitor
 from driver.inspection import InspectionService
 from driver.kube import Kube, load_api_client
@@ -85,6 +86,8 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
                         devices=publisher.devices, lock_path=settings.lock_path,
                         lock_timeout_s=settings.lock_timeout_s)
     await preparer.restore()
+    collector = LedgerCollector(preparer=preparer, kube=kube, node_name=settings.node_name,
+                                driver=DRIVER_NAME, pool=settings.node_name)
     health = HealthMonitor(backend=backend, pool=settings.node_name, devices=publisher.devices,
                            on_change=publisher.set_health)
     inspection = InspectionService(backend=backend, gpus=gpus, proc_root=settings.proc_root)
@@ -121,6 +124,7 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(publisher.run(life.stop), name="slice-publisher")
             tasks.create_task(health.run(life.stop), name="health-monitor")
+            tasks.create_task(collector.run(life.stop), name="ledger-gc")
             await wait_any(publisher.synced, life.stop)
             await reg_server.start()
             life.ready.set()
