@@ -19,7 +19,7 @@ import pytest
 from kubernetes import client, config
 
 from e2e.cluster import LocalCluster
-from e2e.objects import MANIFESTS, apply_manifest
+from e2e.objects import MANIFESTS, apply_manifest, create_namespace
 
 pytest_plugins = ["pytester", "tests.engines_on_cluster", "tests.leaks"]
 
@@ -59,8 +59,7 @@ def namespace(kube_api: client.ApiClient) -> Iterator[str]:
     """A fresh namespace, deleted (without waiting) after the test."""
     name = f"t-{uuid.uuid4().hex[:10]}"
     core = client.CoreV1Api(kube_api)
-    core.create_namespace({"apiVersion": "v1", "kind": "Namespace",
-                           "metadata": {"name": name}})
+    create_namespace(kube_api, name)
     try:
         yield name
     finally:

@@ -192,7 +192,8 @@ def _expected(release: Release) -> dict[str, dict[str, set[Rule]]]:
         "driver": {release.namespace: driver, release.engines: driver, "default": driver},
         "controller": {release.namespace: controller | leases_rw,
                        release.engines: controller, "default": controller},
-        "gateway": {release.namespace: gateway | leases_ro, release.engines: gateway | pods_ro,
+        "gateway": {release.namespace: gateway | leases_ro,
+                    release.engines: gateway | pods_ro | {(core, "secrets", "get", "")},
                     "default": gateway},
     }
 
@@ -242,6 +243,8 @@ CAN_I: list[tuple[str, str, str, str, str, bool]] = [
     ("gateway", "watch", "coordination.k8s.io", "leases", "@", True),
     ("gateway", "update", "coordination.k8s.io", "leases", "@", False),
     ("gateway", "get", "", "secrets", "@", False),
+    ("gateway", "get", "", "secrets", "+", True),
+    ("gateway", "list", "", "secrets", "+", False),
     ("gateway", "patch", "", "pods", "+", False),
 ]
 
