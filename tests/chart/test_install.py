@@ -481,7 +481,8 @@ def test_the_components_run_with_their_own_service_accounts(
         eventually(leading, timeout=90, interval=0.5, what="the controller leading")
         url = node.start_gateway(token_file=token, extra=[
             f"--kubeconfig={configs['gateway']}",
-            f"--controller-namespace={release.namespace}"])
+            f"--controller-namespace={release.namespace}",
+            f"--serving-namespaces={release.engines}"])
         for spec in (MODEL_A, MODEL_B, MODEL_A):
             body = json.dumps({"model": spec.model, "max_tokens": 4,
                                "messages": [{"role": "user", "content": "What is 3 + 4?"}]})
