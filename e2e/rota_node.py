@@ -36,6 +36,30 @@ CONTROLLER_PORT = 8090
 DRIVER_HTTP_PORT = 8081
 
 
+def exec_in(api: client.ApiClient, namespace: str, pod: str, argv: Sequence[str], *,
+            container: str | None = None, timeout: float = 60.0) -> str:
+    """Run ``argv`` in a pod's container through the API (``kubectl exec``); its stdout.
+
+    Raises:
+        RuntimeError: the command failed; the message carries its stderr.
+    """
+    from kubernetes.stream import stream
+
+    kwargs: dict[str, Any] = {"container": container} if container else {}
+    ws = stream(client.CoreV1Api(api).connect_get_namespaced_pod_exec, pod, namespace,
+                command=list(argv), stderr=True, stdin=False, stdout=True, tty=False,
+                _preload_content=False, _request_timeout=timeout, **kwargs)
+    try:
+        ws.run_forever(timeout=timeout)
+        out, err = ws.read_stdout(), ws.read_stderr()
+        code = ws.returncode
+    finally:
+        ws.close()
+    if code != 0:
+        raise RuntimeError(f"{' '.join(argv)} in {namespace}/{pod} exited {code}: {err[-2000:]}")
+    return str(out)
+
+
 def build_rota_images() -> BuiltImages:
     """rota's images under the names its manifests and examples use."""
     rota = sorted(images_of(read_manifests()))
