@@ -84,12 +84,12 @@ class EnginePod:
 
 def _pinned(docs: Sequence[Mapping[str, Any]], node: str) -> list[dict[str, Any]]:
     """Pods of an example pinned to ``node`` (the cluster may have other nodes)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for doc in docs:
-        doc = copy.deepcopy(dict(doc))
-        if doc["kind"] == "Pod":
-            doc["spec"].setdefault("nodeSelector", {})["kubernetes.io/hostname"] = node
-        out.append(doc)
+        copied = copy.deepcopy(dict(doc))
+        if copied["kind"] == "Pod":
+            copied["spec"].setdefault("nodeSelector", {})["kubernetes.io/hostname"] = node
+        out.append(copied)
     return out
 
 
