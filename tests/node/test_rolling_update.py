@@ -47,6 +47,7 @@ def test_rolling_update_overlaps_old_and_new_driver(
 
     new_pod = eventually(overlap, timeout=180, interval=0.2, max_interval=0.5,
                          what="old and new driver pods running side by side")
+    assert new_pod is not None
     new_uid = new_pod.metadata.uid
     # A claim prepared while (or right after) the two overlap.
     rota_node.deploy_engines(namespace, docs=engine_docs("model-c", model="org/model-c",
