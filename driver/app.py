@@ -21,6 +21,7 @@ from driver.aio import wait_any
 from driver.cdi import ExtraEdits, fake_nvml_edits
 from driver.devices import discover
 from driver.errors import ConfigError
+from driver.gc import LedgerCollector
 from driver.health import HealthMonitor
 from driver.inspection import InspectionService
 from driver.kube import Kube, load_api_client
@@ -101,6 +102,8 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
                         devices=publisher.devices, lock_path=settings.lock_path,
                         lock_timeout_s=settings.lock_timeout_s, cdi_edits=cdi_edits(settings))
     await preparer.restore()
+    collector = LedgerCollector(preparer=preparer, kube=kube, node_name=settings.node_name,
+                                driver=DRIVER_NAME, pool=settings.node_name)
     health = HealthMonitor(backend=backend, pool=settings.node_name, devices=publisher.devices,
                            on_change=publisher.set_health)
     inspection = InspectionService(backend=backend, gpus=gpus, proc_root=settings.proc_root)
@@ -137,6 +140,7 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(publisher.run(life.stop), name="slice-publisher")
             tasks.create_task(health.run(life.stop), name="health-monitor")
+            tasks.create_task(collector.run(life.stop), name="ledger-gc")
             await wait_any(publisher.synced, life.stop)
             await reg_server.start()
             life.ready.set()

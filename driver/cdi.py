@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from driver.claims import AllocatedShare, ClaimPlan, PublishedDevice
-from driver.ledger import atomic_write, fsync_dir, remove_temp_files
+from driver.disk import OS_DISK, Disk, atomic_write, fsync_dir, remove_temp_files
 
 __all__ = [
     "CDI_CLASS",
@@ -244,7 +244,8 @@ def render_spec(spec: Mapping[str, Any]) -> bytes:
     return json.dumps(spec, sort_keys=True, indent=2, ensure_ascii=False).encode() + b"\n"
 
 
-def write_spec(cdi_root: Path | str, claim_uid: str, spec: Mapping[str, Any]) -> Path:
+def write_spec(cdi_root: Path | str, claim_uid: str, spec: Mapping[str, Any], *,
+               disk: Disk = OS_DISK) -> Path:
     """Write a claim's spec atomically (temp file, fsync, rename, fsync the directory).
 
     The temp file is named ``.<spec file>.<random>.tmp`` so runtimes, which load only
@@ -254,38 +255,37 @@ def write_spec(cdi_root: Path | str, claim_uid: str, spec: Mapping[str, Any]) ->
         The path of the spec file.
     """
     path = spec_path(cdi_root, claim_uid)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_temp_files(path)
-    atomic_write(path, render_spec(spec), mode=0o644)
+    disk.makedirs(path.parent)
+    remove_temp_files(path, disk)
+    atomic_write(path, render_spec(spec), mode=0o644, disk=disk)
     return path
 
 
-def remove_spec(cdi_root: Path | str, claim_uid: str) -> bool:
+def remove_spec(cdi_root: Path | str, claim_uid: str, *, disk: Disk = OS_DISK) -> bool:
     """Delete a claim's spec (and temp files of an interrupted write of it).
 
     Returns:
         True when a spec file was removed, False when there was none.
     """
     path = spec_path(cdi_root, claim_uid)
-    remove_temp_files(path)
+    remove_temp_files(path, disk)
     try:
-        path.unlink()
+        disk.unlink(path)
     except FileNotFoundError:
         return False
     with contextlib.suppress(OSError):
-        fsync_dir(path.parent)
+        fsync_dir(path.parent, disk)
     return True
 
 
-def list_spec_claim_uids(cdi_root: Path | str) -> set[str]:
+def list_spec_claim_uids(cdi_root: Path | str, *, disk: Disk = OS_DISK) -> set[str]:
     """The claim uids that have a rota spec in ``cdi_root``, or the temp file of one.
 
     Used at start-up to remove specs of claims the ledger does not know; files of other
     vendors are ignored.
     """
-    root = Path(cdi_root)
     try:
-        names = [entry.name for entry in root.iterdir() if entry.is_file()]
+        names = disk.list_files(Path(cdi_root))
     except FileNotFoundError:
         return set()
     uids: set[str] = set()

@@ -44,6 +44,10 @@ class DriverSettings(BaseModel):
                                       description="The kubelet's plugin registration directory.")
     plugin_data_dir: Path = Field(default=Path(f"/var/lib/kubelet/plugins/{DRIVER_NAME}"),
                                   description="Directory of the DRA socket and the ledger.")
+    inspect_dir: Path | None = Field(default=None, description="Directory of the inspection "
+                                     "socket, the only part of the driver the lease "
+                                     "controller needs (mount it alone, read-only, into the "
+                                     "controller); default: the plugin data directory.")
     cdi_root: Path = Field(default=Path("/var/run/cdi"), description="Where CDI specs go.")
     dev_root: Path = Field(default=Path("/dev"), description="Device node directory named in "
                                                              "CDI specs.")
@@ -98,13 +102,14 @@ class DriverSettings(BaseModel):
     def inspect_socket(self) -> Path:
         """Where the lease controller dials the inspection API (with a pod uid: a symlink
         to the socket of the newest driver pod)."""
-        return self.plugin_data_dir / "inspect.sock"
+        return (self.inspect_dir or self.plugin_data_dir) / "inspect.sock"
 
     @property
     def inspect_listen_socket(self) -> Path:
         if not self.pod_uid:
             return self.inspect_socket
-        return self.plugin_data_dir / f"inspect-{_short(self.pod_uid)}.sock"
+        base = self.inspect_dir or self.plugin_data_dir
+        return base / f"inspect-{_short(self.pod_uid)}.sock"
 
     @property
     def ledger_path(self) -> Path:
