@@ -39,8 +39,12 @@ class RigOptions:
     every start and every switch depends on rota's ordering."""
     resident: str = "2Gi"
     gateways: int = 2
-    controller_args: tuple[str, ...] = ("--min-residency-s=0", "--resync-s=2",
-                                        "--election-lease-s=4")
+    controller_args: tuple[str, ...] = (
+        "--min-residency-s=0", "--resync-s=2", "--election-lease-s=4",
+        # The simulators answer in milliseconds: bounds far above that, far below the
+        # defaults sized for real engines, so a hung call costs seconds, not minutes.
+        '--timeouts={"drain_s": 2, "sleep_s": 10, "wake_s": 10, "probe_s": 5, '
+        '"inspect_s": 2, "lease_s": 5}')
     gateway_args: tuple[str, ...] = ("--max-wait-s=45", "--stream-keepalive-s=5")
 
 
