@@ -97,11 +97,13 @@ class Preparer:
                  driver_name: str, pool: str,
                  devices: Callable[[], Mapping[str, PublishedDevice]],
                  lock_path: Path, lock_timeout_s: float = 10.0,
-                 fetch_concurrency: int = 16, disk: Disk = OS_DISK) -> None:
+                 fetch_concurrency: int = 16, disk: Disk = OS_DISK,
+                 cdi_edits: cdi.ExtraEdits | None = None) -> None:
         self.kube = kube
         self.ledger = ledger
         self.cdi_root = cdi_root
         self.dev_root = dev_root
+        self.cdi_edits = cdi_edits
         self.driver_name = driver_name
         self.pool = pool
         self.devices = devices
@@ -326,7 +328,8 @@ class Preparer:
         done: list[tuple[ClaimPlan, ClaimRecord]] = []
         for plan, record in admitted:
             try:
-                spec = cdi.build_claim_spec(plan, devices, dev_root=str(self.dev_root))
+                spec = cdi.build_claim_spec(plan, devices, dev_root=str(self.dev_root),
+                                            extra=self.cdi_edits)
                 cdi.write_spec(self.cdi_root, plan.uid, spec, disk=self.disk)
             except (OSError, ValueError) as exc:
                 outcomes[plan.uid] = _node_error("prepare", exc)
