@@ -55,7 +55,8 @@ class DriverSettings(BaseModel):
     nvml_backend: NvmlBackendKind = Field(default=NvmlBackendKind.REAL,
                                           description="real (pynvml) or fake (a JSON fixture).")
     fake_nvml_fixture: Path | None = Field(default=None, description="GPU description for the "
-                                                                     "fake NVML backend.")
+                                           "fake NVML backend: a file, or the name of one "
+                                           "shipped with the driver (h200, h200x8).")
     fake_nvml_proc_dir: Path | None = Field(default=None, description="Directory where "
                                             "simulated engines register their GPU memory.")
     http_address: str = Field(default="127.0.0.1:8081", description="host:port of /metrics, "

@@ -19,9 +19,9 @@ import pytest
 from kubernetes import client, config
 
 from e2e.cluster import LocalCluster
-from e2e.objects import MANIFESTS, apply_manifest
+from e2e.objects import MANIFESTS, apply_manifest, create_namespace
 
-pytest_plugins = ["pytester", "tests.engines_on_cluster", "tests.leaks"]
+pytest_plugins = ["pytester", "tests.engines_on_cluster", "tests.leaks", "tests.real_node"]
 
 # Tests start processes while gRPC channels are open; gRPC's note about skipping its fork
 # handlers is expected then, and only noise.
@@ -59,8 +59,7 @@ def namespace(kube_api: client.ApiClient) -> Iterator[str]:
     """A fresh namespace, deleted (without waiting) after the test."""
     name = f"t-{uuid.uuid4().hex[:10]}"
     core = client.CoreV1Api(kube_api)
-    core.create_namespace({"apiVersion": "v1", "kind": "Namespace",
-                           "metadata": {"name": name}})
+    create_namespace(kube_api, name)
     try:
         yield name
     finally:
