@@ -40,8 +40,9 @@ def test_a_refused_prepare_is_an_event_and_the_pod_starts_when_the_budget_allows
     eventually(lambda: attempts() >= 2, timeout=300, max_interval=2.0,
                what="two refused prepares of pod big")
     (event,) = _refusals(core, namespace)
-    assert "needs 139Gi awake" in event.message, event.message
-    assert "short" in event.message
+    assert "needs 139.0 GiB awake" in event.message, event.message
+    assert "3.0 GiB resident" in event.message
+    assert "has 140.4 GiB: 1.6 GiB short" in event.message
     retry_s = (event.last_timestamp - event.first_timestamp).total_seconds() / max(
         1, (event.count or 1) - 1)
     assert core.read_namespaced_pod("big", namespace).status.phase == "Pending"
