@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 from kubernetes import client
@@ -85,6 +86,13 @@ async def test_two_claims_share_the_gpu_in_real_containers(
     awake = {"model-a": 60 * GIB, "model-b": 20 * GIB}
     assert json.loads(exec_in(kube_api, namespace, "model-a", ["python", "-c", LOOK])
                       )["env"]["ROTA_AWAKE_MEMORY_BYTES"] == str(awake["model-a"])
+
+    # Each engine serves its model on its pod address, configured only through CDI.
+    for name, engine in by_name.items():
+        url = rota_node.pod_url(engine.pod(kube_api), 8000)
+        async with aiohttp.ClientSession() as session, session.get(
+                f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            assert (await resp.json())["data"][0]["id"] == engine.model, name
 
     # The driver attributes each engine's GPU memory to its pod and claim, by the host
     # pid NVML reports and the container's real cgroup.
