@@ -1,10 +1,10 @@
 """vLLM's development-mode control endpoints, with vLLM's exact quirks.
 
-- ``POST /sleep`` reads the query only (``level``, default 1; ``mode``, default ``abort``;
-  optional repeated ``tags``). A JSON body is never read: ``{"level": 2}`` sleeps at
-  level 1, as on a real vLLM. Answers 200 with an empty body.
+- ``POST /sleep`` reads the query only (``level``, default 1; ``mode``, default ``abort``);
+  0.26 has no ``tags``. A JSON body is never read: ``{"level": 2}`` sleeps at level 1,
+  as on a real vLLM. Answers 200 with an empty body.
 - ``POST /wake_up`` takes repeated ``tags`` (``weights``, ``kv_cache``; none means all);
-  200 with an empty body; waking an awake tag is a no-op.
+  200 with an empty body; if any named tag is awake the whole call is skipped.
 - ``GET /is_sleeping`` is true until every tag is back.
 - ``POST /collective_rpc`` takes ``{"method", "args", "kwargs", "timeout"}``; only
   ``reload_weights`` is implemented; 200 with an empty body when the result is None.
@@ -91,7 +91,7 @@ async def sleep(request: web.Request) -> web.Response:
     if level not in (0, 1, 2):
         raise SimError(f"sleep level must be 0, 1 or 2, not {level}")
     engine = _engine(request)
-    await engine.sleep(level=level, mode=_mode(request), tags=_tags(request), request=request)
+    await engine.sleep(level=level, mode=_mode(request), request=request)
     if engine.faults.crash_on_sleep:
         return await respond_then_crash(request, "crash_on_sleep")
     return _empty_ok()
@@ -103,7 +103,7 @@ async def wake_up(request: web.Request) -> web.Response:
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
-    return web.json_response({"is_sleeping": _engine(request).state.is_sleeping})
+    return web.json_response({"is_sleeping": _engine(request).is_sleeping})
 
 
 async def collective_rpc(request: web.Request) -> web.Response:

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from e2e.engine_simulator.errors import SimError, wake_oom_error
-from e2e.engine_simulator.memory import MemoryHolder, Transfer, plan_portions
+from e2e.engine_simulator.memory import DeviceOutOfMemory, MemoryHolder, Transfer, plan_portions
 from e2e.engine_simulator.settings import Settings
 from e2e.engine_simulator.state import (
     EngineState,
@@ -32,7 +32,7 @@ from e2e.engine_simulator.state import (
 )
 from e2e.engine_simulator.traffic import PauseMode, Traffic
 
-__all__ = ["CRASH_EXIT_CODE", "Engine"]
+__all__ = ["CRASH_EXIT_CODE", "Engine", "StartFailed"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,11 @@ _GIB = float(2**30)
 
 def _sum_copy(transfers: Sequence[Transfer]) -> float:
     return sum(t.copy_seconds for t in transfers)
+
+
+class StartFailed(RuntimeError):
+    """The engine could not start (its memory did not fit on the GPU); the process exits
+    with status 1, as vLLM's API server does when its engine core fails to initialise."""
 
 
 class Engine(Traffic):
@@ -81,6 +86,11 @@ class Engine(Traffic):
     def _asleep(self) -> bool:
         return self.state.is_sleeping
 
+    @property
+    def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``: the scheduler is paused or the executor sleeps."""
+        return self._paused or self.state.is_sleeping
+
     def _quality(self) -> Quality:
         return self.state.quality()
 
@@ -91,7 +101,18 @@ class Engine(Traffic):
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.memory.start()
+        """Allocate the awake footprint; :class:`StartFailed` when it does not fit."""
+        try:
+            await self.memory.start()
+        except DeviceOutOfMemory as exc:
+            # What vLLM prints when the engine core's load or KV-cache allocation runs out.
+            log.error("CUDA Error: out of memory at <path>/cumem_allocator.cpp:163",
+                      extra={"model": self.settings.model})
+            log.error(exc.torch_message(), extra={"model": self.settings.model,
+                                                  "detail": str(exc)})
+            await self.memory.close()  # the process is about to exit: the GPU frees it
+            raise StartFailed("Engine core initialization failed. See root cause above. "
+                              "Failed core proc(s): {'EngineCore_DP0': 1}") from exc
         log.info("engine simulator ready", extra={"model": self.settings.model,
                                                   "memory_bytes": self.memory.used_bytes})
 
@@ -111,13 +132,15 @@ class Engine(Traffic):
         *,
         level: int,
         mode: PauseMode = "abort",
-        tags: Sequence[Tag] | None = None,
         stage_ids: Sequence[int] | None = None,
         request: web.Request | None = None,
     ) -> list[MemoryOp]:
         """vLLM's ``sleep(level, mode)``; returns the memory operations it implied."""
+        if level == 0:
+            await self.pause(mode, request)
+            return []
         try:  # refuse a bad call before anything is aborted
-            copy.deepcopy(self.state).sleep(level, tags=tags, stage_ids=stage_ids)
+            copy.deepcopy(self.state).sleep(level, stage_ids=stage_ids)
         except StateError as exc:
             raise SimError(str(exc)) from exc
         async with self._control:
@@ -130,7 +153,9 @@ class Engine(Traffic):
                 await self._drain(mode, request, purpose="sleep")
                 async with self._changed:
                     try:
-                        ops = self.state.sleep(level, tags=tags, stage_ids=stage_ids)
+                        ops = self.state.sleep(
+                            level, stage_ids=stage_ids,
+                            undo_partial_wake=self.faults.sleep_undoes_partial_wake)
                     except StateError as exc:
                         raise SimError(str(exc)) from exc
                     self._changed.notify_all()
@@ -147,7 +172,7 @@ class Engine(Traffic):
             seconds = time.monotonic() - began
             self.sleep_count += 1
             record = {
-                "level": level, "mode": mode, "tags": [t.value for t in tags or []] or None,
+                "level": level, "mode": mode,
                 "stage_ids": list(stage_ids) if stage_ids is not None else None,
                 "seconds": seconds, "copy_seconds": _sum_copy(transfers), "first": first,
                 "lied": lied, "noop": not ops, "transfers": [t.as_dict() for t in transfers],
@@ -191,12 +216,29 @@ class Engine(Traffic):
                 log.warning("wake ignored (simulated fault wake_ignored)")
                 return []
             began = time.monotonic()
-            planned = copy.deepcopy(self.state)
             try:
-                ops = planned.wake(tags=tags, stage_ids=stage_ids, reload_weights=reload_weights)
+                plan = self.state.plan_wake(tags=tags, stage_ids=stage_ids,
+                                            each_tag=self.faults.wake_each_tag)
             except StateError as exc:
                 raise SimError(str(exc)) from exc
-            transfers = await self.memory.apply(ops)
+            if plan.skipped:
+                log.warning("wake skipped", extra={"reason": plan.skipped})
+            ops = list(plan.ops)
+            transfers: list[Transfer] = []
+            for op in ops:  # one portion at a time: an OOM halfway keeps what was mapped
+                try:
+                    transfers += await self.memory.apply([op])
+                except DeviceOutOfMemory as exc:
+                    self.wake_failures += 1
+                    log.warning("wake ran out of GPU memory", extra={
+                        "portion": op.portion, "detail": str(exc),
+                        "memory_bytes": self.memory.used_bytes})
+                    raise wake_oom_error(simulated=False) from exc
+                finally:
+                    async with self._changed:
+                        if self.memory.holds(op.portion):
+                            self.state.mapped(op)
+                        self._changed.notify_all()
             weights = [op.action for op in ops if op.tag is Tag.WEIGHTS]
             delay = 0.0
             if MemoryAction.RESTORE in weights:
@@ -207,7 +249,9 @@ class Engine(Traffic):
                     delay += self.settings.reload_seconds
             await self._pause_for(delay)
             async with self._changed:
-                self.state = planned
+                self.state.complete_wake(plan, reload_weights=reload_weights)
+                if not self.state.is_sleeping:
+                    self._paused = False  # a wake resumes the scheduler (level-0 sleep)
                 self._changed.notify_all()
             seconds = time.monotonic() - began
             self.wake_count += 1
@@ -283,7 +327,7 @@ class Engine(Traffic):
             "pid": self.pid,
             "gpu_uuid": s.gpu_uuid,
             "omni": s.omni,
-            "sleeping": self.state.is_sleeping,
+            "sleeping": self.is_sleeping,
             "level": self.state.level,
             "tags_asleep": [t.value for t in self.state.sleeping_tags],
             "weights_valid": self.state.weights_valid,

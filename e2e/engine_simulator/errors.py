@@ -47,11 +47,13 @@ class SimError(Exception):
         return error_body(self.message, self.err_type, self.status)
 
 
-def wake_oom_error() -> SimError:
-    """The 500 a vLLM wake answers when the device has no room for its memory."""
+def wake_oom_error(*, simulated: bool = True) -> SimError:
+    """The 500 a vLLM wake answers when the device has no room for its memory (vLLM
+    rewrites absolute paths to ``<path>``). ``simulated``: forced by the ``wake_fails``
+    fault rather than a GPU that really ran out."""
+    suffix = " (simulated fault: wake_fails)" if simulated else ""
     return SimError(
-        "Call to wake_up method failed: CUDA Error: out of memory at "
-        "csrc/cumem_allocator.cpp:62 (simulated fault: wake_fails)",
+        f"Call to wake_up method failed: CUDA Error: out of memory at <path>:163{suffix}",
         status=500,
         err_type="InternalServerError",
     )

@@ -88,6 +88,12 @@ class Faults(BaseModel):
     """``/sleep`` answers 200 but nothing happens: ``/is_sleeping`` stays false."""
     wake_ignored: bool = False
     """``/wake_up`` answers 200 but nothing happens: ``/is_sleeping`` stays true."""
+    wake_each_tag: bool = False
+    """Kinder than vLLM 0.26: ``/wake_up?tags=`` wakes each named tag that is asleep instead
+    of skipping the whole call when one of them is awake."""
+    sleep_undoes_partial_wake: bool = False
+    """Kinder than vLLM 0.26: ``/sleep`` on an engine whose wake stopped halfway frees the
+    memory mapped again (vLLM: "Executor is already sleeping", the memory stays)."""
     crash_on_sleep: bool = False
     """``/sleep`` answers 200, then the process exits hard (like vllm#45520)."""
     crash_now: bool = False
@@ -111,6 +117,8 @@ class FaultsPatch(BaseModel):
     sleep_lies: bool | None = None
     sleep_ignored: bool | None = None
     wake_ignored: bool | None = None
+    wake_each_tag: bool | None = None
+    sleep_undoes_partial_wake: bool | None = None
     crash_on_sleep: bool | None = None
     crash_now: bool | None = None
     refuse_while_asleep: bool | None = None
@@ -156,6 +164,10 @@ class Settings(BaseModel):
     gpu_uuid: str = DEFAULT_GPU_UUID
     fake_nvml_dir: Path | None = None
     """Where to register this process's GPU memory for rota's fake NVML; None: don't."""
+    gpu_memory_bytes: ByteCount | None = None
+    """The GPU's total memory for the capacity check of the fake backend. None: what the
+    fake NVML registry publishes for ``gpu_uuid`` (the driver's fixture); a GPU nobody
+    describes has no limit."""
     nvml_pid: int | None = Field(default=None, gt=0)
     """The pid to register under; None: this process's pid."""
 
@@ -239,6 +251,9 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
      "fake NVML process directory to register GPU memory in"),
     ("nvml_pid", "--nvml-pid", "ROTA_SIM_NVML_PID",
      "pid to register with the fake NVML (default: this process)"),
+    ("gpu_memory_bytes", "--gpu-memory-bytes", "ROTA_SIM_GPU_MEMORY_BYTES",
+     "the GPU's total memory for the fake backend's capacity check (default: what the "
+     "fake NVML registry publishes for the GPU; none published: no limit)"),
     ("omni", "--omni", "ROTA_SIM_OMNI", "also serve vLLM-Omni's stage-aware sleep/wakeup"),
     ("omni_stages", "--omni-stages", "ROTA_SIM_OMNI_STAGES", "number of Omni stages"),
     ("control_token", "--control-token", "ROTA_SIM_CONTROL_TOKEN",
@@ -254,6 +269,7 @@ _METAVARS = {
     "model": "NAME", "host": "HOST", "port": "PORT", "port_file": "FILE",
     "tokens_per_second": "RATE", "awake_memory_bytes": "BYTES",
     "resident_memory_bytes": "BYTES", "weights_bytes": "BYTES", "memory_backend": "{fake,cuda}",
+    "gpu_memory_bytes": "BYTES",
     "gpu_uuid": "UUID", "fake_nvml_dir": "DIR", "nvml_pid": "PID", "omni_stages": "N",
     "log_level": "LEVEL", "control_token": "TOKEN",
 }

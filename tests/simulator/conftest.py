@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,29 @@ SimFactory = Callable[..., Awaitable[Sim]]
 @pytest.fixture
 def nvml_dir(tmp_path: Path) -> Path:
     return tmp_path / "nvml"
+
+
+@pytest.fixture
+async def live_pid() -> AsyncIterator[Callable[[], Awaitable[int]]]:
+    """Pids of real, idle processes: the fake NVML counts only the memory of live pids, so
+    in-process simulators that must see each other register under these."""
+    children: list[asyncio.subprocess.Process] = []
+
+    async def spawn() -> int:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import sys; sys.stdin.read()",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL)
+        children.append(proc)
+        return proc.pid
+
+    try:
+        yield spawn
+    finally:
+        for proc in children:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            async with asyncio.timeout(DEADLINE):
+                await proc.wait()
 
 
 @pytest.fixture

@@ -269,4 +269,4 @@ async def test_pause_abort_ends_a_running_stream(sim: Sim) -> None:
             assert paused.status == 200
         events = await read_events(resp)
     assert finish_reasons(events) == ["abort"]
-    assert not await sim.is_sleeping()
+    assert await sim.is_sleeping()  # vLLM 0.26: true while the scheduler is paused

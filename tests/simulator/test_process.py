@@ -131,3 +131,29 @@ async def test_crash_now_at_start() -> None:
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )
     assert await exit_code(proc) == 70
+
+
+async def test_a_start_that_does_not_fit_exits_like_vllm(tmp_path: Path) -> None:
+    """Engine A holds the GPU; B's start runs out of memory, logs vLLM's messages and exits
+    with status 1, while A keeps serving."""
+    nvml_dir = tmp_path / "nvml"
+    common = ("--fake-nvml-dir", str(nvml_dir), "--gpu-uuid", "GPU-small",
+              "--gpu-memory-bytes", "16Gi")
+    async with child(*common, "--awake-memory-bytes", "10Gi") as a:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROTA_")}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "e2e.engine_simulator", "--port", "0", *common,
+            "--awake-memory-bytes", "8Gi", cwd=ROOT, env=env,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE)
+        async with asyncio.timeout(DEADLINE):
+            _, err = await proc.communicate()
+        assert proc.returncode == 1
+        text = err.decode()
+        assert "torch.OutOfMemoryError: CUDA out of memory" in text
+        assert "CUDA Error: out of memory at" in text
+        assert "Engine core initialization failed" in text
+        assert not (nvml_dir / f"{proc.pid}.json").exists()
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"{a.url}/health") as resp:
+            assert resp.status == 200
