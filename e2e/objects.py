@@ -50,7 +50,9 @@ def engine_pod(name: str, *, node: str, claim_name: str, args: list[str] | None 
                 "name": "engine", "image": "rota/engine-simulator:latest",
                 "args": list(args or []),
                 "env": [{"name": "ROTA_POD_UID",
-                         "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}],
+                         "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                        # vLLM serves its sleep routes only in development mode.
+                        {"name": "VLLM_SERVER_DEV_MODE", "value": "1"}],
                 "resources": {"claims": [{"name": "gpu"}]},
             }],
             "resourceClaims": [{"name": "gpu", "resourceClaimName": claim_name}],

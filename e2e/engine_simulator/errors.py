@@ -17,6 +17,7 @@ from aiohttp.typedefs import Handler
 
 __all__ = [
     "SimError",
+    "engine_dead_error",
     "error_body",
     "error_middleware",
     "error_response",
@@ -57,6 +58,15 @@ def wake_oom_error(*, simulated: bool = True) -> SimError:
         status=500,
         err_type="InternalServerError",
     )
+
+
+ENGINE_DEAD_MESSAGE = ("EngineCore encountered an issue. See stack trace (above) for the "
+                       "root cause.")
+
+
+def engine_dead_error() -> SimError:
+    """What every call to an engine whose core died answers (vLLM's ``EngineDeadError``)."""
+    return SimError(ENGINE_DEAD_MESSAGE, status=500, err_type="EngineDeadError")
 
 
 @web.middleware

@@ -80,6 +80,7 @@ async def engine_sim_factory() -> AsyncIterator[EngineSimFactory]:
             "model": ENGINE_SIM_MODEL, "awake_memory_bytes": 10 * ENGINE_SIM_GIB,
             "resident_memory_bytes": 1 * ENGINE_SIM_GIB, "weights_bytes": 6 * ENGINE_SIM_GIB,
             "shutdown_grace_seconds": 0.0,
+            "dev_mode": True,  # VLLM_SERVER_DEV_MODE=1, as rota requires of its engines
         }
         settings = Settings.model_validate(values | overrides)
         exits: list[int] = []

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import get_args
-
 import aiohttp
 import pytest
 
@@ -12,13 +10,10 @@ from controller.engines import (
     EngineRejected,
     HttpAdapter,
     Timeouts,
-    VllmAdapter,
-    VllmOmniAdapter,
     make_adapter,
 )
-from controller.engines.registry import ADAPTERS
-from driver.opaque import Adapter, EngineConfig, HttpAdapterConfig, parse_engine_config
-from tests.controller.conftest import EngineSim, EngineSimFactory
+from driver.opaque import EngineConfig, HttpAdapterConfig, parse_engine_config
+from tests.controller.conftest import EngineSim
 
 
 def config(adapter: str, **extra: object) -> EngineConfig:
@@ -65,33 +60,3 @@ async def test_is_sleeping_path_must_answer_is_sleeping(
     with pytest.raises(EngineProtocolError):
         await adapter.sleep(1)
     assert engine_sim.engine.sleep_count == 1  # the sleep went out; its proof did not parse
-
-
-async def test_control_token_goes_to_configured_paths(
-    engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession
-) -> None:
-    sim = await engine_sim_factory(control_token="tok")
-    adapter = make_adapter(config("http"), sim.endpoint(token="tok"), engine_session,
-                           Timeouts())
-    await adapter.sleep(1)
-    await adapter.wake(1)
-    without = make_adapter(config("http"), sim.endpoint(), engine_session, Timeouts())
-    with pytest.raises(EngineRejected) as caught:
-        await without.wake(1)
-    assert caught.value.status == 401
-
-
-@pytest.mark.parametrize(("name", "kind"), [
-    ("vllm", VllmAdapter), ("vllm-omni", VllmOmniAdapter), ("http", HttpAdapter),
-])
-async def test_registry_builds_each_adapter(
-    engine_sim: EngineSim, engine_session: aiohttp.ClientSession, name: Adapter,
-    kind: type[object],
-) -> None:
-    adapter = make_adapter(config(name), engine_sim.endpoint(), engine_session, Timeouts())
-    assert type(adapter) is kind
-    assert adapter.endpoint == engine_sim.endpoint()
-
-
-def test_registry_knows_every_adapter_the_config_allows() -> None:
-    assert set(ADAPTERS) == set(get_args(Adapter))

@@ -60,11 +60,13 @@ async def test_error_inside_a_200_stream_fails(
 async def test_fails_while_asleep(
     engine_sim: EngineSim, engine_session: aiohttp.ClientSession
 ) -> None:
-    adapter = VllmAdapter(engine_sim.endpoint(), engine_session, Timeouts())
+    """vLLM holds the request of a sleeping engine: 200 headers, then nothing."""
+    adapter = VllmAdapter(engine_sim.endpoint(), engine_session,
+                          Timeouts(probe_first_token_s=0.2))
     await adapter.sleep(1)
     result = await adapter.probe()
-    assert (result.reason, result.status) == (ProbeReason.HTTP_ERROR, 503)
-    assert "sleeping" in result.detail
+    assert (result.reason, result.status) == (ProbeReason.TIMEOUT, 200)
+    assert "no content token" in result.detail
     assert result.ttft_s is None
 
 

@@ -86,11 +86,9 @@ async def test_level2_full_sequence_answers_right(sim: Sim) -> None:
     state = await sim.state()
     assert not state["weights_valid"]
     assert state["memory_bytes"] == 7 * GIB
-    async with sim.client.post("/collective_rpc", json={"method": "reload_weights"}) as resp:
-        assert resp.status == 200
-        assert await resp.read() == b""
+    await sim.reload_weights()
     await sim.post_empty("/wake_up", tags="kv_cache")
-    await sim.post_empty("/reset_prefix_cache")
+    await sim.reset_prefix_cache()
     state = await sim.state()
     assert not state["sleeping"]
     assert state["weights_valid"]
@@ -102,7 +100,7 @@ async def test_level2_full_sequence_answers_right(sim: Sim) -> None:
 async def test_level2_without_reload_answers_garbage(sim: Sim) -> None:
     await sim.post_empty("/sleep", level=2)
     await sim.post_empty("/wake_up")
-    await sim.post_empty("/reset_prefix_cache")
+    await sim.reset_prefix_cache()
     answer = await sim.answer()
     assert answer != "7"
     assert set(answer) == {"!"}
@@ -111,12 +109,11 @@ async def test_level2_without_reload_answers_garbage(sim: Sim) -> None:
 async def test_level2_without_prefix_reset_answers_wrong(sim: Sim) -> None:
     await sim.post_empty("/sleep", level=2)
     await sim.post_empty("/wake_up", tags="weights")
-    async with sim.client.post("/collective_rpc", json={"method": "reload_weights"}) as resp:
-        assert resp.status == 200
+    await sim.reload_weights()
     await sim.post_empty("/wake_up", tags="kv_cache")
     assert (await sim.state())["prefix_cache_stale"]
     assert await sim.answer() == "42"
-    await sim.post_empty("/reset_prefix_cache")
+    await sim.reset_prefix_cache()
     assert await sim.answer() == "7"
 
 
@@ -149,8 +146,7 @@ async def test_collective_rpc_errors(sim: Sim) -> None:
 async def test_level1_survives_a_reload(sim: Sim) -> None:
     await sim.post_empty("/sleep", level=1)
     await sim.post_empty("/wake_up")
-    async with sim.client.post("/collective_rpc", json={"method": "reload_weights"}) as resp:
-        assert resp.status == 200
+    await sim.reload_weights()
     assert (await sim.state())["reloads"] == 1
     assert await sim.answer() == "7"
 
