@@ -17,6 +17,7 @@ PURE = ["driver/quantity.py", "driver/opaque.py", "driver/claims.py", "driver/bu
         "controller/reconcile.py", "controller/naming.py", "controller/leases.py"]
 SHARED_FROM_DRIVER = {"driver.aio", "driver.claims", "driver.errors", "driver.kube",
                       "driver.logs", "driver.opaque", "driver.quantity", "driver.settings",
+                      "driver.slices",
                       "driver.rpc.services", "driver.pb.rota.v1", "driver.pb.rota.v1.inspect_pb2"}
 
 

@@ -16,6 +16,7 @@ from aiohttp.typedefs import Middleware
 from e2e.engine_simulator.control_api import control_routes, health_routes
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.errors import error_middleware
+from e2e.engine_simulator.extra_api import extra_routes
 from e2e.engine_simulator.http_guards import (
     api_key_middleware,
     dead_engine_middleware,
@@ -77,6 +78,7 @@ def create_app(
         app.add_routes(control_routes())
     app.add_routes(metrics_routes())
     app.add_routes(openai_routes())
+    app.add_routes(extra_routes())
     app.add_routes(sim_routes())
     if settings.omni:
         app.add_routes(omni_routes())
