@@ -16,10 +16,12 @@ MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 
 
 def engine_config(*, model: str, awake: str, sleep_level: int = 1, port: int = 8000,
-                  adapter: str = "vllm") -> dict[str, Any]:
+                  adapter: str = "vllm", extra: Mapping[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """An EngineConfig's parameters; ``extra`` adds fields (``omniStageIds``, ``probe``...)."""
     return {"apiVersion": "gpu.rota.dev/v1alpha1", "kind": "EngineConfig", "model": model,
             "awakeMemory": awake, "sleepLevel": sleep_level, "enginePort": port,
-            "adapter": adapter}
+            "adapter": adapter} | dict(extra or {})
 
 
 def claim_spec(*, memory: str | None, config: Mapping[str, Any] | None = None,

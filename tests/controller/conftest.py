@@ -44,9 +44,11 @@ class EngineSim:
     def base_url(self) -> str:
         return str(self.server.make_url("")).rstrip("/")
 
-    def endpoint(self, *, token: str | None = None) -> EngineEndpoint:
+    def endpoint(self, *, token: str | None = None, api_key: str | None = None
+                 ) -> EngineEndpoint:
         return EngineEndpoint(base_url=self.base_url, model=self.settings.model,
-                              claim=ENGINE_SIM_CLAIM, pod="default/engine-a", token=token)
+                              claim=ENGINE_SIM_CLAIM, pod="default/engine-a", token=token,
+                              api_key=api_key)
 
     async def faults(self, **changes: bool) -> Faults:
         return await self.engine.set_faults(FaultsPatch.model_validate(changes))

@@ -8,10 +8,13 @@ import pytest
 from controller.engines import (
     EngineProtocolError,
     EngineRejected,
+    EngineStateUnknown,
     HttpAdapter,
+    ProbeMode,
     Timeouts,
     make_adapter,
 )
+from controller.engines.probe import probe_payload
 from driver.opaque import EngineConfig, HttpAdapterConfig, parse_engine_config
 from tests.controller.conftest import EngineSim
 
@@ -60,3 +63,32 @@ async def test_is_sleeping_path_must_answer_is_sleeping(
     with pytest.raises(EngineProtocolError):
         await adapter.sleep(1)
     assert engine_sim.engine.sleep_count == 1  # the sleep went out; its proof did not parse
+
+
+async def test_a_sleep_without_an_answer_in_time_is_state_unknown(
+    engine_sim: EngineSim, engine_session: aiohttp.ClientSession
+) -> None:
+    """The generic adapter's sleep is vLLM's /sleep?mode=wait: abandoned, it still fires."""
+    adapter = make_adapter(config("http"), engine_sim.endpoint(), engine_session,
+                           Timeouts(sleep_s=0.3))
+    await engine_sim.faults(stall_generation=True)
+    url = engine_sim.base_url + "/v1/chat/completions"
+    async with engine_session.post(url, json=probe_payload(engine_sim.settings.model)) as resp:
+        await engine_sim.until(lambda: engine_sim.engine.running == 1)
+        with pytest.raises(EngineStateUnknown):
+            await adapter.sleep(1)
+        await engine_sim.faults(stall_generation=False)
+        await resp.read()
+    await engine_sim.until(lambda: engine_sim.engine.state.is_sleeping)
+
+
+async def test_the_probe_section_of_the_claim_reaches_every_adapter(
+    engine_sim: EngineSim, engine_session: aiohttp.ClientSession
+) -> None:
+    structure = {"mode": "structure", "prompt": "Tell me something."}
+    for name in ("vllm", "http"):
+        adapter = make_adapter(config(name, probe=structure), engine_sim.endpoint(),
+                               engine_session, Timeouts())
+        result = await adapter.probe()
+        assert (result.ok, result.mode) == (True, ProbeMode.STRUCTURE), name
+        assert result.content != "7"
