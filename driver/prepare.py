@@ -6,7 +6,8 @@ Order for prepare, under the node-wide lock (one ledger read, two ledger writes 
    purely (:func:`driver.claims.plan_claim`);
 2. under the lock, every ``PrepareStarted`` record is stale (its prepare died or failed,
    nobody else can be preparing): it is rolled back first, its CDI spec removed;
-3. claims already ``PrepareCompleted`` answer from the ledger (idempotent);
+3. claims already ``PrepareCompleted`` answer from the ledger (idempotent), unless the
+   claim now holds other devices (allocated anew): that record is replaced;
 4. each new claim passes the budget checks against every claim in the ledger, earlier
    claims of the same batch included;
 5. the admitted claims are written ``PrepareStarted``; their CDI specs are written; they
@@ -237,8 +238,16 @@ class Preparer:
                 on_disk = self.ledger.read()
                 state = base = self._roll_back_started(on_disk)
                 admitted: list[tuple[ClaimPlan, ClaimRecord]] = []
+                outdated: list[str] = []
                 for ref, claim in batch:
                     record = state.get(ref.uid)
+                    if record is not None and self._outdated(record, ref, claim, devices):
+                        # Its spec goes once the ledger no longer has the record.
+                        log.warning("the claim was allocated anew; preparing it again",
+                                    extra=ref.fields)
+                        outdated.append(ref.uid)
+                        state, base = state.without(ref.uid), base.without(ref.uid)
+                        record = None
                     if record is not None and record.state == "PrepareCompleted":
                         outcomes[ref.uid] = record.devices
                         self._answered[ref.uid] = time.monotonic()
@@ -270,12 +279,14 @@ class Preparer:
                         continue
                     state = state.with_record(record)
                     admitted.append((plan, record))
+                again = {plan.uid for plan, _ in admitted}
+                leftover = [uid for uid in outdated if uid not in again]
                 if admitted:
-                    self._commit(state, base, admitted, devices, outcomes)
-                elif base != on_disk:
-                    self._write_quietly(base)  # only rollbacks: retried by the next batch
-                else:
+                    self._commit(state, base, admitted, devices, outcomes, leftover)
+                elif base == on_disk:
                     self._remember(base)
+                elif self._write_quietly(base):  # only removals: else the next batch does
+                    self._drop_specs(leftover)
         except (LedgerError, OSError) as exc:
             # The lock or the ledger could not be read; nothing of this batch was written.
             error = _node_error("prepare", exc)
@@ -284,17 +295,35 @@ class Preparer:
             log.error("prepare batch failed", extra={"error": str(exc)})
         return outcomes
 
+    def _outdated(self, record: ClaimRecord, ref: ClaimRef,
+                  claim: dict[str, Any] | ClaimError,
+                  devices: Mapping[str, PublishedDevice]) -> bool:
+        """True when a completed record describes an allocation the claim no longer has
+        (it was deallocated and allocated anew on this node). A claim that cannot be read
+        or planned now keeps its record: the kubelet re-sends prepares of running pods."""
+        if record.state != "PrepareCompleted" or isinstance(claim, ClaimError):
+            return False
+        try:
+            plan = self._plan(ref, claim, devices)
+        except ClaimError:
+            return False
+        now = {(s.device, s.share_id) for s in plan.shares}
+        return now != {(d.device_name, d.share_id) for d in record.devices}
+
     def _commit(self, state: LedgerState, base: LedgerState,
                 admitted: list[tuple[ClaimPlan, ClaimRecord]],
                 devices: Mapping[str, PublishedDevice],
-                outcomes: dict[str, Sequence[DeviceAnswer] | Exception]) -> None:
+                outcomes: dict[str, Sequence[DeviceAnswer] | Exception],
+                leftover: list[str]) -> None:
         """Write the admitted claims (started, CDI specs, completed); set their outcomes
-        only for what reached disk."""
+        only for what reached disk. ``leftover``: specs whose records ``state`` no longer
+        has, removed once that is written."""
         try:
             self._write(state)
         except LedgerError as exc:
-            self._fail_batch(admitted, exc, outcomes, base)
+            self._fail_batch(admitted, exc, outcomes, base, leftover)
             return
+        self._drop_specs(leftover)
         final = state
         done: list[tuple[ClaimPlan, ClaimRecord]] = []
         for plan, record in admitted:
@@ -304,7 +333,8 @@ class Preparer:
                 cdi.write_spec(self.cdi_root, plan.uid, spec, disk=self.disk)
             except (OSError, ValueError) as exc:
                 outcomes[plan.uid] = _node_error("prepare", exc)
-                final = self._drop_spec(final, plan.uid)
+                if self._remove_spec(plan.uid):  # else its started record stays, rolled back later
+                    final = final.without(plan.uid)
                 continue
             completed = record.model_copy(update={"state": "PrepareCompleted"})
             final = final.with_record(completed)
@@ -312,7 +342,7 @@ class Preparer:
         try:
             self._write(final)
         except LedgerError as exc:
-            self._fail_batch(admitted, exc, outcomes, base)
+            self._fail_batch(admitted, exc, outcomes, base, [])
             return
         now = time.monotonic()
         for plan, completed in done:
@@ -323,20 +353,25 @@ class Preparer:
                 "devices": [s.device for s in plan.shares],
                 "resident_bytes": plan.resident_bytes, "awake_bytes": plan.awake_bytes})
 
-    def _drop_spec(self, state: LedgerState, uid: str) -> LedgerState:
-        """``state`` without ``uid`` once its CDI spec is gone; with its started record
-        still in when the spec cannot be removed (rolled back later)."""
+    def _remove_spec(self, uid: str) -> bool:
+        """Remove a claim's CDI spec; False (logged) when the disk refuses."""
         try:
             cdi.remove_spec(self.cdi_root, uid, disk=self.disk)
         except OSError as exc:
-            log.warning("cannot remove the CDI spec of a failed prepare yet",
+            log.warning("cannot remove the CDI spec of a claim not prepared (yet)",
                         extra={"claim_uid": uid, "error": str(exc)})
-            return state
-        return state.without(uid)
+            return False
+        return True
+
+    def _drop_specs(self, uids: list[str]) -> None:
+        """Remove specs whose records are gone from disk (best effort: orphan specs are
+        removed by the next restore or garbage collection)."""
+        for uid in uids:
+            self._remove_spec(uid)
 
     def _fail_batch(self, admitted: list[tuple[ClaimPlan, ClaimRecord]], exc: Exception,
                     outcomes: dict[str, Sequence[DeviceAnswer] | Exception],
-                    base: LedgerState) -> None:
+                    base: LedgerState, leftover: list[str]) -> None:
         """A ledger write failed: every admitted claim gets an error, and the batch is
         undone (ledger first, then specs), so the error leaves nothing behind."""
         error = _node_error("prepare", exc)
@@ -346,8 +381,7 @@ class Preparer:
                   extra={"error": str(exc), "claim_uids": [p.uid for p, _ in admitted]})
         if not self._write_quietly(base):
             return  # the records on disk (started or completed) still match the specs
-        for plan, _ in admitted:
-            self._drop_spec(base, plan.uid)
+        self._drop_specs([plan.uid for plan, _ in admitted] + leftover)
 
     def _record(self, plan: ClaimPlan, state: PrepareState) -> ClaimRecord:
         devices = tuple(

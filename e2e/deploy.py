@@ -97,6 +97,16 @@ def with_fake_gpu(daemonset: Mapping[str, Any], fake: FakeGpu) -> dict[str, Any]
     return out
 
 
+def pinned_to(workload: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, Any]:
+    """A workload whose pods may run only on ``nodes`` (node affinity on the hostname)."""
+    out = copy.deepcopy(dict(workload))
+    pod = out["spec"]["template"]["spec"]
+    pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "kubernetes.io/hostname", "operator": "In", "values": list(nodes)}]}]}}}
+    return out
+
+
 def with_token(secret: Mapping[str, Any], token: str) -> dict[str, Any]:
     out = copy.deepcopy(dict(secret))
     out["stringData"] = {"token": token}
@@ -174,8 +184,13 @@ def is_ready(pod: client.V1Pod) -> bool:
 
 
 def deploy(api: client.ApiClient, *, fake_gpu: FakeGpu | None = FakeGpu(),
-           token: str | None = None, directory: Path = MANIFESTS) -> RotaDeployment:
-    """Apply rota's manifests (with the token set and, by default, the fake GPU)."""
+           token: str | None = None, gateway_nodes: Sequence[str] = (),
+           directory: Path = MANIFESTS) -> RotaDeployment:
+    """Apply rota's manifests (with the token set and, by default, the fake GPU).
+
+    ``gateway_nodes`` keeps the gateway on those nodes (a test cluster may also have Node
+    objects no kubelet serves).
+    """
     token = token or secrets.token_hex(16)
     docs = read_manifests(directory)
     for i, doc in enumerate(docs):
@@ -183,6 +198,9 @@ def deploy(api: client.ApiClient, *, fake_gpu: FakeGpu | None = FakeGpu(),
             docs[i] = with_token(doc, token)
         elif doc["kind"] == "DaemonSet" and doc["metadata"]["name"] == DAEMONSET and fake_gpu:
             docs[i] = with_fake_gpu(doc, fake_gpu)
+        elif doc["kind"] == "Deployment" and doc["metadata"]["name"] == GATEWAY and \
+                gateway_nodes:
+            docs[i] = pinned_to(doc, gateway_nodes)
     deployment = RotaDeployment(api=api, token=token, docs=docs)
     deployment.apply()
     return deployment

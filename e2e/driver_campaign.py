@@ -13,12 +13,13 @@ cancels a call), and sometimes another driver process holds the node lock for a 
 Then a new incarnation on a healthy disk restores and the files are checked:
 
 - inconsistencies: half-done records, records without a CDI spec, specs without a record,
-  temp files, and answers contradicted by the disk (answered prepared but not on disk,
-  answered unprepared but still there) (target 0);
+  temp files, claims answered prepared but not on disk, answers naming another share than
+  the claim's allocation (the scheduler allocates a claim anew now and then) (target 0);
 - over-commits: resident budgets beyond the GPU, or a claim that could not wake beside
   every other resident (target 0);
-- leaked records: records of claims the kubelet last unprepared successfully, and at the
-  end, records left after the kubelet unprepared everything on a healthy disk (target 0).
+- leaked records: claims the kubelet last unprepared successfully that still have a
+  record or spec, and at the end, whatever is left after the kubelet unprepared every
+  claim on a healthy disk (target 0).
 
 Prints one line per quantity and a JSON object last; exits 1 when a target is missed.
 """
@@ -47,7 +48,8 @@ from driver.kube import Kube
 from driver.ledger import file_lock
 from driver.prepare import ClaimRef, Preparer
 from e2e.disk_simulator import DiskSimulator, SimulatedCrash
-from e2e.preparing import NodeFiles, allocated_claim, node_devices, overcommits
+from e2e.objects import read_claim
+from e2e.preparing import NodeFiles, allocated_claim, node_devices, overcommits, set_allocation
 from e2e.waiting import eventually_async
 
 GPU_BYTES = 150754820096  # the fake H200
@@ -64,6 +66,7 @@ class Report:
     faults: int = 0
     crashes: int = 0
     lock_holds: int = 0
+    reallocations: int = 0
     inconsistencies: list[str] = field(default_factory=list)
     overcommits: list[str] = field(default_factory=list)
     leaked: list[str] = field(default_factory=list)
@@ -79,7 +82,8 @@ class Report:
             f"rounds: {self.rounds} ({self.seconds:.1f} s)",
             f"calls: {sum(self.calls.values())} ({calls})",
             f"injected: {self.faults} I/O errors, {self.crashes} crashes, "
-            f"{self.lock_holds} lock holds by another driver process",
+            f"{self.lock_holds} lock holds by another driver process, "
+            f"{self.reallocations} claims allocated anew",
             f"ledger/CDI inconsistencies: {len(self.inconsistencies)} (target 0)",
             f"over-commits: {len(self.overcommits)} (target 0)",
             f"leaked records: {len(self.leaked)} (target 0)",
@@ -89,6 +93,7 @@ class Report:
     def summary(self) -> dict[str, object]:
         return {"rounds": self.rounds, "calls": dict(self.calls), "io_errors": self.faults,
                 "crashes": self.crashes, "lock_holds": self.lock_holds,
+                "reallocations": self.reallocations,
                 "inconsistencies": len(self.inconsistencies),
                 "overcommits": len(self.overcommits), "leaked_records": len(self.leaked),
                 "seconds": round(self.seconds, 1)}
@@ -111,9 +116,11 @@ def _true(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
 class Campaign:
     """One node's driver under the campaign; see the module docstring."""
 
-    def __init__(self, *, kube: Kube, refs: Sequence[ClaimRef], pool: str, root: Path,
-                 rng: random.Random) -> None:
-        self.kube = kube
+    def __init__(self, *, api: client.ApiClient, refs: Sequence[ClaimRef], pool: str,
+                 root: Path, rng: random.Random, shares: dict[str, str]) -> None:
+        self.api = api
+        self.kube = Kube(api)
+        self.shares = shares  # uid -> the share id the claim is allocated now
         self.refs = list(refs)
         self.pool = pool
         self.files = NodeFiles(root)
@@ -187,6 +194,12 @@ class Campaign:
             self.report.calls[f"{call.verb} {'error' if failed else 'ok'}"] += 1
             if not failed:
                 self.expected[ref.uid] = "prepared" if call.verb == "prepare" else "unprepared"
+            if not failed and call.verb == "prepare":
+                answered = [d.share_id for d in outcome]
+                if answered != [self.shares[ref.uid]]:
+                    self.report.inconsistencies.append(
+                        f"round {self.report.rounds}: {ref.uid} answered share {answered}, "
+                        f"allocated {self.shares[ref.uid]}")
             elif call.verb == "unprepare":
                 # The record may be gone with the spec still there (removed at restore).
                 self.expected[ref.uid] = "unknown"
@@ -201,7 +214,22 @@ class Campaign:
             held.set()
             release.wait(5.0)
 
+    async def _allocate_anew(self) -> None:
+        """The scheduler allocates a claim the kubelet is not known to hold again, to
+        another share (its pod was deleted, a new one came): a record the driver still
+        has for it must not be answered."""
+        free = [ref for ref in self.refs if self.expected[ref.uid] != "prepared"]
+        if not free:
+            return
+        ref = self.rng.choice(free)
+        body = await asyncio.to_thread(set_allocation, self.api, ref.namespace, ref.name,
+                                       pool=self.pool)
+        self.shares[ref.uid] = body["status"]["allocation"]["devices"]["results"][0]["shareID"]
+        self.report.reallocations += 1
+
     async def round(self) -> None:
+        if self.rng.random() < 0.05:
+            await self._allocate_anew()
         disk = self._disk()
         preparer = self._preparer(disk)
         holder = None
@@ -262,7 +290,11 @@ async def run_campaign(api: client.ApiClient, namespace: str, root: Path, *, rou
     pool = f"campaign-{uuid.uuid4().hex[:8]}"
     refs = [allocated_claim(api, namespace, f"c{i}", pool=pool, memory="12Gi",
                             awake=f"{40 + 10 * (i % 4)}Gi") for i in range(claims)]
-    campaign = Campaign(kube=Kube(api), refs=refs, pool=pool, root=root, rng=rng)
+    shares = {}
+    for ref in refs:
+        claim = await asyncio.to_thread(read_claim, api, namespace, ref.name)
+        shares[ref.uid] = claim["status"]["allocation"]["devices"]["results"][0]["shareID"]
+    campaign = Campaign(api=api, refs=refs, pool=pool, root=root, rng=rng, shares=shares)
     started = time.perf_counter()
     for _ in range(rounds):
         await campaign.round()

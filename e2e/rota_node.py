@@ -36,6 +36,30 @@ CONTROLLER_PORT = 8090
 DRIVER_HTTP_PORT = 8081
 
 
+def exec_in(api: client.ApiClient, namespace: str, pod: str, argv: Sequence[str], *,
+            container: str | None = None, timeout: float = 60.0) -> str:
+    """Run ``argv`` in a pod's container through the API (``kubectl exec``); its stdout.
+
+    Raises:
+        RuntimeError: the command failed; the message carries its stderr.
+    """
+    from kubernetes.stream import stream
+
+    kwargs: dict[str, Any] = {"container": container} if container else {}
+    ws = stream(client.CoreV1Api(api).connect_get_namespaced_pod_exec, pod, namespace,
+                command=list(argv), stderr=True, stdin=False, stdout=True, tty=False,
+                _preload_content=False, _request_timeout=timeout, **kwargs)
+    try:
+        ws.run_forever(timeout=timeout)
+        out, err = ws.read_stdout(), ws.read_stderr()
+        code = ws.returncode
+    finally:
+        ws.close()
+    if code != 0:
+        raise RuntimeError(f"{' '.join(argv)} in {namespace}/{pod} exited {code}: {err[-2000:]}")
+    return str(out)
+
+
 def build_rota_images() -> BuiltImages:
     """rota's images under the names its manifests and examples use."""
     rota = sorted(images_of(read_manifests()))
@@ -58,14 +82,31 @@ class EnginePod:
                                                          _request_timeout=10)
 
 
+def engine_docs(name: str, *, model: str, resident: str, awake: str,
+                example: Path = EXAMPLES / "two-models.yaml") -> list[dict[str, Any]]:
+    """A claim and an engine pod like the example's first, under another name and budgets."""
+    docs = read(example)
+    claim = copy.deepcopy(next(d for d in docs if d["kind"] == "ResourceClaim"))
+    pod = copy.deepcopy(next(d for d in docs if d["kind"] == "Pod"))
+    claim["metadata"]["name"] = name
+    claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["memory"] = \
+        resident
+    params = claim["spec"]["devices"]["config"][0]["opaque"]["parameters"]
+    params.update({"model": model, "awakeMemory": awake})
+    pod["metadata"]["name"] = name
+    pod["metadata"]["labels"]["app"] = name
+    pod["spec"]["resourceClaims"][0]["resourceClaimName"] = name
+    return [claim, pod]
+
+
 def _pinned(docs: Sequence[Mapping[str, Any]], node: str) -> list[dict[str, Any]]:
     """Pods of an example pinned to ``node`` (the cluster may have other nodes)."""
     out: list[dict[str, Any]] = []
     for doc in docs:
-        pinned = copy.deepcopy(dict(doc))
-        if pinned["kind"] == "Pod":
-            pinned["spec"].setdefault("nodeSelector", {})["kubernetes.io/hostname"] = node
-        out.append(pinned)
+        copied = copy.deepcopy(dict(doc))
+        if copied["kind"] == "Pod":
+            copied["spec"].setdefault("nodeSelector", {})["kubernetes.io/hostname"] = node
+        out.append(copied)
     return out
 
 
@@ -120,14 +161,29 @@ class RotaOnNodes:
             raise LookupError(f"no rota-node pod is Ready on {name}")
         return self.pod_url(pods[0], CONTROLLER_PORT)
 
+    def node_pod(self, node: str | None = None) -> client.V1Pod:
+        """The Ready DaemonSet pod (driver and controller) of a node."""
+        name = self.node(node).name
+        pods = [p for p in self.deployment.node_pods(name) if is_ready(p)]
+        if len(pods) != 1:
+            raise LookupError(f"{len(pods)} Ready rota-node pods on {name}")
+        return pods[0]
+
+    def logs(self, pod: client.V1Pod, container: str) -> str:
+        """``kubectl logs`` (through the apiserver and the kubelet)."""
+        return str(client.CoreV1Api(self.api).read_namespaced_pod_log(
+            pod.metadata.name, pod.metadata.namespace, container=container,
+            _request_timeout=30))
+
     def deploy_engines(self, namespace: str, *, node: str | None = None,
                        example: Path = EXAMPLES / "two-models.yaml",
-                       timeout: float = 180.0) -> list[EnginePod]:
-        """Apply an example's claims and engine pods in ``namespace`` (created when
-        missing), pinned to a node; wait until every pod is Ready."""
+                       docs: Sequence[Mapping[str, Any]] | None = None,
+                       timeout: float = 180.0, wait: bool = True) -> list[EnginePod]:
+        """Apply an example's claims and engine pods (or ``docs``) in ``namespace``
+        (created when missing), pinned to a node; wait until every pod is Ready."""
         target = self.node(node).name
         create_namespace(self.api, namespace)
-        docs = _pinned(read(example), target)
+        docs = _pinned(docs if docs is not None else read(example), target)
         Applier(self.api).apply(docs, namespace)
         claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ResourceClaim"}
         engines = []
@@ -137,7 +193,16 @@ class RotaOnNodes:
             claim = next(c.get("resourceClaimName", "") for c in doc["spec"]["resourceClaims"])
             engines.append(EnginePod(namespace, doc["metadata"]["name"], claim,
                                      _model_of(claims[claim]) if claim in claims else ""))
-        for engine in engines:
+        for engine in engines if wait else []:
             eventually(lambda e=engine: is_ready(e.pod(self.api)),  # type: ignore[misc]
                        timeout=timeout, max_interval=2.0, what=f"engine {engine.name} Ready")
         return engines
+
+
+def client_with_token(cluster: LocalCluster, token: str) -> client.ApiClient:
+    """An API client that authenticates with a bearer token (a pod's, say)."""
+    configuration = client.Configuration()
+    configuration.host = cluster.server
+    configuration.ssl_ca_cert = str(cluster.pki.ca_cert)
+    configuration.api_key = {"authorization": f"Bearer {token}"}
+    return client.ApiClient(configuration)

@@ -21,7 +21,7 @@ from kubernetes import client, config
 from e2e.cluster import LocalCluster
 from e2e.objects import MANIFESTS, apply_manifest, create_namespace
 
-pytest_plugins = ["pytester", "tests.engines_on_cluster", "tests.leaks"]
+pytest_plugins = ["pytester", "tests.engines_on_cluster", "tests.leaks", "tests.real_node"]
 
 # Tests start processes while gRPC channels are open; gRPC's note about skipping its fork
 # handlers is expected then, and only noise.

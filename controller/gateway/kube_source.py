@@ -40,7 +40,7 @@ from controller import naming
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routing import ObjectKind, RoutingState
 from controller.gateway.settings import GatewaySettings
-from driver.aio import Backoff
+from driver.aio import Backoff, wait_any
 from driver.kube import load_api_client
 
 __all__ = ["KubeSource"]
@@ -202,8 +202,9 @@ class KubeSource:
             log.info("routing state synced", extra={"models": len(state.models()),
                                                     "namespaces": sorted(self._pods)})
             while True:
-                await namespaces_changed.wait()
+                await wait_any(namespaces_changed, state.binding_changed)
                 namespaces_changed.clear()
+                state.binding_changed.clear()
                 self._reconcile_pods(state, lambda ns: make("pods", "pod", ns,
                                                             core.list_namespaced_pod, ns))
         finally:

@@ -161,6 +161,8 @@ class RoutingState:
         self._changed = asyncio.Event()
         self._turn = itertools.count()
         self._fresh_seen: dict[str, bool] = {}
+        self.binding_changed = asyncio.Event()
+        """Set when :meth:`set_binding` changed it (sources re-check what they watch)."""
         self.version = 0
         """Bumped on every change."""
 
@@ -194,6 +196,7 @@ class RoutingState:
         """The admin's binding changed (its file was re-read)."""
         if binding != self._binding:
             self._binding = binding
+            self.binding_changed.set()
             self._touch()
 
     @property

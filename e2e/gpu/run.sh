@@ -21,9 +21,12 @@
 # after every step; the bench stage has two runs, bench and bench2), $OUT/<run>-nvml.json
 # (the NVML timeline), $OUT/<stage>-engines.log (the engines' own logs, cut), $OUT/prep.json
 # (piece0), $OUT/pytest-gpu.log (bench).
-# Knobs: ROTA_GPU_BUDGET_S (570: seconds this command may take), ROTA_GPU_WORK (/tmp/vllm:
-# chunks, wheels), ROTA_GPU_SITE (/tmp/site: vLLM), ROTA_GPU_STATE (/tmp/rota-gpu: engines'
-# state and logs), ROTA_GPU_INPUT (.vllm of the checkout), ROTA_BENCH_ARGS (extra arguments of the benchmark), PY (python3).
+# Knobs: ROTA_GPU_BUDGET_S (570: seconds this command may take), ROTA_GPU_SCENARIOS (the
+# scenarios to run, comma-separated; by default bench runs the harmless ones, then the next
+# ones, and more the ones not run yet), ROTA_BENCH_ARGS (more arguments of the benchmark,
+# not --scenarios), ROTA_GPU_WORK (/tmp/vllm: chunks, wheels), ROTA_GPU_SITE (/tmp/site:
+# vLLM), ROTA_GPU_STATE (/tmp/rota-gpu: engines' state and logs), ROTA_GPU_INPUT (.vllm of
+# the checkout), PY (python3).
 set -uo pipefail
 STAGE=${1:?usage: e2e/gpu/run.sh piece0|bench|more|stop|status}
 [ "$STAGE" = "install+bench" ] && STAGE=bench
@@ -201,11 +204,11 @@ EOF
     weights
     h2d
     # The scenarios that leave every engine alive, the real-GPU pytest on those engines, then
-    # the rest in order while time is left.
-    bench bench startup,main,wake_detail,level2
+    # the rest in order while time is left (ROTA_GPU_SCENARIOS: only the ones it names).
+    bench bench "${ROTA_GPU_SCENARIOS:-startup,main,wake_detail,level2}"
     rc=$?
     gpu_pytest
-    bench bench2 next || rc=$?
+    if [ -z "${ROTA_GPU_SCENARIOS:-}" ]; then bench bench2 next || rc=$?; fi
     engine_logs bench
     exit $rc
     ;;
@@ -213,7 +216,7 @@ EOF
     [ -f "$SITE/vllm/__init__.py" ] || die "vLLM is not installed on this machine (it went back since the bench stage): start again with piece0"
     [ -f "$STATE/state.json" ] || die "no benchmark state in $STATE: run the bench stage first"
     ensure_rota_imports
-    bench more next
+    bench more "${ROTA_GPU_SCENARIOS:-next}"
     rc=$?
     engine_logs more
     exit $rc

@@ -11,7 +11,10 @@ pods stay Pending on nodes nobody labelled), only the API's answers are checked.
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 
 from controller import naming
@@ -27,8 +31,11 @@ from controller.leases import GpuLease, lease_body
 from e2e.chart import CHART, run_tool
 from e2e.cluster import LocalCluster
 from e2e.cluster.nodes import create_node
+from e2e.harness import GpuNode
 from e2e.objects import claim
+from e2e.scenario import deploy
 from e2e.waiting import eventually
+from tests.engines_on_cluster import MODEL_A, MODEL_B
 
 pytestmark = pytest.mark.cluster
 
@@ -169,6 +176,7 @@ def _expected(release: Release) -> dict[str, dict[str, set[Rule]]]:
     account holds (discovery, self reviews)."""
     rs, core, coord, ev = "resource.k8s.io", "", "coordination.k8s.io", "events.k8s.io"
     driver = {(core, "nodes", "get", ""), (rs, "resourceclaims", "get", ""),
+              (core, "pods", "list", ""),
               *((rs, "resourceslices", v, "") for v in ("list", "watch", "create", "update",
                                                          "delete"))}
     controller = {(rs, "resourceclaims", "get", ""), (rs, "resourceclaims", "list", ""),
@@ -211,7 +219,9 @@ CAN_I: list[tuple[str, str, str, str, str, bool]] = [
     ("driver", "deletecollection", "resource.k8s.io", "resourceslices", "", False),
     ("driver", "get", "resource.k8s.io", "resourceclaims", "+", True),
     ("driver", "list", "resource.k8s.io", "resourceclaims", "", False),
-    ("driver", "list", "", "pods", "", False),
+    ("driver", "list", "", "pods", "", True),  # with spec.nodeName=<node>, for the ledger GC
+    ("driver", "get", "", "pods", "+", False),
+    ("driver", "watch", "", "pods", "", False),
     ("driver", "get", "", "secrets", "@", False),
     ("driver", "update", "coordination.k8s.io", "leases", "@", False),
     ("controller", "update", "coordination.k8s.io", "leases", "@", True),
@@ -428,6 +438,69 @@ def test_a_controller_writes_conditions_only_on_its_nodes_claims(release: Releas
     assert written["status"]["devices"][0]["conditions"][0]["type"] == "Awake"
     # The API server itself keeps a driver's status writes to claims of its own node.
     assert "arbitrary-node:update" in _refused(lambda: write(node_b))
+
+
+def _kubeconfig(release: Release, token: str, path: Path) -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "local", "cluster": {
+            "server": release.cluster.server,
+            "certificate-authority": str(release.cluster.workdir / "pki" / "ca.crt")}}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}]}))
+    return path
+
+
+@pytest.mark.slow
+def test_the_components_run_with_their_own_service_accounts(
+        release: Release, device_class: str) -> None:
+    """Driver, controller and gateway run as the chart's service accounts, with tokens
+    bound to pods on their node, under the chart's RBAC and admission policies: the driver
+    publishes its slices and prepares claims, the controller leads and switches, the
+    gateway routes a request for each model."""
+    node = GpuNode(cluster=release.cluster, api=release.api, name=f"gpu-{uuid.uuid4().hex[:8]}")
+    try:
+        configs = {c: _kubeconfig(release, release.token(c, node.name),
+                                  node.dirs.root / f"{c}.kubeconfig")
+                   for c in ("driver", "controller", "gateway")}
+        node.start_driver(extra=[f"--kubeconfig={configs['driver']}"])  # slices published
+        node.start_agent()
+        engines = deploy(release.api, release.engines, node.name, [MODEL_A, MODEL_B])
+        token = node.dirs.root / "activation-token"
+        token.write_text(f"{uuid.uuid4().hex}\n")
+        node.start_controller(extra=[f"--kubeconfig={configs['controller']}",
+                                     f"--namespace={release.namespace}",
+                                     f"--token-file={token}"])
+        leases = client.CoordinationV1Api(release.api)
+
+        def leading() -> bool:
+            lease = leases.read_namespaced_lease(naming.controller_lease_name(node.name),
+                                                 release.namespace)
+            return bool(lease.spec.holder_identity == "controller-0")
+
+        eventually(leading, timeout=90, interval=0.5, what="the controller leading")
+        url = node.start_gateway(token_file=token, extra=[
+            f"--kubeconfig={configs['gateway']}",
+            f"--controller-namespace={release.namespace}",
+            f"--serving-namespaces={release.engines}"])
+        for spec in (MODEL_A, MODEL_B, MODEL_A):
+            body = json.dumps({"model": spec.model, "max_tokens": 4,
+                               "messages": [{"role": "user", "content": "What is 3 + 4?"}]})
+            request = urllib.request.Request(f"{url}/v1/chat/completions", data=body.encode(),
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=120) as resp:
+                    answer = json.loads(resp.read())
+            except urllib.error.HTTPError as exc:
+                logs = {p.name: p.read_text()[-3000:] for p in node.dirs.logs.iterdir()}
+                raise AssertionError(f"{exc.code} {exc.read()!r} {logs}") from exc
+            assert answer["choices"][0]["message"]["content"].startswith("7")
+        assert {e.spec.model for e in engines} == {MODEL_A.model, MODEL_B.model}
+        for log in ("driver.log", "controller-controller-0.log", "gateway-0.log"):
+            text = (node.dirs.logs / log).read_text()
+            assert "forbidden" not in text.lower(), f"{log}: {text[-2000:]}"
+    finally:
+        node.close()
 
 
 def test_uninstall_leaves_nothing_behind(release: Release) -> None:

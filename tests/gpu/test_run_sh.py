@@ -113,8 +113,7 @@ def test_the_stages_in_order(machine: dict[str, str], tmp_path: Path) -> None:
     assert (out / "bench.log").read_text().count("benchmark exited with status") == 2
     assert len(list(out.iterdir())) <= 8 + 2  # a call brings back 8 files (piece0 left 2)
 
-    more = _stage(machine, "more", ROTA_BENCH_ARGS=machine["ROTA_BENCH_ARGS"]
-                  + " --scenarios wake_detail")
+    more = _stage(machine, "more", ROTA_GPU_SCENARIOS="wake_detail")
     assert more.returncode == 0, more.stdout[-4000:]
     assert list(json.loads((out / "more.json").read_text())["scenarios"]) == ["wake_detail"]
 
