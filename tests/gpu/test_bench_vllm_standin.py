@@ -82,9 +82,12 @@ def test_two_commands_share_the_engines_and_run_every_scenario(tmp: Path) -> Non
     assert main["summary"]["ok"] == 3
     assert main["throughput"]["after"]["after_handoff"] == 2
     entry = main["handoffs"][0]
-    assert [c["path"] for c in entry["http"]] == ["/metrics", "/sleep", "/is_sleeping",
-                                                  "/wake_up", "/is_sleeping",
-                                                  "/v1/chat/completions"]
+    paths = [c["path"] for c in entry["http"]]
+    essential = [p for p in paths if p in ("/sleep", "/wake_up", "/v1/chat/completions")]
+    assert essential == ["/sleep", "/wake_up", "/v1/chat/completions"]
+    assert paths.index("/is_sleeping") > paths.index("/sleep")  # each call confirmed
+    assert paths[paths.index("/wake_up") + 1:].count("/is_sleeping") == 1
+    assert all(c["ms"] is not None and c["status"] == 200 for c in entry["http"])
     assert entry["controller_overhead_s"] is not None
     assert main["summary"]["first_user_visible"]["direction"] == "a_to_b"
 
@@ -130,9 +133,14 @@ def test_two_commands_share_the_engines_and_run_every_scenario(tmp: Path) -> Non
     assert admission["admission"]["holder_back"]["ok"]
 
     oom = scenarios["wake_oom"]
-    assert oom["plan"]["ballast_mib"] > 0
     assert oom["plan"]["x_declared_awake_mib"] < oom["plan"]["x_real_awake_mib"]
-    assert second["holder"] == "a"  # whatever the wake did, A serves at the end
+    assert oom["reason"] == "gpu_oom"  # the simulator's memory runs out as CUDA's does
+    assert oom["holder_proved"]["ok"]
+    assert oom["ok"]
+    counter = scenarios["admission_counterexample"]
+    assert counter["y_started"] is False
+    assert counter["a_serves_after"] is True
+    assert second["holder"] == "a"
 
     assert "abandon_after_s" in scenarios["abandoned_sleep"]
     assert scenarios["abandoned_sleep"]["stream"]["chunks"] > 0
