@@ -122,7 +122,7 @@ def test_two_commands_share_the_engines_and_run_every_scenario(tmp: Path) -> Non
     killed = scenarios["killed_mid_switch"]
     assert killed["ok"], killed
     assert killed["kill_landed_mid_switch"] is True
-    assert killed["switch"]["reason"] == "unreachable"
+    assert killed["switch"]["reason"] in ("unreachable", "state_unknown")
     assert killed["restored_by"] in ("rota", "bench (after NVML released the dead engine)")
     assert second["engines"][killed["target"]]["dead"] is True
 
