@@ -278,11 +278,13 @@ def _refused(call: Any) -> str:
     return str(caught.value.body)
 
 
-def _slice(node: str, *, driver: str = "gpu.rota.dev") -> dict[str, Any]:
+def _slice(node: str, *, driver: str = "gpu.rota.dev", pool: str | None = None
+           ) -> dict[str, Any]:
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceSlice",
             "metadata": {"name": f"{node}-{driver}-{uuid.uuid4().hex[:6]}"},
             "spec": {"driver": driver, "nodeName": node, "devices": [],
-                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}}}
+                     "pool": {"name": pool or node, "generation": 1,
+                              "resourceSliceCount": 1}}}
 
 
 def _wait_for_policy(call: Any) -> None:
@@ -325,6 +327,22 @@ def test_a_driver_writes_only_its_own_nodes_slices(release: Release) -> None:
     unbound = client.CustomObjectsApi(release.as_token(release.token("driver", None)))
     assert "no node" in _refused(lambda: unbound.create_cluster_custom_object(
         GROUP, VERSION, "resourceslices", _slice(node_a)))
+    # Devices are known by driver/pool/device: a slice of its own node naming another
+    # node's pool would take that node's GPU identity (the scheduler counts the forged
+    # node-b/gpu-0 as allocated; controllers and gateways read the node from the pool).
+    assert f"pool {node_b}" in _refused(lambda: driver_a.create_cluster_custom_object(
+        GROUP, VERSION, "resourceslices", _slice(node_a, pool=node_b)))
+    renamed = dict(mine, spec={**mine["spec"], "pool": {**mine["spec"]["pool"],
+                                                        "name": node_b}})
+    _refused(lambda: driver_a.replace_cluster_custom_object(
+        GROUP, VERSION, "resourceslices", mine["metadata"]["name"], renamed))
+    forged = admin.create_cluster_custom_object(GROUP, VERSION, "resourceslices",
+                                                _slice(node_a, pool=node_b))
+    forged["spec"]["pool"]["name"] = node_a  # the old object counts too
+    _refused(lambda: driver_a.replace_cluster_custom_object(
+        GROUP, VERSION, "resourceslices", forged["metadata"]["name"], forged))
+    admin.delete_cluster_custom_object(GROUP, VERSION, "resourceslices",
+                                       forged["metadata"]["name"])
 
     driver_a.delete_cluster_custom_object(GROUP, VERSION, "resourceslices",
                                           mine["metadata"]["name"])
