@@ -418,6 +418,17 @@ def test_a_controller_changes_only_the_state_label_of_its_nodes_pods(release: Re
         {"spec": {"containers": [{"name": "e", "image": "evil:0"}]}}))
     _refused(lambda: controller_a.patch_namespaced_pod(
         f"engine-{node_b}", release.engines, state))
+    # A finalizer pins the pod; an ownerReference to a missing owner makes the garbage
+    # collector delete it (RBAC denies delete, not these).
+    mine = f"engine-{node_a}"
+    _refused(lambda: controller_a.patch_namespaced_pod(
+        mine, release.engines, {"metadata": {"finalizers": ["rota.test/pin"]}}))
+    _refused(lambda: controller_a.patch_namespaced_pod(mine, release.engines, {"metadata": {
+        "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "gone",
+                             "uid": str(uuid.uuid4())}]}}))
+    _refused(lambda: controller_a.patch_namespaced_pod(
+        mine, release.engines, {"metadata": {"annotations": {"rota.test/a": "b"}}}))
+    assert core.read_namespaced_pod(mine, release.engines).metadata.finalizers is None
 
 
 def test_a_controller_writes_conditions_only_on_its_nodes_claims(release: Release) -> None:
