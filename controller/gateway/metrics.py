@@ -71,7 +71,8 @@ class GatewayMetrics:
             buckets=_FIRST_BYTE_BUCKETS, registry=self.registry)
         self.activations = Counter(
             "rota_gateway_activations_total", "Activation calls this replica made, by model and "
-            "outcome (switched, already_awake, or the failure reason).", ["model", "outcome"],
+            "outcome (switched, already_awake, or the failure reason: one of a fixed set, "
+            "anything else a controller says is other).", ["model", "outcome"],
             registry=self.registry)
         self.activation_seconds = Histogram(
             "rota_gateway_activation_seconds", "Duration of activation calls (a switch when "
