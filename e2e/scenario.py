@@ -35,6 +35,8 @@ class EngineSpec:
     sleep_level: int = 1
     adapter: str = "vllm"
     args: tuple[str, ...] = ()
+    config: tuple[tuple[str, Any], ...] = ()
+    """More EngineConfig fields, e.g. ``(("omniStageIds", [0, 1]),)``."""
 
 
 @dataclass
@@ -66,7 +68,7 @@ def deploy(api: client.ApiClient, namespace: str, node: str, specs: Sequence[Eng
     engines = []
     for spec in specs:
         config = engine_config(model=spec.model, awake=spec.awake, sleep_level=spec.sleep_level,
-                               adapter=spec.adapter)
+                               adapter=spec.adapter, extra=dict(spec.config))
         created = create_claim(api, namespace, claim(spec.name, memory=spec.resident,
                                                      config=config))
         core.create_namespaced_pod(namespace, engine_pod(spec.name, node=node,

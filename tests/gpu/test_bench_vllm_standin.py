@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 from e2e.gpu.context import BenchState
 from e2e.gpu.engines import process_group
 from e2e.waiting import eventually
-from tests.gpu.models import write_fake_weights, write_models
+from tests.gpu.models import stop_recorded_engines, write_fake_weights, write_models
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,10 +45,13 @@ def _bench(tmp: Path, stage: str, *extra: str, timeout: float = 240
 
 
 @pytest.fixture
-def tmp(tmp_path: Path) -> Path:
+def tmp(tmp_path: Path) -> Iterator[Path]:
     write_models(tmp_path / "models")
     write_fake_weights(tmp_path / "state" / "weights" / "model-small")
-    return tmp_path
+    try:
+        yield tmp_path
+    finally:
+        stop_recorded_engines(tmp_path / "state")
 
 
 def test_two_commands_share_the_engines_and_run_every_scenario(tmp: Path) -> None:
