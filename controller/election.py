@@ -64,7 +64,8 @@ class Election:
             "labels": {naming.LABEL_MANAGED_BY: naming.MANAGED_BY,
                        naming.LABEL_KIND: naming.KIND_CONTROLLER,
                        naming.LABEL_NODE: naming.label_value(self.node)},
-            "annotations": {naming.ACTIVATION_URL: self.activation_url},
+            "annotations": {naming.ACTIVATION_URL: self.activation_url,
+                            naming.NODE_NAME: self.node},
         }
         if resource_version:
             metadata["resourceVersion"] = resource_version
