@@ -152,7 +152,7 @@ def test_sigkill_at_random_moments_never_corrupts_state(
     # Resident 12Gi each; awake budgets large enough that not every claim fits at once,
     # so the budget checks refuse some prepares along the way.
     for i in range(CLAIMS):
-        awake = f"{40 + 10 * (i % 4)}Gi"
+        awake = f"{70 + 10 * (i % 4)}Gi"
         create_claim(kube_api, namespace, claim(f"c{i}", memory="12Gi",
                                                 config=engine_config(model=f"m{i}", awake=awake)))
         core.create_namespaced_pod(namespace, engine_pod(f"p{i}", node=gpu_node.name,
