@@ -33,6 +33,7 @@ NEVER: list[Check] = [
 ]
 MUST: dict[str, list[Check]] = {
     "driver": [("get", "", "nodes", ""), ("get", "resource.k8s.io", "resourceclaims", "x"),
+               ("list", "", "pods", ""),  # the ledger's garbage collection, by spec.nodeName
                *[(v, "resource.k8s.io", "resourceslices", "")
                  for v in ("list", "watch", "create", "update", "delete")]],
     "controller": [("get", "resource.k8s.io", "resourceclaims", "x"),
@@ -49,7 +50,8 @@ MUST: dict[str, list[Check]] = {
                 ("watch", "coordination.k8s.io", "leases", NAMESPACE)],
 }
 MUST_NOT: dict[str, list[Check]] = {
-    "driver": [("list", "", "pods", ""), ("update", "resource.k8s.io", "resourceclaims", "x"),
+    "driver": [("watch", "", "pods", ""), ("get", "", "pods", "x"),
+               ("update", "resource.k8s.io", "resourceclaims", "x"),
                ("create", "coordination.k8s.io", "leases", NAMESPACE)],
     "controller": [("create", "resource.k8s.io", "resourceslices", ""),
                    ("update", "resource.k8s.io", "resourceclaims", "x"),
