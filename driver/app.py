@@ -122,7 +122,8 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
         return ""
 
     runner = web.AppRunner(make_app(registration_socket=settings.registration_socket,
-                                    dra_socket=settings.dra_socket, ready=ready),
+                                    dra_socket=settings.dra_socket, ready=ready,
+                                    wedged=preparer.stalled),
                            access_log=None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -25,10 +25,18 @@ prepare or by :meth:`Preparer.restore`) or a CDI spec without a record (removed 
 :meth:`Preparer.restore` and the ledger garbage collection). An answer is only ever given
 for a state that is already on disk.
 
+Overlapping calls of one claim (the kubelet's may overlap): every call takes a ticket on
+arrival, before it reads its claims (:class:`driver.calls.CallBook`), and under the lock
+a call of a claim that a later call of the other verb has already prepared or unprepared
+does nothing for it and answers ``superseded``: an unprepare that overtakes a prepare
+still reading its claim wins, and the prepare leaves no record or spec behind.
+
 Cancellation (the kubelet's deadline): the work of a call runs in a worker thread that
 cannot be stopped half-way, so a cancelled call keeps the lock until its thread has
 finished (:func:`driver.aio.finish_first`), and a later call of the same claim always sees
 its outcome. A call whose deadline passed before it got the node-wide lock does nothing.
+A call still in flight well past its deadline (a worker thread stuck in a hung disk
+write) makes :meth:`Preparer.stalled` say so, and the liveness probe fail.
 One claim never fails the batch: each gets its own outcome, a malformed uid included.
 """
 
@@ -46,6 +54,7 @@ from typing import Any, Protocol, TypeVar
 
 from driver import cdi, metrics
 from driver.aio import finish_first
+from driver.calls import Call, CallBook
 from driver.budget import check_admission
 from driver.claims import ClaimPlan, PublishedDevice, plan_claim
 from driver.disk import OS_DISK, Disk, remove_temp_files
@@ -98,7 +107,8 @@ class Preparer:
                  devices: Callable[[], Mapping[str, PublishedDevice]],
                  lock_path: Path, lock_timeout_s: float = 10.0,
                  fetch_concurrency: int = 16, disk: Disk = OS_DISK,
-                 cdi_edits: cdi.ExtraEdits | None = None) -> None:
+                 cdi_edits: cdi.ExtraEdits | None = None,
+                 calls: CallBook | None = None) -> None:
         self.kube = kube
         self.ledger = ledger
         self.cdi_root = cdi_root
@@ -114,6 +124,7 @@ class Preparer:
         self._lock = asyncio.Lock()
         self._state: LedgerState | None = None
         self._answered: dict[str, float] = {}  # uid -> when last answered prepared
+        self.calls = calls or CallBook()
 
     @property
     def state(self) -> LedgerState | None:
@@ -190,9 +201,11 @@ class Preparer:
                 that only gets the node-wide lock later does nothing.
         """
         started = time.perf_counter()
-        fetched = await asyncio.gather(*(self._fetch(ref) for ref in claims))
-        outcomes = await self._locked("prepare", claims, self._prepare_locked,
-                                      list(zip(claims, fetched, strict=True)), deadline)
+        with self.calls.arrive("prepare", [ref.uid for ref in claims], deadline) as call:
+            fetched = await asyncio.gather(*(self._fetch(ref) for ref in claims))
+            outcomes = await self._locked("prepare", claims, self._prepare_locked,
+                                          list(zip(claims, fetched, strict=True)), deadline,
+                                          call)
         elapsed = time.perf_counter() - started
         for ref in claims:
             outcome = outcomes[ref.uid]
@@ -228,7 +241,17 @@ class Preparer:
                           driver=self.driver_name, pool=self.pool, devices=devices)
 
     def _prepare_locked(self, batch: list[tuple[ClaimRef, dict[str, Any] | ClaimError]],
-                        deadline: float | None) -> dict[str, Sequence[DeviceAnswer] | Exception]:
+                        deadline: float | None, call: Call
+                        ) -> dict[str, Sequence[DeviceAnswer] | Exception]:
+        outcomes = self._prepare_batch(batch, deadline, call)
+        for uid, outcome in outcomes.items():
+            if not isinstance(outcome, Exception):
+                self.calls.took_effect(call, uid)
+        return outcomes
+
+    def _prepare_batch(self, batch: list[tuple[ClaimRef, dict[str, Any] | ClaimError]],
+                       deadline: float | None, call: Call
+                       ) -> dict[str, Sequence[DeviceAnswer] | Exception]:
         outcomes: dict[str, Sequence[DeviceAnswer] | Exception] = {}
         devices = self.devices()
         try:
@@ -240,6 +263,9 @@ class Preparer:
                 admitted: list[tuple[ClaimPlan, ClaimRecord]] = []
                 outdated: list[str] = []
                 for ref, claim in batch:
+                    if self.calls.overtaken(call, ref.uid):
+                        outcomes[ref.uid] = _overtaken("prepare", ref)
+                        continue
                     record = state.get(ref.uid)
                     if record is not None and self._outdated(record, ref, claim, devices):
                         # Its spec goes once the ledger no longer has the record.
@@ -402,8 +428,9 @@ class Preparer:
                         ) -> dict[str, Exception | None]:
         """Unprepare a batch; per claim None (done, or nothing to do) or why not."""
         started = time.perf_counter()
-        outcomes = await self._locked("unprepare", claims, self._unprepare_locked,
-                                      list(claims), deadline)
+        with self.calls.arrive("unprepare", [ref.uid for ref in claims], deadline) as call:
+            outcomes = await self._locked("unprepare", claims, self._unprepare_locked,
+                                          list(claims), deadline, call)
         elapsed = time.perf_counter() - started
         for ref in claims:
             outcome = outcomes[ref.uid]
@@ -413,8 +440,16 @@ class Preparer:
                                                        "error": str(outcome)})
         return outcomes
 
-    def _unprepare_locked(self, claims: list[ClaimRef], deadline: float | None
+    def _unprepare_locked(self, claims: list[ClaimRef], deadline: float | None, call: Call
                           ) -> dict[str, Exception | None]:
+        outcomes = self._unprepare_batch(claims, deadline, call)
+        for uid, outcome in outcomes.items():
+            if outcome is None:
+                self.calls.took_effect(call, uid)
+        return outcomes
+
+    def _unprepare_batch(self, claims: list[ClaimRef], deadline: float | None, call: Call
+                         ) -> dict[str, Exception | None]:
         outcomes: dict[str, Exception | None] = {}
         usable: list[ClaimRef] = []
         for ref in claims:
@@ -431,6 +466,9 @@ class Preparer:
                 if _expired(deadline):
                     outcomes.update({ref.uid: _too_late("unprepare") for ref in usable})
                     return outcomes
+                for ref in [r for r in usable if self.calls.overtaken(call, r.uid)]:
+                    outcomes[ref.uid] = _overtaken("unprepare", ref)
+                    usable.remove(ref)
                 state = self.ledger.read()
                 known = {ref.uid for ref in usable if state.get(ref.uid) is not None}
                 if known:
@@ -468,9 +506,10 @@ class Preparer:
         Raises:
             LedgerError: the lock or the ledger could not be read or written.
         """
-        async with self._lock:
-            return await finish_first(asyncio.to_thread(self._collect_locked, set(uids),
-                                                        decided_at))
+        with self.calls.arrive("collect", uids):
+            async with self._lock:
+                return await finish_first(asyncio.to_thread(self._collect_locked, set(uids),
+                                                            decided_at))
 
     def _collect_locked(self, uids: set[str], decided_at: float) -> list[str]:
         with file_lock(self.lock_path, self.lock_timeout_s, disk=self.disk):
@@ -490,6 +529,11 @@ class Preparer:
                             extra={"claim_uid": uid, "claim": record.ref})
             self._remove_orphan_specs(state)
             return gone
+
+    def stalled(self) -> str:
+        """Empty unless a call is still in flight well past its deadline (a worker thread
+        stuck in a hung disk write); then what is wedged. See :mod:`driver.calls`."""
+        return self.calls.stalled()
 
     def records(self) -> LedgerState:
         """The ledger as on disk now (read without the lock: writes are atomic renames)."""
@@ -526,6 +570,13 @@ def _expired(deadline: float | None) -> bool:
 def _too_late(what: str) -> ClaimError:
     return ClaimError(f"the caller's deadline passed before the {what} could start; nothing "
                       "was done", reason="deadline", permanent=False)
+
+
+def _overtaken(what: str, ref: ClaimRef) -> ClaimError:
+    other = "unprepare" if what == "prepare" else "prepare"
+    return ClaimError(f"a {other} of claim {ref.namespace}/{ref.name} that arrived after this "
+                      f"{what} has already run; this {what} was overtaken and did nothing",
+                      reason="superseded", permanent=False)
 
 
 def _node_error(what: str, exc: Exception) -> ClaimError:

@@ -41,11 +41,14 @@ async def self_check(registration_socket: Path, dra_socket: Path) -> str:
 
 
 def make_app(*, registration_socket: Path, dra_socket: Path,
-             ready: Callable[[], str]) -> web.Application:
-    """``ready()`` returns an empty string when ready, else why not."""
+             ready: Callable[[], str], wedged: Callable[[], str] = lambda: ""
+             ) -> web.Application:
+    """``ready()`` returns an empty string when ready, else why not; ``wedged()`` likewise
+    says why the driver is alive but stuck (a call in flight far past its deadline), which
+    fails the liveness probe so that the kubelet restarts the container."""
 
     async def healthz(request: web.Request) -> web.Response:
-        problem = await self_check(registration_socket, dra_socket)
+        problem = wedged() or await self_check(registration_socket, dra_socket)
         return web.Response(status=503 if problem else 200, text=problem or "ok\n")
 
     async def readyz(request: web.Request) -> web.Response:
