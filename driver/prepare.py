@@ -54,8 +54,8 @@ from typing import Any, Protocol, TypeVar
 
 from driver import cdi, metrics
 from driver.aio import finish_first
-from driver.calls import Call, CallBook
 from driver.budget import check_admission
+from driver.calls import Call, CallBook
 from driver.claims import ClaimPlan, PublishedDevice, plan_claim
 from driver.disk import OS_DISK, Disk, remove_temp_files
 from driver.errors import ClaimError, KubeError, KubeNotFoundError, LedgerError
