@@ -106,7 +106,9 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
                                 driver=DRIVER_NAME, pool=settings.node_name)
     health = HealthMonitor(backend=backend, pool=settings.node_name, devices=publisher.devices,
                            on_change=publisher.set_health)
-    inspection = InspectionService(backend=backend, gpus=gpus, proc_root=settings.proc_root)
+    inspection = InspectionService(
+        backend=backend, gpus=gpus, proc_root=settings.proc_root,
+        pods_from_environment=settings.nvml_backend is NvmlBackendKind.FAKE)
     registration = RegistrationService(driver_name=DRIVER_NAME, dra_endpoint=settings.dra_socket)
 
     dra_server = UnixServer(settings.dra_socket,

@@ -227,7 +227,7 @@ def _spawn(sim: Sim, args: argparse.Namespace, env: dict[str, str], gpu: GpuDevi
                "--dev-mode", "--log-level", "warning"]
     if fake_dir is not None:
         command += ["--fake-nvml-dir", str(fake_dir)]
-    child_env = dict(env, ROTA_CLAIM_UID=sim.claim_uid)
+    child_env = dict(env, ROTA_CLAIM_UID=sim.claim_uid, ROTA_POD_UID=sim.claim_uid)
     setpriv = shutil.which("setpriv")
     if setpriv:  # the simulator gets SIGKILL if this process dies: no GPU memory left held
         command = [setpriv, "--pdeathsig", "KILL", "--", *command]
@@ -330,7 +330,7 @@ def _claimant(sim: Sim, gpu: GpuDevice, allowance: int) -> Claimant:
         claim_uid=sim.claim_uid, namespace=NAMESPACE, claim_name=f"claim-{sim.key}",
         node=NODE, device=gpu.name, share_id=None, config=config, model=sim.model,
         port=sim.port, sleep_level=1, resident_bytes=sim.resident + allowance,
-        pod_name=f"engine-{sim.key}", pod_uid=None, pod_ip="127.0.0.1", pod_ready=True,
+        pod_name=f"engine-{sim.key}", pod_uid=sim.claim_uid, pod_ip="127.0.0.1", pod_ready=True,
         pod_deleting=False)
 
 
@@ -436,7 +436,9 @@ async def _protocol(run: Run, args: argparse.Namespace, backend: NvmlBackend,
     gpu = run.gpu
     assert gpu is not None
     a, b = run.sims
-    service = InspectionService(backend=backend, gpus=[gpu], proc_root=Path("/proc"))
+    # The simulators run in no pod: each names a simulated one (its claim uid).
+    service = InspectionService(backend=backend, gpus=[gpu], proc_root=Path("/proc"),
+                                pods_from_environment=True)
     server = UnixServer(socket, [service.handler()])
     await server.start()
     reader = DeviceReader(socket, timeout_s=10.0)
@@ -794,6 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
                                         if p)
     env.pop("ROTA_CLAIM_UID", None)
+    env.pop("ROTA_POD_UID", None)
     _say(f"rota GPU switch benchmark -- {_note(bool(args.fake_nvml))}")
     error: str | None = None
     backend: NvmlBackend | None = None

@@ -234,7 +234,8 @@ class Bench:
             claim_uid=record.claim_uid, namespace=NAMESPACE, claim_name=f"claim-{key}",
             node=NODE, device=self.gpu.name, share_id=None, config=config,
             model=record.spec.served_name, port=record.port, sleep_level=sleep_level,
-            resident_bytes=self.resident_budget(key), pod_name=f"engine-{key}", pod_uid=None,
+            resident_bytes=self.resident_budget(key), pod_name=f"engine-{key}",
+            pod_uid=record.claim_uid,
             pod_ip="127.0.0.1", pod_ready=True, pod_deleting=False)
 
     def key_of(self, claimant: Claimant) -> str:
