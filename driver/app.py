@@ -100,7 +100,8 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
                         cdi_root=settings.cdi_root, dev_root=settings.dev_root,
                         driver_name=DRIVER_NAME, pool=settings.node_name,
                         devices=publisher.devices, lock_path=settings.lock_path,
-                        lock_timeout_s=settings.lock_timeout_s, cdi_edits=cdi_edits(settings))
+                        lock_timeout_s=settings.lock_timeout_s, cdi_edits=cdi_edits(settings),
+                        dev_view=settings.dev_root_mount)
     await preparer.restore()
     collector = LedgerCollector(preparer=preparer, kube=kube, node_name=settings.node_name,
                                 driver=DRIVER_NAME, pool=settings.node_name)

@@ -11,8 +11,12 @@ Each CDI device gives the container the GPU's device nodes (``/dev/nvidia<minor>
 ``/dev/nvidiactl``, ``/dev/nvidia-uvm``, ``/dev/nvidia-uvm-tools``; host paths under a
 configurable device root), those of them that exist on the node: the container runtime
 stats every node a spec lists and fails the container when one is missing (many GPU nodes
-have no ``nvidia-uvm-tools``). Then an environment. The driver libraries come from the image or
-the NVIDIA container toolkit, which reads ``NVIDIA_VISIBLE_DEVICES``. Every environment
+have no ``nvidia-uvm-tools``). Existence is checked in a live view of the host's device
+root (``dev_view``: a read-only mount of it in the driver's container), not in the
+container's own ``/dev``, a copy made when it started: ``/dev/nvidia-uvm`` is often created
+on first CUDA use, or by a driver container that starts after rota's. Then an
+environment. The driver libraries come from the image or the NVIDIA container toolkit,
+which reads ``NVIDIA_VISIBLE_DEVICES``. Every environment
 value is a property of the whole claim and is the same in each of its CDI devices, so the
 order in which a runtime merges them cannot matter; with several GPUs or shares the
 values are comma-separated lists:
@@ -176,14 +180,14 @@ def _environment(plan: ClaimPlan, extra: Mapping[str, str]) -> list[str]:
     return [f"{key}={value}" for key, value in sorted(env.items())]
 
 
-def _device_nodes(device: PublishedDevice, dev_root: str,
+def _device_nodes(device: PublishedDevice, dev_root: str, dev_view: str,
                   node_exists: Callable[[str], bool]) -> list[dict[str, str]]:
     minor = device.gpu_minor if device.gpu_minor is not None else device.gpu_index
     nodes: list[dict[str, str]] = []
     for node in (f"nvidia{minor}", *_SHARED_NODES):
         entry = {"path": f"/dev/{node}"}
         host_path = f"{dev_root.rstrip('/')}/{node}"
-        if not node_exists(host_path):
+        if not node_exists(f"{dev_view.rstrip('/')}/{node}"):
             if host_path not in _missing_logged:
                 _missing_logged.add(host_path)
                 log.info("device node missing on this node; not listed in CDI specs",
@@ -200,6 +204,7 @@ def build_claim_spec(
     devices: Mapping[str, PublishedDevice],
     *,
     dev_root: str = "/dev",
+    dev_view: str | None = None,
     extra: ExtraEdits | None = None,
     node_exists: Callable[[str], bool] = os.path.exists,
 ) -> dict[str, Any]:
@@ -211,6 +216,8 @@ def build_claim_spec(
             there).
         dev_root: where the NVIDIA device nodes are on the host (``/dev``, or the driver
             root of a containerised driver such as ``/run/nvidia/driver/dev``).
+        dev_view: where this process sees ``dev_root`` live (a mount of it); device nodes
+            are looked for there. None: at ``dev_root`` itself.
         extra: edits added to every device (the fake NVML's registry mount).
         node_exists: whether a device node exists (a node that does not is left out).
 
@@ -227,7 +234,7 @@ def build_claim_spec(
         if device is None:
             raise ValueError(f"claim {plan.uid} holds unknown device {share.device!r}")
         container_edits: dict[str, Any] = {"env": list(env)}
-        nodes = _device_nodes(device, dev_root, node_exists)
+        nodes = _device_nodes(device, dev_root, dev_view or dev_root, node_exists)
         if nodes:
             container_edits["deviceNodes"] = nodes
         if mounts:

@@ -51,6 +51,11 @@ class DriverSettings(BaseModel):
     cdi_root: Path = Field(default=Path("/var/run/cdi"), description="Where CDI specs go.")
     dev_root: Path = Field(default=Path("/dev"), description="Device node directory named in "
                                                              "CDI specs.")
+    dev_root_mount: Path | None = Field(default=None, description="Where this driver sees "
+                                        "--dev-root live (a read-only mount of the host's "
+                                        "directory); device nodes are looked for there. "
+                                        "Default: --dev-root itself, which in a container is "
+                                        "a copy made when it started.")
     proc_root: Path = Field(default=Path("/proc"), description="procfs, for process cgroups.")
     nvml_backend: NvmlBackendKind = Field(default=NvmlBackendKind.REAL,
                                           description="real (pynvml) or fake (a JSON fixture).")
