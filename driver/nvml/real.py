@@ -9,6 +9,8 @@ Health events: on the first :meth:`PynvmlBackend.wait_health_event` call the bac
 creates one NVML event set and registers every device for critical XID and double-bit
 ECC events, as far as the device supports them. A device that supports neither is
 logged once and skipped; with no device registered the call just waits out its timeout.
+A registration that fails frees its event set and counts nothing; the next call tries
+again from scratch.
 """
 
 from __future__ import annotations
@@ -184,8 +186,27 @@ class PynvmlBackend:
     # health events
 
     def _register_events(self) -> None:
-        """Create the event set and register each device for the events it supports."""
-        self._event_set = _call("nvmlEventSetCreate", pynvml.nvmlEventSetCreate)
+        """Create the event set and register each device for the events it supports.
+
+        All or nothing: when a registration fails, the set is freed and nothing counted, so
+        the next call starts again from scratch (no set leaked per failed attempt, no GPU
+        counted twice)."""
+        event_set = _call("nvmlEventSetCreate", pynvml.nvmlEventSetCreate)
+        try:
+            registered = self._register_devices(event_set)
+        except BaseException:
+            try:
+                _call("nvmlEventSetFree", pynvml.nvmlEventSetFree, event_set)
+            except NvmlError as err:
+                log.warning("could not free the NVML event set", extra={"error": str(err)})
+            raise
+        self._event_set = event_set
+        self._events_registered = registered
+        self._events_ready = True
+
+    def _register_devices(self, event_set: Any) -> int:
+        """Register every device that supports health events in ``event_set``; how many."""
+        registered = 0
         for index in range(self.device_count()):
             handle = self._handle(index)
             try:
@@ -203,14 +224,14 @@ class PynvmlBackend:
                         pynvml.nvmlDeviceRegisterEvents,
                         handle,
                         wanted,
-                        self._event_set,
+                        event_set,
                     )
             except NvmlError as err:
                 if err.reason != reason_for(_NOT_SUPPORTED):
                     raise
                 wanted = 0
             if wanted:
-                self._events_registered += 1
+                registered += 1
                 log.info(
                     "registered for NVML health events",
                     extra={"gpu_index": index, "xid": bool(wanted & _XID),
@@ -221,7 +242,7 @@ class PynvmlBackend:
                     "GPU supports no XID or ECC events; its health is not watched",
                     extra={"gpu_index": index},
                 )
-        self._events_ready = True
+        return registered
 
     def wait_health_event(self, timeout_ms: int) -> HealthEvent | None:
         with self._event_lock:

@@ -216,3 +216,40 @@ def test_real_gpu() -> None:
         assert event is None or event.gpu_uuid in {d.uuid for d in devices}
     finally:
         backend.shutdown()
+
+
+def test_a_failed_registration_frees_its_event_set_and_counts_nothing(
+    stubbed: PynvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 0 registers, GPU 1 fails (not "not supported"): the call raises, and the event set
+    it created is freed, not left behind for the next attempt to replace. A retry on which
+    no GPU registers must not count GPU 0 of the failed attempt: it just waits."""
+    created: list[object] = []
+    freed: list[object] = []
+
+    def create() -> object:
+        created.append(object())
+        return created[-1]
+
+    monkeypatch.setattr(pynvml, "nvmlEventSetCreate", create)
+    monkeypatch.setattr(pynvml, "nvmlEventSetFree", freed.append)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetSupportedEventTypes",
+                        lambda h: pynvml.nvmlEventTypeAll)
+
+    def register(handle: object, types: int, event_set: object) -> None:
+        if handle is HANDLE1:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceRegisterEvents", register)
+    for _ in range(3):
+        with pytest.raises(NvmlError) as err:
+            stubbed.wait_health_event(0)
+        assert err.value.reason == "unknown"
+    assert len(created) == 3
+    assert freed == created
+    # Now no GPU supports events: nothing is registered, so nothing is waited on.
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetSupportedEventTypes", lambda h: 0)
+    monkeypatch.setattr(pynvml, "nvmlEventSetWait", _raise(pynvml.NVML_ERROR_UNKNOWN))
+    assert stubbed.wait_health_event(0) is None
+    stubbed.shutdown()
+    assert freed == created
