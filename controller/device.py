@@ -25,6 +25,8 @@ class GpuProcess:
     """The claim the process names in its own environment (anyone can set it)."""
     pod_uid: str
     """The pod the kernel puts the process in (its cgroup); empty for none."""
+    used_bytes_unknown: bool = False
+    """NVML cannot tell what the process holds (``used_bytes`` is then 0): anything."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class DeviceReader:
         return {g.device: GpuSnapshot(
             uuid=g.uuid, device=g.device, total_bytes=g.total_bytes, used_bytes=g.used_bytes,
             free_bytes=g.free_bytes,
-            processes=tuple(GpuProcess(p.pid, p.used_bytes, p.claim_uid, p.pod_uid)
+            processes=tuple(GpuProcess(p.pid, p.used_bytes, p.claim_uid, p.pod_uid,
+                                       p.used_bytes_unknown)
                             for p in g.processes)) for g in answer.gpus}
 
     async def close(self) -> None:
@@ -106,7 +109,9 @@ def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
                       unknown_limit_bytes: int) -> HandbackProblem | None:
     """The NVML check of step 4: every other claimant is down to its resident footprint,
     no unknown process holds memory, and free memory covers the target's wake. Processes
-    are attributed by :func:`owner_of`."""
+    are attributed by :func:`owner_of`. A process whose size NVML cannot tell may hold
+    anything: a stranger's stops the wake, another claimant's has not handed its memory
+    back, and the target's own counts as nothing held (its whole wake must fit)."""
     everyone = [*claimants] + ([] if any(c.claim_uid == target.claim_uid for c in claimants)
                                else [target])
     owners = [(p, owner_of(p, everyone)) for p in snapshot.processes]
@@ -120,6 +125,13 @@ def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
             continue
         used = used_by(claimant)
         limit = claimant.resident_bytes + tolerance_bytes
+        if any(p.used_bytes_unknown for p, owner in owners
+               if owner is not None and owner.claim_uid == claimant.claim_uid):
+            return HandbackProblem(
+                "memory_not_returned",
+                f"{claimant.ref} ({claimant.model}) has a process on {snapshot.device} that "
+                f"holds an unknown amount (NVML cannot tell): its memory may not be handed "
+                f"back")
         if used > limit:
             return HandbackProblem(
                 "memory_not_returned",
@@ -128,6 +140,12 @@ def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
                 f" + {format_bytes(tolerance_bytes)}: its memory was not handed back")
     strangers = [p for p, owner in owners if owner is None]
     held = sum(p.used_bytes for p in strangers)
+    unsized = [p for p in strangers if p.used_bytes_unknown]
+    if unsized:
+        return HandbackProblem(
+            "unknown_process",
+            f"processes that belong to no claimant hold an unknown amount (NVML cannot "
+            f"tell) on {snapshot.device}: {', '.join(str(p.pid) for p in unsized[:5])}")
     if held > unknown_limit_bytes:
         pids = ", ".join(f"{p.pid} ({format_bytes(p.used_bytes)})" for p in strangers[:5])
         return HandbackProblem(

@@ -82,7 +82,8 @@ class InspectionService:
                 if self.pods_from_environment:
                     pod_uid = env.get("ROTA_POD_UID") or pod_uid
                 state.processes.add(
-                    pid=proc.pid, used_bytes=proc.used_bytes, pod_uid=pod_uid,
+                    pid=proc.pid, used_bytes=proc.used_bytes or 0,
+                    used_bytes_unknown=proc.used_bytes is None, pod_uid=pod_uid,
                     container_id=(pod.container_id or "") if pod else "",
                     claim_uid=env.get("ROTA_CLAIM_UID", "") if pod_uid else "")
         return response

@@ -40,6 +40,14 @@ _ECC_DBE = int(pynvml.nvmlEventTypeDoubleBitEccError)
 _HEALTH_EVENTS = _XID | _ECC_DBE
 _NOT_SUPPORTED = int(pynvml.NVML_ERROR_NOT_SUPPORTED)
 _TIMEOUT = int(pynvml.NVML_ERROR_TIMEOUT)
+_PROCESS_LISTS = (
+    ("nvmlDeviceGetComputeRunningProcesses", False),
+    ("nvmlDeviceGetGraphicsRunningProcesses", True),
+    ("nvmlDeviceGetMPSComputeRunningProcesses", True),
+)
+"""The NVML process lists of a device, and whether the device may have none."""
+_NO_SUCH_LIST = frozenset({reason_for(_NOT_SUPPORTED),
+                           reason_for(int(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND))})
 
 
 def _text(value: object) -> str:
@@ -175,13 +183,32 @@ class PynvmlBackend:
         return int(current), int(pending)
 
     def compute_processes(self, index: int) -> list[ProcessInfo]:
-        procs = self._device(
-            "nvmlDeviceGetComputeRunningProcesses",
-            pynvml.nvmlDeviceGetComputeRunningProcesses,
-            index,
-        )
-        # usedGpuMemory is None where NVML cannot tell (WDDM); count that as 0 bytes.
-        return [ProcessInfo(pid=int(p.pid), used_bytes=int(p.usedGpuMemory or 0)) for p in procs]
+        """Compute, graphics and MPS client processes, merged by pid (a process may have
+        contexts of several kinds). The compute list must answer; the others are skipped
+        where NVML or the binding has none. ``usedGpuMemory`` is None where NVML cannot
+        tell: that stays None (an unknown amount, not 0 bytes); where the lists disagree
+        on a process, unknown wins, then the larger size."""
+        found: dict[int, int | None] = {}
+        for what, optional in _PROCESS_LISTS:
+            fn = getattr(pynvml, what, None)
+            if fn is None:  # an older binding
+                if optional:
+                    continue
+                raise NvmlError(f"pynvml has no {what}", reason="function_not_found")
+            try:
+                procs = self._device(what, fn, index)
+            except NvmlError as err:
+                if optional and err.reason in _NO_SUCH_LIST:
+                    continue
+                raise
+            for proc in procs:
+                pid = int(proc.pid)
+                used = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory)
+                if pid not in found:
+                    found[pid] = used
+                elif found[pid] is not None:
+                    found[pid] = None if used is None else max(used, found[pid] or 0)
+        return [ProcessInfo(pid=pid, used_bytes=used) for pid, used in found.items()]
 
     # health events
 

@@ -93,3 +93,29 @@ def test_a_claimant_without_a_known_pod_owns_no_process() -> None:
         target=podless, claimants=[A, podless], tolerance_bytes=GIB,
         unknown_limit_bytes=GIB // 2)
     assert _reason(problem) == "unknown_process"
+
+
+def test_a_stranger_of_unknown_size_stops_the_wake() -> None:
+    """NVML could not tell its memory (usedGpuMemory not available): it may hold anything."""
+    problem = _check(GpuProcess(1, 2 * GIB, A.claim_uid, "pod-a"),
+                     GpuProcess(2, 0, "", "", used_bytes_unknown=True))
+    assert _reason(problem) == "unknown_process"
+    assert problem is not None
+    assert "unknown amount" in problem.message
+
+
+def test_a_sleeping_claimant_of_unknown_size_has_not_handed_its_memory_back() -> None:
+    problem = _check(GpuProcess(1, 0, A.claim_uid, "pod-a", used_bytes_unknown=True))
+    assert _reason(problem) == "memory_not_returned"
+
+
+def test_the_targets_own_memory_of_unknown_size_counts_as_none_held() -> None:
+    """Its wake then needs its whole awake budget free: 100 GiB wanted, 99 GiB free."""
+    snapshot = GpuSnapshot(uuid="GPU-0", device="gpu-0", total_bytes=TOTAL,
+                           used_bytes=TOTAL - 99 * GIB, free_bytes=99 * GIB, processes=(
+                               GpuProcess(1, 2 * GIB, A.claim_uid, "pod-a"),
+                               GpuProcess(2, 0, B.claim_uid, "pod-b",
+                                          used_bytes_unknown=True)))
+    problem = check_before_wake(snapshot, target=B, claimants=[A, B], tolerance_bytes=GIB,
+                                unknown_limit_bytes=GIB // 2)
+    assert _reason(problem) == "insufficient_memory"
