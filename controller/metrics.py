@@ -37,13 +37,48 @@ SWITCHES = Counter("rota_switches_total", "Switches by outcome.", ["outcome"],
                    registry=REGISTRY)
 FAILURES = Counter("rota_switch_failures_total", "Failed switches by reason.", ["reason"],
                    registry=REGISTRY)
+FENCED = Counter("rota_switch_fenced_total",
+                 "Engine calls refused because the GPU Lease's fencing number moved.",
+                 registry=REGISTRY)
+STARTS = Counter("rota_starts_total", "Start-up admissions by outcome (ok: started, slept "
+                 "once and the GPU went on; refused: no slot could be made; failed: the "
+                 "engine did not come up).", ["outcome"], registry=REGISTRY)
+START_SECONDS = Histogram("rota_start_seconds", "From a start slot's grant until the engine "
+                          "answered /health.", ["model"], buckets=_SECONDS, registry=REGISTRY)
 RECONCILES = Counter("rota_reconcile_actions_total",
                      "Engines put to sleep by start-up or expiry reconciliation.", ["reason"],
                      registry=REGISTRY)
-GPU_PROCESS_MEMORY = Gauge("rota_gpu_process_memory_bytes",
-                           "GPU memory per process, as NVML reports it.",
-                           ["gpu", "pid", "claim"], registry=REGISTRY)
-HOLDER = Gauge("rota_lease_holder", "1 for the claimant that holds each GPU.",
+GPU_CLAIM_MEMORY = Gauge("rota_gpu_claim_memory_bytes",
+                         "GPU memory held by each claim's processes, as NVML reports it "
+                         "(claim \"unknown\": processes of no claim). Series of claims "
+                         "that left the GPU are removed.",
+                         ["gpu", "claim"], registry=REGISTRY)
+HOLDER = Gauge("rota_lease_holder", "1 for the claimant that holds each GPU, 0 for the "
+               "others on it; series of claimants that left the GPU are removed.",
                ["device", "claim"], registry=REGISTRY)
+WATCH_RESTARTS = Counter("rota_controller_watch_restarts_total",
+                         "Lists made again after a failed list or watch, by resource.",
+                         ["resource"], registry=REGISTRY)
 LEADER = Gauge("rota_controller_leader", "1 while this instance acts for the node.",
                registry=REGISTRY)
+
+
+class SeriesSet:
+    """The label sets of one gauge that are current; :meth:`keep` removes the others, so
+    a gauge keyed by claims does not keep series of claims that are gone."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self.gauge = gauge
+        self._live: dict[str, set[tuple[str, ...]]] = {}
+
+    def set(self, scope: str, values: dict[tuple[str, ...], float]) -> None:
+        """Set every series of ``scope`` (a GPU) at once; series of the scope that are
+        not in ``values`` any more are removed."""
+        for labels, value in values.items():
+            self.gauge.labels(*labels).set(value)
+        for labels in self._live.get(scope, set()) - set(values):
+            try:
+                self.gauge.remove(*labels)
+            except KeyError:
+                pass
+        self._live[scope] = set(values)

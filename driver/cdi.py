@@ -22,7 +22,10 @@ values are comma-separated lists:
   engine can size its KV cache from a fixed number (``--kv-cache-memory-bytes``) rather
   than from whatever memory is free when it starts;
 - with an engine config: ``ROTA_MODEL``, ``ROTA_SLEEP_LEVEL``, ``ROTA_ENGINE_PORT``,
-  ``ROTA_ENGINE_ADAPTER``.
+  ``ROTA_ENGINE_ADAPTER``;
+- with an engine config and the start gate on: ``ROTA_START_SOCKET`` and
+  ``ROTA_START_TOKEN`` (the claim's own token), and a read-only mount of the start-gate
+  directory (host path = container path); see :mod:`driver.startgate`.
 
 :func:`build_claim_spec` is pure and deterministic: an idempotent prepare rebuilds the spec
 and gets identical bytes from :func:`render_spec`. ``cdiVersion`` is 0.5.0, the lowest that
@@ -42,6 +45,7 @@ from typing import Any
 
 from driver.claims import AllocatedShare, ClaimPlan, PublishedDevice
 from driver.ledger import atomic_write, fsync_dir, remove_temp_files
+from driver.startgate import StartGate
 
 __all__ = [
     "CDI_CLASS",
@@ -117,7 +121,7 @@ def _joined(values: list[str]) -> str:
     return ",".join(dict.fromkeys(values))
 
 
-def _environment(plan: ClaimPlan) -> list[str]:
+def _environment(plan: ClaimPlan, start_gate: StartGate | None) -> list[str]:
     gpus = ",".join(plan.gpu_uuids)
     env = {
         "NVIDIA_VISIBLE_DEVICES": gpus,
@@ -136,6 +140,8 @@ def _environment(plan: ClaimPlan) -> list[str]:
         env["ROTA_SLEEP_LEVEL"] = str(plan.config.sleep_level)
         env["ROTA_ENGINE_PORT"] = str(plan.config.engine_port)
         env["ROTA_ENGINE_ADAPTER"] = plan.config.adapter
+        if start_gate is not None:
+            env.update(start_gate.environment(plan.uid))
     return [f"{key}={value}" for key, value in sorted(env.items())]
 
 
@@ -156,6 +162,7 @@ def build_claim_spec(
     devices: Mapping[str, PublishedDevice],
     *,
     dev_root: str = "/dev",
+    start_gate: StartGate | None = None,
 ) -> dict[str, Any]:
     """The CDI spec of one claim: one device per share, edits as the module docstring says.
 
@@ -165,25 +172,26 @@ def build_claim_spec(
             there).
         dev_root: where the NVIDIA device nodes are on the host (``/dev``, or the driver
             root of a containerised driver such as ``/run/nvidia/driver/dev``).
+        start_gate: the start gate's socket directory and key (None: no start gate).
 
     Raises:
         ValueError: a share names an unknown device, or a name is not valid in CDI.
     """
-    env = _environment(plan)
+    env = _environment(plan, start_gate)
+    gated = start_gate is not None and plan.config is not None
     cdi_devices: list[dict[str, Any]] = []
     for share in plan.shares:
         device = devices.get(share.device)
         if device is None:
             raise ValueError(f"claim {plan.uid} holds unknown device {share.device!r}")
-        cdi_devices.append(
-            {
-                "name": share_device_name(plan.uid, share),
-                "containerEdits": {
-                    "env": list(env),
-                    "deviceNodes": _device_nodes(device, dev_root),
-                },
-            }
-        )
+        edits: dict[str, Any] = {"env": list(env),
+                                 "deviceNodes": _device_nodes(device, dev_root)}
+        if gated and start_gate is not None and not cdi_devices:
+            # One mount per container: on the first device only (runtimes reject a
+            # container path mounted twice).
+            edits["mounts"] = [start_gate.mount()]
+        cdi_devices.append({"name": share_device_name(plan.uid, share),
+                            "containerEdits": edits})
     if not cdi_devices:
         raise ValueError(f"claim {plan.uid} has no devices; a CDI spec needs at least one")
     return {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": cdi_devices}

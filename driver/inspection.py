@@ -5,6 +5,9 @@ compute processes take microseconds) and attributes every process: to a pod by i
 cgroup, and to a claim by the ``ROTA_CLAIM_UID`` that rota's CDI spec put in the engine's
 environment. A process neither names stays unattributed, which is what the controller
 needs to see: memory held by something that is not a claimant.
+
+``VerifyStartToken`` tells the controller whether a start-gate token is a claim's own
+(:mod:`driver.startgate`); the key never leaves the driver.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from driver.errors import NvmlError
 from driver.nvml.api import NvmlBackend
 from driver.pb.rota.v1 import inspect_pb2 as pb
 from driver.rpc.services import generic_handler
+from driver.startgate import StartGate
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +52,12 @@ def process_environment(pid: int, proc_root: Path) -> dict[str, str]:
 class InspectionService:
     """Serves ``rota.v1.NodeInspection`` from an NVML backend."""
 
-    def __init__(self, *, backend: NvmlBackend, gpus: list[GpuDevice], proc_root: Path) -> None:
+    def __init__(self, *, backend: NvmlBackend, gpus: list[GpuDevice], proc_root: Path,
+                 start_gate: StartGate | None = None) -> None:
         self.backend = backend
         self.gpus = gpus
         self.proc_root = proc_root
+        self.start_gate = start_gate
 
     def read(self, uuids: set[str]) -> pb.InspectGpusResponse:
         """One blocking NVML read of the selected GPUs (all when ``uuids`` is empty)."""
@@ -88,5 +94,15 @@ class InspectionService:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"NVML: {exc}")
         raise AssertionError("unreachable")
 
+    async def verify_start_token(self, request: pb.VerifyStartTokenRequest,
+                                 context: grpc.aio.ServicerContext[Any, Any]
+                                 ) -> pb.VerifyStartTokenResponse:
+        gate = self.start_gate
+        valid = gate is not None and gate.verify(request.claim_uid, request.token)
+        if not valid:
+            log.warning("start-gate token refused", extra={"claim": request.claim_uid[:64]})
+        return pb.VerifyStartTokenResponse(valid=valid)
+
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
-        return generic_handler(SERVICE, {"InspectGpus": self.inspect})
+        return generic_handler(SERVICE, {"InspectGpus": self.inspect,
+                                         "VerifyStartToken": self.verify_start_token})

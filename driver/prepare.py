@@ -40,6 +40,7 @@ from driver.ledger import (
     PrepareState,
     file_lock,
 )
+from driver.startgate import StartGate
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Preparer:
                  driver_name: str, pool: str,
                  devices: Callable[[], Mapping[str, PublishedDevice]],
                  lock_path: Path, lock_timeout_s: float = 10.0,
-                 fetch_concurrency: int = 16) -> None:
+                 fetch_concurrency: int = 16, start_gate: StartGate | None = None) -> None:
         self.kube = kube
         self.ledger = ledger
         self.cdi_root = cdi_root
@@ -89,6 +90,7 @@ class Preparer:
         self.devices = devices
         self.lock_path = lock_path
         self.lock_timeout_s = lock_timeout_s
+        self.start_gate = start_gate
         self._fetch_slots = asyncio.Semaphore(fetch_concurrency)
         self._lock = asyncio.Lock()
         self._state: LedgerState | None = None
@@ -192,7 +194,8 @@ class Preparer:
                     return outcomes
                 self._write(state)
                 for plan, record in admitted:
-                    spec = cdi.build_claim_spec(plan, devices, dev_root=str(self.dev_root))
+                    spec = cdi.build_claim_spec(plan, devices, dev_root=str(self.dev_root),
+                                                start_gate=self.start_gate)
                     cdi.write_spec(self.cdi_root, plan.uid, spec)
                     done = record.model_copy(update={"state": "PrepareCompleted"})
                     state = state.with_record(done)

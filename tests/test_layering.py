@@ -15,7 +15,7 @@ PURE = ["driver/quantity.py", "driver/opaque.py", "driver/claims.py", "driver/bu
         "driver/slices.py", "driver/devices.py", "driver/cdi.py", "driver/ledger.py",
         "driver/cgroups.py", "driver/nvml/api.py", "controller/claimants.py",
         "controller/reconcile.py", "controller/naming.py", "controller/leases.py",
-        "driver/aio.py"]
+        "driver/aio.py", "driver/startgate.py"]
 SHARED_FROM_DRIVER = {"driver.aio", "driver.claims", "driver.errors", "driver.kube",
                       "driver.listwatch", "driver.logs", "driver.opaque", "driver.quantity",
                       "driver.settings", "driver.slices",
