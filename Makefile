@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all demo test lint typecheck unit proto proto-check k8s venv clean help
+.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools manifests venv clean help
 
 all: test
 
@@ -17,6 +17,8 @@ help:
 	@echo "make demo       bring up the local cluster, rota, two simulated engines; show a switch"
 	@echo "make test       ruff, mypy --strict and the whole pytest suite (builds what it needs)"
 	@echo "make k8s        build or find the cached control-plane binaries"
+	@echo "make chart-tools build or find the cached helm and promtool"
+	@echo "make manifests  render manifests/*.yaml from the Helm chart (charts/rota)"
 	@echo "make proto      regenerate driver/pb from proto/"
 
 $(STAMP): pyproject.toml
@@ -31,6 +33,12 @@ venv: $(STAMP)
 k8s:
 	bash e2e/build-k8s.sh
 
+chart-tools:
+	bash e2e/build-chart-tools.sh
+
+manifests: $(STAMP)
+	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" $(PY) -m e2e.chart render-manifests
+
 proto: $(STAMP)
 	$(PY) -m proto.generate
 
@@ -44,7 +52,9 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy driver controller e2e tests proto
 
 test: $(STAMP) lint typecheck proto-check
-	ROTA_K8S_BIN="$$(bash e2e/build-k8s.sh | tail -n 1)" $(VENV)/bin/pytest $(PYTEST_ARGS)
+	ROTA_K8S_BIN="$$(bash e2e/build-k8s.sh | tail -n 1)" \
+	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" \
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest -m "not cluster" $(PYTEST_ARGS)

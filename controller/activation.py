@@ -69,7 +69,6 @@ async def activate(request: web.Request) -> web.Response:
     claimant = result.claimant
     answer = ActivateAnswer(model=claimant.model, claim=claimant.ref,
                             switched=result.switched, fence=result.fence,
-                            endpoint=claimant.endpoint,
                             timings={k: round(v, 6) for k, v in result.timings.items()})
     return web.json_response(answer.model_dump())
 

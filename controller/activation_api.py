@@ -42,9 +42,6 @@ class ActivateAnswer(BaseModel):
     fence: int = 0
     """The GPU Lease's fencing number under which the claimant holds the GPU."""
     timings: dict[str, float] = Field(default_factory=dict)
-    endpoint: str | None = None
-    """Deprecated, about to go: the pod address the controller saw. Gateways must route to
-    the pod IP of a claimant they watch themselves."""
 
 
 class ErrorDetail(BaseModel):

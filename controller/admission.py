@@ -41,8 +41,6 @@ from driver.aio import Backoff
 
 log = logging.getLogger(__name__)
 
-_UP = Backoff(initial_s=0.05, max_s=2.0)
-_GONE = Backoff(initial_s=0.05, max_s=1.0)
 
 
 @dataclass
@@ -194,7 +192,7 @@ class StartSwitch:
                         timings: dict[str, float]) -> Claimant:
         """The newcomer once it answers ``/health``; raises when it is not coming."""
         deadline = self.sw.ports.clock() + self.limits.start_s
-        pauses = _UP.pauses()
+        pauses = Backoff(first_s=0.05, max_s=2.0)
         while True:
             if ticket.restarted.is_set():
                 raise SwitchFailed("start_failed", f"{newcomer.ref} exited during its start "
@@ -210,7 +208,7 @@ class StartSwitch:
                 raise SwitchFailed("start_timeout", f"{newcomer.ref} did not answer /health "
                                    f"within {self.limits.start_s:.0f} s of its start")
             try:
-                async with asyncio.timeout(min(left, next(pauses, 2.0))):
+                async with asyncio.timeout(min(left, pauses.next_delay())):
                     await ticket.restarted.wait()
             except TimeoutError:
                 pass
@@ -235,7 +233,7 @@ class StartSwitch:
                 log.info("the failed newcomer does not take a sleep; waiting for its "
                          "memory to go", extra={"claim": newcomer.ref, "error": str(sleep_exc)})
         deadline = sw.ports.clock() + self.limits.gone_s
-        pauses = _GONE.pauses()
+        pauses = Backoff(first_s=0.05, max_s=1.0)
         while True:
             snapshot = await sw.snapshot(newcomer.gpu, timings)
             held = snapshot.used_by(newcomer.claim_uid)
@@ -246,7 +244,7 @@ class StartSwitch:
                                      f"{held} bytes, so {holder.ref if holder else 'nobody'} "
                                      "stays asleep", restored=None, timings=timings,
                                      unsettled=(current,))
-            await asyncio.sleep(next(pauses, 1.0))
+            await pauses.sleep()
         if holder is None:
             return await sw.fail(lease, reason, message, restored=None, timings=timings)
         problem = check_before_wake(snapshot, target=holder, claimants=claimants,

@@ -30,6 +30,7 @@ from controller.gateway.credentials import ApiKeys, SecretFile, reload_forever
 from controller.kube import ControllerKube
 from controller.node import NodeController
 from controller.settings import LeaseSettings
+from controller.urls import http_url
 from driver.kube import load_api_client
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
             site = web.TCPSite(runner, host or "0.0.0.0", int(port))
             await site.start()
             bound = runner.addresses[0][1] if runner.addresses else int(port)
-            life.url = settings.advertise_url or f"http://{host or '127.0.0.1'}:{bound}"
+            life.url = settings.advertise_url or http_url(host or "127.0.0.1", bound)
             # Known only after binding (port 0); the election writes it on its first renew.
             election.activation_url = life.url
             log.info("lease controller listening", extra={"node": settings.node_name,

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from controller.urls import http_url
 from driver.claims import engine_config_of
 from driver.errors import ClaimError
 from driver.opaque import EngineConfig
@@ -67,8 +68,8 @@ class Claimant:
 
     @property
     def endpoint(self) -> str | None:
-        """``http://<pod ip>:<port>`` once the pod has an IP."""
-        return f"http://{self.pod_ip}:{self.port}" if self.pod_ip else None
+        """``http://<pod ip>:<port>`` once the pod has an IP (IPv6 in brackets)."""
+        return http_url(self.pod_ip, self.port) if self.pod_ip else None
 
     @property
     def serving(self) -> bool:

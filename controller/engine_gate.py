@@ -55,10 +55,16 @@ __all__ = ["EX_CONFIG", "EX_TEMPFAIL", "GateError", "ask", "install", "main", "w
 EX_TEMPFAIL = 75
 EX_CONFIG = 78
 PATH = "/v1/start"
-ERRORS = Backoff(initial_s=0.5, max_s=10.0, jitter=0.5)
-"""Pauses after a failed question (no socket, no answer)."""
-REPOLL = Backoff(initial_s=0.2, max_s=2.0, jitter=0.5)
-"""Pauses between "not yet" answers that ask for none (the long poll holds anyway)."""
+
+
+def _error_pauses() -> Backoff:
+    """Pauses after a failed question (no socket, no answer)."""
+    return Backoff(first_s=0.5, max_s=10.0, jitter=0.5)
+
+
+def _repoll_pauses() -> Backoff:
+    """Pauses between "not yet" answers that ask for none (the long poll holds anyway)."""
+    return Backoff(first_s=0.2, max_s=2.0, jitter=0.5)
 
 
 class GateError(Exception):
@@ -123,8 +129,8 @@ def wait_for_slot(environ: dict[str, str], *, max_wait_s: float, question_timeou
         raise GateError("ROTA_START_SOCKET, ROTA_START_TOKEN and ROTA_CLAIM_UID must be set "
                         "(they come from rota's CDI spec of the claim)", EX_CONFIG)
     deadline = clock() + max_wait_s
-    errors = ERRORS.pauses()
-    repolls = REPOLL.pauses()
+    errors = _error_pauses()
+    repolls = _repoll_pauses()
     attempt = 0
     while True:
         left = deadline - clock()
@@ -135,14 +141,14 @@ def wait_for_slot(environ: dict[str, str], *, max_wait_s: float, question_timeou
                                                "attempt": attempt},
                                  timeout_s=min(question_timeout_s, max(left, 1.0)))
         except (OSError, http.client.HTTPException) as exc:
-            wait = next(errors, ERRORS.max_s)
+            wait = errors.next_delay()
             _say("the lease controller did not answer; asking again", error=repr(exc)[:200],
                  pause_s=round(wait, 3))
             pause(min(wait, max(0.0, deadline - clock())))
             attempt += 1
             continue
         attempt += 1
-        errors = ERRORS.pauses()
+        errors.reset()
         if status == 200 and answer.get("granted") is True:
             _say("start slot granted", claim=claim_uid, attempts=attempt)
             return
@@ -151,7 +157,7 @@ def wait_for_slot(environ: dict[str, str], *, max_wait_s: float, question_timeou
                             f"{answer.get('message', '')}", EX_CONFIG)
         retry = answer.get("retry_after_s")
         wait = float(retry) if isinstance(retry, int | float) and retry > 0 else \
-            next(repolls, REPOLL.max_s)
+            repolls.next_delay()
         if attempt == 1 or attempt % 10 == 0:
             _say("waiting for a start slot", claim=claim_uid, reason=answer.get("reason"),
                  attempts=attempt)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller import metrics, naming
@@ -34,18 +34,28 @@ from controller.engines.errors import EngineError
 from controller.kube import ControllerKube
 from controller.leases import GpuLease, lease_body
 from controller.reconcile import Seen, classify, plan
-from controller.switch import SLEEP_MARGIN_S, Fenced, Switcher, SwitchResult
+from controller.switch import Fenced, Switcher, SwitchResult
 from driver.aio import Backoff, wait_any
 from driver.errors import KubeConflictError, KubeNotFoundError
 
 log = logging.getLogger(__name__)
 
 HOLDERS = metrics.SeriesSet(metrics.HOLDER)
-_UNSETTLED_BACKOFF = Backoff(initial_s=0.2, max_s=5.0)
-_FAILED_STEP_BACKOFF = Backoff(initial_s=0.2, max_s=10.0)
-_FAILED_START_BACKOFF = Backoff(initial_s=5.0, max_s=300.0)
-"""After a failed start, the claim's next start waits this long (growing): a crash-looping
-engine must not keep the holder asleep; the holder serves its waiters in between."""
+
+
+def _unsettled_backoff() -> Backoff:
+    """How soon reconciliation looks again at engines in an unknown state."""
+    return Backoff(first_s=0.2, max_s=5.0)
+
+
+def _failed_step_backoff() -> Backoff:
+    return Backoff(first_s=0.2, max_s=10.0)
+
+
+def _failed_start_backoff() -> Backoff:
+    """After a failed start, the claim's next start waits this long (growing): a
+    crash-looping engine must not keep the holder asleep; it serves its waiters between."""
+    return Backoff(first_s=5.0, max_s=300.0)
 
 
 @dataclass(frozen=True)
@@ -117,8 +127,8 @@ class GpuWorker:
         self.switcher = switcher
         self.starter = starter
         self._starts: dict[str, StartTicket] = {}
-        self._start_backoff: dict[str, tuple[float, Iterator[float]]] = {}
-        """Claims whose last start failed: not before this time, next pauses."""
+        self._start_backoff: dict[str, tuple[float, Backoff]] = {}
+        """Claims whose last start failed: not before this time, and their pauses."""
         self.claimants = claimants
         self.engine = engine
         self.policy = policy
@@ -139,7 +149,7 @@ class GpuWorker:
         self._dirty = False
         self._new_term = False
         self._next_reconcile = clock()
-        self._unsettled_pauses = _UNSETTLED_BACKOFF.pauses()
+        self._unsettled_pauses = _unsettled_backoff()
         self.lock = asyncio.Lock()
         """Held by every switch and by reconciliation of this GPU: one actor at a time."""
         self._holder_since = clock()
@@ -227,7 +237,7 @@ class GpuWorker:
         return self._dirty or self.clock() >= self._next_reconcile
 
     async def run(self, stop: asyncio.Event) -> None:
-        failures = _FAILED_STEP_BACKOFF.pauses()
+        failures = _failed_step_backoff()
         while not stop.is_set():
             if not self._accepting or not (self._queue or self._start_ready()
                                            or self._reconcile_due()):
@@ -248,19 +258,19 @@ class GpuWorker:
                         await self._serve_next(stop)
                     elif self.policy.idle_sleep_s > 0:
                         await self._idle_check()
-                failures = _FAILED_STEP_BACKOFF.pauses()
+                failures.reset()
             except Fenced as exc:
                 log.warning("GPU step fenced off; another writer moved the lease or this "
                             "instance no longer leads", extra={"device": self.gpu,
                                                                 "error": str(exc)})
                 self.lease = None
                 self._dirty = True
-                await wait_any(stop, timeout_s=next(failures, 10.0))
+                await failures.sleep(stop)
             except Exception as exc:
                 log.exception("GPU worker step failed", extra={"device": self.gpu})
                 self._dirty = True
                 self._fail_all(type(exc).__name__.lower(), str(exc))
-                await wait_any(stop, timeout_s=next(failures, 10.0))
+                await failures.sleep(stop)
         self._fail_all("stopping", "the controller is stopping")
 
     def _fail_all(self, reason: str, message: str) -> None:
@@ -352,37 +362,28 @@ class GpuWorker:
         self.lease = lease
         HOLDERS.set(self.gpu, {(self.gpu, c.ref): 1.0 if keep is c else 0.0 for c in on_gpu})
         if self.unsettled:
-            self._next_reconcile = self.clock() + next(self._unsettled_pauses, 5.0)
+            self._next_reconcile = self.clock() + self._unsettled_pauses.next_delay()
             log.warning("engines in an unknown state; no wake on this GPU until they are "
                         "known", extra={"device": self.gpu,
                                         "claims": sorted(c.ref for c in self.unsettled.values())})
         else:
-            self._unsettled_pauses = _UNSETTLED_BACKOFF.pauses()
+            self._unsettled_pauses = _unsettled_backoff()
             self._next_reconcile = self.clock() + self.policy.resync_s
 
     async def _put_to_sleep(self, claimant: Claimant, fence: int, was: Seen) -> Seen:
         log.warning("engine awake (or possibly awake) beside the holder; putting it to sleep",
                     extra={"device": self.gpu, "claim": claimant.ref, "seen": str(was)})
-        timings: dict[str, float] = {}
-        try:
-            engine = await self.switcher.fenced_engine(claimant, fence, timings)
-            outcome = await asyncio.wait_for(
-                engine.sleep(claimant.sleep_level),
-                self.switcher.limits.timeouts.sleep_s + SLEEP_MARGIN_S)
-        except Fenced:
-            raise
-        except (EngineError, TimeoutError) as exc:
+        if not await self.switcher.settle(claimant, fence, {}):
             log.error("could not put an engine to sleep; it stays possibly awake",
-                      extra={"claim": claimant.ref, "device": self.gpu, "error": str(exc)})
+                      extra={"claim": claimant.ref, "device": self.gpu})
             return Seen.UNKNOWN
-        self.switcher.record_sleep(claimant, outcome.sleep_s)
         metrics.RECONCILES.labels("two_awake" if was is Seen.AWAKE else str(was)).inc()
         return Seen.ASLEEP
 
     # -- start-up admission ----------------------------------------------------------------
 
     def _start_allowed_at(self, uid: str) -> float:
-        return self._start_backoff.get(uid, (0.0, iter(())))[0]
+        return self._start_backoff[uid][0] if uid in self._start_backoff else 0.0
 
     def _start_ready(self) -> str | None:
         """The first waiting start that its back-off lets through now."""
@@ -432,8 +433,8 @@ class GpuWorker:
         if result.ok:
             self._start_backoff.pop(uid, None)
         else:
-            _, pauses = self._start_backoff.get(uid, (0.0, _FAILED_START_BACKOFF.pauses()))
-            pause = next(pauses, _FAILED_START_BACKOFF.max_s)
+            _, pauses = self._start_backoff.get(uid, (0.0, _failed_start_backoff()))
+            pause = pauses.next_delay()
             self._start_backoff[uid] = (self.clock() + pause, pauses)
             log.warning("start failed; its next attempt waits", extra={
                 "device": self.gpu, "claim": newcomer.ref, "reason": result.reason,
@@ -510,7 +511,7 @@ class GpuWorker:
             self._last_busy = self.clock()
         if result.unsettled:
             self.unsettled.update({c.claim_uid: c for c in result.unsettled})
-            self._next_reconcile = self.clock() + next(self._unsettled_pauses, 5.0)
+            self._next_reconcile = self.clock() + self._unsettled_pauses.next_delay()
 
     async def _coalesce(self, holder: Claimant, stop: asyncio.Event) -> bool:
         """Let the holder finish what it is serving (up to the window) before its

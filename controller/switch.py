@@ -13,11 +13,12 @@ The order is the reference experiment's, each step bounded and measured:
 7. record the target as holder and open admission.
 
 Fencing: before every engine call that can change who is awake (every sleep and wake)
-the GPU Lease is read again from the API server, and the call is refused (:class:`Fenced`) unless the Lease still carries this switch's fencing number
-and this instance still leads the node. A writer that moved the Lease (a newer instance's
-reconciliation, another switch) stops this one before its next such call. Reads
-(``/is_sleeping``, the load metrics) and the correctness probe, a generation that changes
-nothing, need only the leadership check.
+the GPU Lease is read again from the API server, and the call is refused (:class:`Fenced`)
+unless the Lease still carries this switch's fencing number and this instance still leads
+the node. A writer that moved the Lease (a newer instance's reconciliation, another
+switch) stops this one before its next such call. Reads (``/is_sleeping``, the load
+metrics) and the correctness probe, a generation that changes nothing, need only the
+leadership check.
 
 Failure keeps one owner: a target that fails to wake or to answer correctly is put back to
 sleep, and the GPU is read again, before the old holder is woken; an engine whose memory
@@ -25,7 +26,7 @@ is not handed back is never followed by another wake. A sleep whose outcome is u
 timed out, or its answer was lost) may still fire later (vLLM keeps a ``mode=wait`` sleep
 registered): such an engine is never woken by this switch; it is returned as
 *unsettled*, and the caller confirms through ``/is_sleeping`` and the GPU that it really
-slept before anyone is woken (:meth:`Switcher.settle`).
+slept before anyone is woken (reconciliation does, in :mod:`controller.gpu`).
 
 Pure protocol over injected ports (:class:`Ports`), so it is tested without Kubernetes.
 """
@@ -43,14 +44,18 @@ from controller import metrics, naming
 from controller.claimants import Claimant
 from controller.device import GpuSnapshot, HandbackProblem, check_before_wake
 from controller.engines.base import EngineAdapter
-from controller.engines.errors import EngineError, EngineLied, EngineRejected
+from controller.engines.errors import EngineError, EngineLied, EngineRejected, EngineUnreachable
 from controller.leases import GpuLease
 from controller.settings import StepTimeouts
+from driver.aio import Backoff
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+GONE_S = 10.0
+"""How long a switch waits for the GPU to show that an engine that stopped answering is
+gone (its process exited) before it counts the engine as unsettled."""
 SLEEP_MARGIN_S = 5.0
 """The switch waits this much longer for a sleep than the adapter does, so that a slow
 sleep ends with the adapter's own timeout (a known "state unknown"), not a cancelled call."""
@@ -369,8 +374,12 @@ class Switcher:
         except Fenced:
             raise
         except SleepUnknown as unknown:
-            return await self.fail(lease, reason, f"{message}; {unknown}", restored=None,
-                                    timings=timings, unsettled=(target,))
+            if not (isinstance(unknown.__cause__, EngineUnreachable)
+                    and await self.gone(target, timings)):
+                return await self.fail(lease, reason, f"{message}; {unknown}", restored=None,
+                                       timings=timings, unsettled=(target,))
+            log.warning("the failed target is gone (no process on the GPU)",
+                        extra={"claim": target.ref, "device": target.gpu})
         except Exception as sleep_exc:
             log.warning("could not put the failed target back to sleep",
                         extra={"claim": target.ref, "error": str(sleep_exc)})
@@ -387,6 +396,37 @@ class Switcher:
             return await self.fail(lease, reason, f"{message}; the old holder stays asleep: "
                                     f"{problem.message}", restored=None, timings=timings)
         return await self.restore(lease, holder, exc, timings)
+
+    async def gone(self, claimant: Claimant, timings: dict[str, float],
+                   within_s: float = GONE_S) -> bool:
+        """True once the GPU shows no process of ``claimant`` (an engine that does not
+        answer and holds nothing is not running: it cannot be awake, nor wake later);
+        waits up to ``within_s`` for a dying process to let go."""
+        pauses = Backoff(first_s=0.05, max_s=1.0)
+        deadline = self.ports.clock() + within_s
+        while True:
+            snapshot = await self.snapshot(claimant.gpu, timings)
+            if not any(p.claim_uid == claimant.claim_uid for p in snapshot.processes):
+                return True
+            if self.ports.clock() >= deadline:
+                return False
+            await pauses.sleep()
+
+    async def settle(self, claimant: Claimant, fence: int, timings: dict[str, float]
+                     ) -> bool:
+        """Settle an engine a switch left unsettled: a sleep of ours that completes
+        (engines handle control calls in order, so whatever was sent before has been
+        done, and the engine is asleep), or no process of it on the GPU. False: it is
+        still unsettled (never wake anyone beside it)."""
+        try:
+            await self.sleep(claimant, fence, timings)
+            return True
+        except Fenced:
+            raise
+        except (SleepUnknown, EngineError) as exc:
+            if isinstance(exc.__cause__ or exc, EngineUnreachable):
+                return await self.gone(claimant, timings)
+            return False
 
     async def sleep_holder(self, lease: GpuLease, holder: Claimant, *, reason: str
                            ) -> SwitchResult:

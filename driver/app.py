@@ -18,12 +18,15 @@ from aiohttp import web
 
 from driver import DRIVER_NAME
 from driver.aio import wait_any
+from driver.cdi import ExtraEdits, fake_nvml_edits
 from driver.devices import discover
 from driver.errors import ConfigError
+from driver.gc import LedgerCollector
 from driver.health import HealthMonitor
 from driver.inspection import InspectionService
 from driver.kube import Kube, load_api_client
 from driver.ledger import Ledger, current_boot_id
+from driver.nvml import fixture_path
 from driver.nvml.api import NvmlBackend
 from driver.prepare import Preparer
 from driver.probes import make_app
@@ -50,12 +53,23 @@ def make_backend(settings: DriverSettings) -> NvmlBackend:
     if settings.nvml_backend is NvmlBackendKind.FAKE:
         from driver.nvml.fake import FakeNvml
 
-        if settings.fake_nvml_fixture is None:
+        fixture = settings.fake_nvml_fixture
+        if fixture is None:
             raise ConfigError("--nvml-backend=fake needs --fake-nvml-fixture")
-        return FakeNvml.from_path(settings.fake_nvml_fixture, settings.fake_nvml_proc_dir)
+        if "/" not in str(fixture):  # the name of a fixture shipped with the driver
+            fixture = fixture_path(str(fixture))
+        return FakeNvml.from_path(fixture, settings.fake_nvml_proc_dir)
     from driver.nvml.real import PynvmlBackend
 
     return PynvmlBackend()
+
+
+def cdi_edits(settings: DriverSettings) -> ExtraEdits | None:
+    """With the fake NVML backend, engines get its process registry through their CDI
+    spec, as a real engine's memory shows in NVML without anything mounted."""
+    if settings.nvml_backend is NvmlBackendKind.FAKE and settings.fake_nvml_proc_dir:
+        return fake_nvml_edits(settings.fake_nvml_proc_dir)
+    return None
 
 
 async def run(settings: DriverSettings, lifecycle: Lifecycle | None = None,
@@ -79,6 +93,9 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
                                mode=SharingMode(settings.sharing_mode),
                                engines=settings.engines_per_gpu,
                                resync_s=settings.slice_resync_s)
+    # The kubelet creates <root>/plugins, not rota's directory in it.
+    await asyncio.to_thread(settings.plugin_data_dir.mkdir, mode=0o750, parents=True,
+                            exist_ok=True)
     boot_id = await asyncio.to_thread(current_boot_id, settings.proc_root)
     start_gate = None if settings.start_gate_dir is None else StartGate(
         settings.start_gate_dir,
@@ -87,8 +104,11 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
                         cdi_root=settings.cdi_root, dev_root=settings.dev_root,
                         driver_name=DRIVER_NAME, pool=settings.node_name,
                         devices=publisher.devices, lock_path=settings.lock_path,
-                        lock_timeout_s=settings.lock_timeout_s, start_gate=start_gate)
+                        lock_timeout_s=settings.lock_timeout_s, cdi_edits=cdi_edits(settings),
+                        start_gate=start_gate)
     await preparer.restore()
+    collector = LedgerCollector(preparer=preparer, kube=kube, node_name=settings.node_name,
+                                driver=DRIVER_NAME, pool=settings.node_name)
     health = HealthMonitor(backend=backend, pool=settings.node_name, devices=publisher.devices,
                            on_change=publisher.set_health)
     inspection = InspectionService(backend=backend, gpus=gpus, proc_root=settings.proc_root,
@@ -96,7 +116,7 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
     registration = RegistrationService(driver_name=DRIVER_NAME, dra_endpoint=settings.dra_socket)
 
     dra_server = UnixServer(settings.dra_socket,
-                            [*DraService(preparer).handlers(), health.handler()])
+                            [*DraService(preparer).handlers(), *health.handlers()])
     inspect_server = UnixServer(settings.inspect_listen_socket, [inspection.handler()],
                                 mode=0o660)
     inspect_link = settings.inspect_socket != settings.inspect_listen_socket
@@ -126,6 +146,7 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(publisher.run(life.stop), name="slice-publisher")
             tasks.create_task(health.run(life.stop), name="health-monitor")
+            tasks.create_task(collector.run(life.stop), name="ledger-gc")
             await wait_any(publisher.synced, life.stop)
             await reg_server.start()
             life.ready.set()

@@ -9,7 +9,9 @@ because runtimes cache specs; unprepare deletes the file.
 
 Each CDI device gives the container the GPU's device nodes (``/dev/nvidia<minor>``,
 ``/dev/nvidiactl``, ``/dev/nvidia-uvm``, ``/dev/nvidia-uvm-tools``; host paths under a
-configurable device root) and an environment. The driver libraries come from the image or
+configurable device root), those of them that exist on the node: the container runtime
+stats every node a spec lists and fails the container when one is missing (many GPU nodes
+have no ``nvidia-uvm-tools``). Then an environment. The driver libraries come from the image or
 the NVIDIA container toolkit, which reads ``NVIDIA_VISIBLE_DEVICES``. Every environment
 value is a property of the whole claim and is the same in each of its CDI devices, so the
 order in which a runtime merges them cannot matter; with several GPUs or shares the
@@ -27,10 +29,14 @@ values are comma-separated lists:
   ``ROTA_START_TOKEN`` (the claim's own token), and a read-only mount of the start-gate
   directory (host path = container path); see :mod:`driver.startgate`.
 
-:func:`build_claim_spec` is pure and deterministic: an idempotent prepare rebuilds the spec
-and gets identical bytes from :func:`render_spec`. ``cdiVersion`` is 0.5.0, the lowest that
-allows device names starting with a digit (claim uids do) and ``hostPath``, so that older
-runtimes load the spec too.
+With the fake NVML backend, the driver adds :func:`fake_nvml_edits`: a mount of its process
+registry directory and ``ROTA_FAKE_NVML_PROC_DIR`` naming it, so an engine in a container
+registers its GPU memory where the driver reads it, as a real engine's memory shows in NVML.
+
+:func:`build_claim_spec` is deterministic given which device nodes exist: an idempotent
+prepare rebuilds the spec and gets identical bytes from :func:`render_spec`.
+``cdiVersion`` is 0.5.0, the lowest that allows device names starting with a digit (claim
+uids do) and ``hostPath``, so that older runtimes load the spec too.
 """
 
 from __future__ import annotations
@@ -38,13 +44,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from driver.claims import AllocatedShare, ClaimPlan, PublishedDevice
-from driver.ledger import atomic_write, fsync_dir, remove_temp_files
+from driver.disk import OS_DISK, Disk, atomic_write, fsync_dir, remove_temp_files
 from driver.startgate import StartGate
 
 __all__ = [
@@ -52,8 +60,11 @@ __all__ = [
     "CDI_KIND",
     "CDI_VENDOR",
     "CDI_VERSION",
+    "FAKE_NVML_CONTAINER_DIR",
+    "ExtraEdits",
     "build_claim_spec",
     "device_name",
+    "fake_nvml_edits",
     "list_spec_claim_uids",
     "qualified_id",
     "remove_spec",
@@ -79,6 +90,31 @@ _SPEC_FILE = re.compile(
     + r"(?(temp)\.[A-Za-z0-9_]+\.tmp)"
 )
 _SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+FAKE_NVML_CONTAINER_DIR = "/var/run/rota/fake-nvml"
+"""Where an engine container finds the fake NVML process registry."""
+_missing_logged: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Mount:
+    host_path: str
+    container_path: str
+    options: tuple[str, ...] = ("rbind", "rw")
+
+
+@dataclass(frozen=True)
+class ExtraEdits:
+    """Container edits every claim's devices get besides rota's own."""
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    mounts: Sequence[Mount] = ()
+
+
+def fake_nvml_edits(proc_dir: Path | str) -> ExtraEdits:
+    """The edits that give an engine the fake NVML process registry at ``proc_dir`` (a
+    path on the node; the driver sees it at the same path)."""
+    return ExtraEdits(env={"ROTA_FAKE_NVML_PROC_DIR": FAKE_NVML_CONTAINER_DIR},
+                      mounts=(Mount(str(proc_dir), FAKE_NVML_CONTAINER_DIR),))
 
 
 def _check_claim_uid(claim_uid: str) -> str:
@@ -121,7 +157,8 @@ def _joined(values: list[str]) -> str:
     return ",".join(dict.fromkeys(values))
 
 
-def _environment(plan: ClaimPlan, start_gate: StartGate | None) -> list[str]:
+def _environment(plan: ClaimPlan, extra: Mapping[str, str],
+                 start_gate: StartGate | None) -> list[str]:
     gpus = ",".join(plan.gpu_uuids)
     env = {
         "NVIDIA_VISIBLE_DEVICES": gpus,
@@ -142,15 +179,23 @@ def _environment(plan: ClaimPlan, start_gate: StartGate | None) -> list[str]:
         env["ROTA_ENGINE_ADAPTER"] = plan.config.adapter
         if start_gate is not None:
             env.update(start_gate.environment(plan.uid))
+    env.update(extra)
     return [f"{key}={value}" for key, value in sorted(env.items())]
 
 
-def _device_nodes(device: PublishedDevice, dev_root: str) -> list[dict[str, str]]:
+def _device_nodes(device: PublishedDevice, dev_root: str,
+                  node_exists: Callable[[str], bool]) -> list[dict[str, str]]:
     minor = device.gpu_minor if device.gpu_minor is not None else device.gpu_index
     nodes: list[dict[str, str]] = []
     for node in (f"nvidia{minor}", *_SHARED_NODES):
         entry = {"path": f"/dev/{node}"}
         host_path = f"{dev_root.rstrip('/')}/{node}"
+        if not node_exists(host_path):
+            if host_path not in _missing_logged:
+                _missing_logged.add(host_path)
+                log.info("device node missing on this node; not listed in CDI specs",
+                         extra={"device_node": host_path})
+            continue
         if host_path != entry["path"]:
             entry["hostPath"] = host_path
         nodes.append(entry)
@@ -162,6 +207,8 @@ def build_claim_spec(
     devices: Mapping[str, PublishedDevice],
     *,
     dev_root: str = "/dev",
+    extra: ExtraEdits | None = None,
+    node_exists: Callable[[str], bool] = os.path.exists,
     start_gate: StartGate | None = None,
 ) -> dict[str, Any]:
     """The CDI spec of one claim: one device per share, edits as the module docstring says.
@@ -172,26 +219,33 @@ def build_claim_spec(
             there).
         dev_root: where the NVIDIA device nodes are on the host (``/dev``, or the driver
             root of a containerised driver such as ``/run/nvidia/driver/dev``).
-        start_gate: the start gate's socket directory and key (None: no start gate).
+        extra: edits added to every device (the fake NVML's registry mount).
+        node_exists: whether a device node exists (a node that does not is left out).
+        start_gate: the start gate's socket directory and key (None: no start gate); only
+            claims with an engine config get it.
 
     Raises:
         ValueError: a share names an unknown device, or a name is not valid in CDI.
     """
-    env = _environment(plan, start_gate)
-    gated = start_gate is not None and plan.config is not None
+    edits = extra or ExtraEdits()
+    env = _environment(plan, edits.env, start_gate)
+    mounts = [{"hostPath": m.host_path, "containerPath": m.container_path,
+               "options": list(m.options)} for m in edits.mounts]
+    if start_gate is not None and plan.config is not None:
+        mounts.append(start_gate.mount())
     cdi_devices: list[dict[str, Any]] = []
     for share in plan.shares:
         device = devices.get(share.device)
         if device is None:
             raise ValueError(f"claim {plan.uid} holds unknown device {share.device!r}")
-        edits: dict[str, Any] = {"env": list(env),
-                                 "deviceNodes": _device_nodes(device, dev_root)}
-        if gated and start_gate is not None and not cdi_devices:
-            # One mount per container: on the first device only (runtimes reject a
-            # container path mounted twice).
-            edits["mounts"] = [start_gate.mount()]
+        container_edits: dict[str, Any] = {"env": list(env)}
+        nodes = _device_nodes(device, dev_root, node_exists)
+        if nodes:
+            container_edits["deviceNodes"] = nodes
+        if mounts:
+            container_edits["mounts"] = [dict(m) for m in mounts]
         cdi_devices.append({"name": share_device_name(plan.uid, share),
-                            "containerEdits": edits})
+                            "containerEdits": container_edits})
     if not cdi_devices:
         raise ValueError(f"claim {plan.uid} has no devices; a CDI spec needs at least one")
     return {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": cdi_devices}
@@ -202,7 +256,8 @@ def render_spec(spec: Mapping[str, Any]) -> bytes:
     return json.dumps(spec, sort_keys=True, indent=2, ensure_ascii=False).encode() + b"\n"
 
 
-def write_spec(cdi_root: Path | str, claim_uid: str, spec: Mapping[str, Any]) -> Path:
+def write_spec(cdi_root: Path | str, claim_uid: str, spec: Mapping[str, Any], *,
+               disk: Disk = OS_DISK) -> Path:
     """Write a claim's spec atomically (temp file, fsync, rename, fsync the directory).
 
     The temp file is named ``.<spec file>.<random>.tmp`` so runtimes, which load only
@@ -212,38 +267,37 @@ def write_spec(cdi_root: Path | str, claim_uid: str, spec: Mapping[str, Any]) ->
         The path of the spec file.
     """
     path = spec_path(cdi_root, claim_uid)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_temp_files(path)
-    atomic_write(path, render_spec(spec), mode=0o644)
+    disk.makedirs(path.parent)
+    remove_temp_files(path, disk)
+    atomic_write(path, render_spec(spec), mode=0o644, disk=disk)
     return path
 
 
-def remove_spec(cdi_root: Path | str, claim_uid: str) -> bool:
+def remove_spec(cdi_root: Path | str, claim_uid: str, *, disk: Disk = OS_DISK) -> bool:
     """Delete a claim's spec (and temp files of an interrupted write of it).
 
     Returns:
         True when a spec file was removed, False when there was none.
     """
     path = spec_path(cdi_root, claim_uid)
-    remove_temp_files(path)
+    remove_temp_files(path, disk)
     try:
-        path.unlink()
+        disk.unlink(path)
     except FileNotFoundError:
         return False
     with contextlib.suppress(OSError):
-        fsync_dir(path.parent)
+        fsync_dir(path.parent, disk)
     return True
 
 
-def list_spec_claim_uids(cdi_root: Path | str) -> set[str]:
+def list_spec_claim_uids(cdi_root: Path | str, *, disk: Disk = OS_DISK) -> set[str]:
     """The claim uids that have a rota spec in ``cdi_root``, or the temp file of one.
 
     Used at start-up to remove specs of claims the ledger does not know; files of other
     vendors are ignored.
     """
-    root = Path(cdi_root)
     try:
-        names = [entry.name for entry in root.iterdir() if entry.is_file()]
+        names = disk.list_files(Path(cdi_root))
     except FileNotFoundError:
         return set()
     uids: set[str] = set()

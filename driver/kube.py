@@ -27,6 +27,7 @@ Obj = dict[str, Any]
 RESOURCE_GROUP = "resource.k8s.io"
 RESOURCE_VERSION = "v1"
 _BODY_LIMIT = 256
+_MAX_PAGES = 100
 
 
 def load_api_client(kubeconfig: str | None) -> client.ApiClient:
@@ -82,6 +83,24 @@ class Kube:
         resp = await self._call(f"get node {name}", self._core.read_node, name,
                                 _preload_content=False)
         return dict(json.loads(resp.data))
+
+    async def list_pods_on_node(self, node: str) -> list[Obj]:
+        """Every pod bound to ``node`` (all namespaces, one page per 500, bounded)."""
+        pods: list[Obj] = []
+        token: str | None = None
+        for _ in range(_MAX_PAGES):
+            kwargs: dict[str, Any] = {"field_selector": f"spec.nodeName={node}", "limit": 500}
+            if token:
+                kwargs["_continue"] = token
+            resp = await self._call(f"list pods on node {node}",
+                                    self._core.list_pod_for_all_namespaces,
+                                    _preload_content=False, **kwargs)
+            page = json.loads(resp.data)
+            pods.extend(page.get("items", []))
+            token = page.get("metadata", {}).get("continue")
+            if not token:
+                return pods
+        raise KubeError(f"list pods on node {node}: more than {_MAX_PAGES} pages")
 
     # -- resource.k8s.io ----------------------------------------------------------------
 

@@ -31,13 +31,9 @@ rolling update runs two).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -59,6 +55,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from driver.budget import ClaimantBudget
+from driver.disk import OS_DISK, Disk, atomic_write, fsync_dir, remove_temp_files
 from driver.errors import LedgerError
 
 __all__ = [
@@ -227,54 +224,13 @@ def _checksum(data: object) -> str:
     return "sha256:" + hashlib.sha256(_canonical(data)).hexdigest()
 
 
-def fsync_dir(directory: Path) -> None:
-    """Flush a directory's entries (a rename or unlink in it) to disk."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, content: bytes, *, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``content`` so that a crash leaves the old or the new file.
-
-    Temp file in the same directory (named ``.<name>.<random>.tmp``), write, flush, fsync,
-    rename over ``path``, fsync the directory. On failure the temp file is removed.
-    """
-    directory = path.parent
-    fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    temp = Path(temp_name)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(content)
-            handle.flush()
-            os.fchmod(handle.fileno(), mode)
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            temp.unlink()
-        raise
-    fsync_dir(directory)
-
-
-def remove_temp_files(path: Path) -> int:
-    """Delete temp files a crashed :func:`atomic_write` of ``path`` left; return how many."""
-    removed = 0
-    for leftover in path.parent.glob(f".{path.name}.*.tmp"):
-        with contextlib.suppress(FileNotFoundError):
-            leftover.unlink()
-            removed += 1
-    return removed
-
-
 class Ledger:
     """The ledger file of one node. Call :meth:`read` and :meth:`write` under :func:`file_lock`."""
 
-    def __init__(self, path: Path | str, *, boot_id: str) -> None:
+    def __init__(self, path: Path | str, *, boot_id: str, disk: Disk = OS_DISK) -> None:
         self.path = Path(path)
         self.boot_id = boot_id
+        self.disk = disk
 
     def empty(self) -> LedgerState:
         """An empty state for the current boot."""
@@ -292,7 +248,7 @@ class Ledger:
                 apiVersion this release does not read.
         """
         try:
-            raw = self.path.read_bytes()
+            raw = self.disk.read_bytes(self.path)
         except FileNotFoundError:
             return self.empty()
         except OSError as exc:
@@ -367,14 +323,14 @@ class Ledger:
             )
         content = self.render(state)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            removed = remove_temp_files(self.path)
+            self.disk.makedirs(self.path.parent)
+            removed = remove_temp_files(self.path, self.disk)
             if removed:
                 log.info(
                     "removed temp files of an interrupted ledger write",
                     extra={"ledger": str(self.path), "count": removed},
                 )
-            atomic_write(self.path, content)
+            atomic_write(self.path, content, disk=self.disk)
         except OSError as exc:
             raise LedgerError(f"cannot write ledger {self.path}: {exc.strerror}") from exc
         return len(content)
@@ -387,19 +343,21 @@ def file_lock(
     *,
     poll_s: float = 0.005,
     max_poll_s: float = 0.1,
+    disk: Disk = OS_DISK,
 ) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block.
 
     Waits at most ``timeout_s``, polling with a non-blocking attempt and a backoff from
     ``poll_s`` up to ``max_poll_s``. It blocks the calling thread: from asyncio, take it in a
-    worker thread. The lock is also exclusive between two opens in one process.
+    worker thread. The lock is also exclusive between two opens in one process. Waiters are
+    not served in any order: a newer waiter may get the lock before an older one.
 
     Raises:
         LedgerError: the lock was not obtained in time, or the file cannot be opened.
     """
     lock_path = Path(path)
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = disk.open_lock(lock_path)
     except OSError as exc:
         raise LedgerError(f"cannot open lock file {lock_path}: {exc.strerror}") from exc
     try:
@@ -407,11 +365,10 @@ def file_lock(
         delay = poll_s
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                if disk.try_lock(fd):
+                    break
             except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise LedgerError(f"cannot lock {lock_path}: {exc.strerror}") from exc
+                raise LedgerError(f"cannot lock {lock_path}: {exc.strerror}") from exc
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise LedgerError(
@@ -423,9 +380,9 @@ def file_lock(
         try:
             yield
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            disk.unlock(fd)
     finally:
-        os.close(fd)
+        disk.close(fd)
 
 
 def current_boot_id(proc_root: Path | str = "/proc") -> str:

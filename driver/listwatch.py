@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 _GONE = 410
-_BACKOFF = Backoff(initial_s=0.5, max_s=30.0)
 
 
 class _Gone(Exception):
@@ -65,7 +64,8 @@ class ListWatch:
         api_timeout_s: bound of each list call and of the silence within a watch beyond
             ``watch_timeout_s``.
         relist_s: list again this often (None: only after errors and 410s).
-        backoff: pauses after errors (never runs out: the watch is meant to last).
+        backoff: pauses after errors (unbounded: the watch is meant to last; default
+            0.5 s growing to 30 s), reset by every successful list.
         on_error: told of each error that made it list again (a metric).
     """
 
@@ -76,7 +76,7 @@ class ListWatch:
                  field_selector: str | None = None, label_selector: str | None = None,
                  page_size: int = 500, watch_timeout_s: int = 300, api_timeout_s: float = 10.0,
                  relist_s: float | None = None,
-                 backoff: Backoff = _BACKOFF,
+                 backoff: Backoff | None = None,
                  on_error: Callable[[BaseException], None] | None = None) -> None:
         self.name = name
         self._list_fn = list_fn
@@ -91,7 +91,7 @@ class ListWatch:
         self._watch_timeout_s = watch_timeout_s
         self._api_timeout_s = api_timeout_s
         self._relist_s = relist_s
-        self._backoff = backoff
+        self._backoff = backoff or Backoff(first_s=0.5, max_s=30.0)
         self._on_error = on_error
         self._kept: set[str] = set()
         self.stopping = threading.Event()
@@ -202,13 +202,12 @@ class ListWatch:
                 self._deliver(self._on_event, kind, obj)
 
     def _run(self) -> None:
-        pauses = self._backoff.pauses()
         while not self.stopping.is_set():
             try:
                 items, version = self._list()
                 self._kept = {self._uid(o) for o in items}
                 self._deliver(self._replaced, items)
-                pauses = self._backoff.pauses()
+                self._backoff.reset()
                 self._watch(version, time.monotonic())
             except _Gone:
                 log.info("watch expired; listing again", extra={"resource": self.name})
@@ -217,8 +216,6 @@ class ListWatch:
                     return
                 if self._on_error is not None:
                     self._on_error(exc)
-                pause = next(pauses, self._backoff.max_s)
                 log.warning("list or watch failed; listing again after a pause", extra={
-                    "resource": self.name, "error": repr(exc)[:300],
-                    "backoff_s": round(pause, 3)})
-                self.stopping.wait(pause)
+                    "resource": self.name, "error": repr(exc)[:300]})
+                self._backoff.wait(self.stopping)

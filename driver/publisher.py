@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from driver import DRIVER_NAME, metrics
-from driver.aio import wait_any
+from driver.aio import Backoff, wait_any
 from driver.claims import PublishedDevice
 from driver.devices import GpuDevice
 from driver.errors import KubeConflictError, KubeError
@@ -217,19 +217,18 @@ class SlicePublisher:
 
         watcher = self.kube.watch_slices(driver=self.driver, node=self.node_name,
                                          on_event=on_event, stop=halt)
-        backoff = 0.2
+        backoff = Backoff(first_s=0.2, max_s=10.0)
         try:
             while not stop.is_set():
                 changed.clear()
                 try:
                     await self.sync_once()
-                    backoff = 0.2
+                    backoff.reset()
                     timeout = self.resync_s
                 except KubeError as exc:
+                    timeout = backoff.next_delay()
                     log.warning("slice sync failed; retrying", extra={"error": str(exc),
-                                                                      "backoff_s": backoff})
-                    timeout = backoff
-                    backoff = min(backoff * 2, 10.0)
+                                                                      "backoff_s": timeout})
                 await wait_any(changed, stop, timeout_s=timeout)
         finally:
             halt.set()

@@ -44,6 +44,10 @@ class DriverSettings(BaseModel):
                                       description="The kubelet's plugin registration directory.")
     plugin_data_dir: Path = Field(default=Path(f"/var/lib/kubelet/plugins/{DRIVER_NAME}"),
                                   description="Directory of the DRA socket and the ledger.")
+    inspect_dir: Path | None = Field(default=None, description="Directory of the inspection "
+                                     "socket, the only part of the driver the lease "
+                                     "controller needs (mount it alone, read-only, into the "
+                                     "controller); default: the plugin data directory.")
     cdi_root: Path = Field(default=Path("/var/run/cdi"), description="Where CDI specs go.")
     dev_root: Path = Field(default=Path("/dev"), description="Device node directory named in "
                                                              "CDI specs.")
@@ -51,7 +55,8 @@ class DriverSettings(BaseModel):
     nvml_backend: NvmlBackendKind = Field(default=NvmlBackendKind.REAL,
                                           description="real (pynvml) or fake (a JSON fixture).")
     fake_nvml_fixture: Path | None = Field(default=None, description="GPU description for the "
-                                                                     "fake NVML backend.")
+                                           "fake NVML backend: a file, or the name of one "
+                                           "shipped with the driver (h200, h200x8).")
     fake_nvml_proc_dir: Path | None = Field(default=None, description="Directory where "
                                             "simulated engines register their GPU memory.")
     http_address: str = Field(default="127.0.0.1:8081", description="host:port of /metrics, "
@@ -106,13 +111,14 @@ class DriverSettings(BaseModel):
     def inspect_socket(self) -> Path:
         """Where the lease controller dials the inspection API (with a pod uid: a symlink
         to the socket of the newest driver pod)."""
-        return self.plugin_data_dir / "inspect.sock"
+        return (self.inspect_dir or self.plugin_data_dir) / "inspect.sock"
 
     @property
     def inspect_listen_socket(self) -> Path:
         if not self.pod_uid:
             return self.inspect_socket
-        return self.plugin_data_dir / f"inspect-{_short(self.pod_uid)}.sock"
+        base = self.inspect_dir or self.plugin_data_dir
+        return base / f"inspect-{_short(self.pod_uid)}.sock"
 
     @property
     def ledger_path(self) -> Path:

@@ -27,8 +27,9 @@ import secrets
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from driver.ledger import fsync_dir
+from driver.disk import fsync_dir
 
 __all__ = ["KEY_BYTES", "SOCKET_NAME", "StartGate", "load_or_create_key"]
 
@@ -68,7 +69,7 @@ class StartGate:
     def environment(self, claim_uid: str) -> dict[str, str]:
         return {"ROTA_START_SOCKET": str(self.socket), "ROTA_START_TOKEN": self.token(claim_uid)}
 
-    def mount(self) -> dict[str, object]:
+    def mount(self) -> dict[str, Any]:
         """The CDI mount of the directory: read-only (connecting to a unix socket needs no
         write access to the mount), no devices, no set-uid, nothing executable."""
         return {"hostPath": str(self.directory), "containerPath": str(self.directory),

@@ -33,7 +33,7 @@ from driver.rpc.services import unary_client
 from driver.slices import SharingMode
 from e2e.cluster import LocalCluster, create_node
 from e2e.harness import GpuNode
-from e2e.objects import GROUP, VERSION, claim, create_claim, engine_config
+from e2e.objects import GROUP, VERSION, claim, create_claim, create_namespace, engine_config
 from e2e.stats import summary_ms
 
 SERVICE = dra.DESCRIPTOR.services_by_name["DRAPlugin"]
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         node = GpuNode(cluster=cluster, api=api, name=f"bench-{uuid.uuid4().hex[:6]}")
         try:
             namespace = f"bench-{uuid.uuid4().hex[:6]}"
-            client.CoreV1Api(api).create_namespace({"metadata": {"name": namespace}})
+            create_namespace(api, namespace)
             start = time.perf_counter()
             node.start_driver()
             result["driver_start_to_ready_s"] = round(time.perf_counter() - start, 3)

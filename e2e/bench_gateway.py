@@ -218,7 +218,7 @@ def run(cluster: LocalCluster, api: client.ApiClient, *, load: Load | None = Non
         token.write_text(ACTIVATION_TOKEN + "\n")
         node.start_controller(extra=[f"--token-file={token}"])
         asyncio.run(_activate(node.controller_url(), spec.model))
-        gateway_url = node.start_gateway(token_file=token)
+        gateway_url = node.start_gateway(token_file=token, extra=[f"--serving-namespaces={ns}"])
         asyncio.run(_wait_routed(gateway_url, spec.model))
         before = _gateway_first_token(gateway_url)
         phases = asyncio.run(measure(engine.url, gateway_url, spec.model, load))

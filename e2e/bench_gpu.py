@@ -41,7 +41,6 @@ import importlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -76,6 +75,7 @@ from driver.opaque import API_VERSION, KIND, parse_engine_config
 from driver.quantity import parse_quantity
 from driver.rpc.sockets import UnixServer
 from e2e.ports import MemoryLeasePort, ReaderDevice
+from e2e.stats import summary_s
 
 log = logging.getLogger("e2e.bench_gpu")
 
@@ -108,16 +108,8 @@ def _mib(n: int) -> float:
 
 
 def _stats(values: Sequence[float]) -> dict[str, Any]:
-    """p50, p90 (nearest rank) and max of ``values`` in seconds; nulls when empty."""
-    if not values:
-        return {"n": 0, "p50": None, "p90": None, "max": None}
-    ordered = sorted(values)
-
-    def rank(q: float) -> float:
-        return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-    return {"n": len(ordered), "p50": round(rank(0.5), 4), "p90": round(rank(0.9), 4),
-            "max": round(ordered[-1], 4)}
+    """Count, p50, p90, min and max of ``values`` in seconds; nulls when empty."""
+    return summary_s(values)
 
 
 def _remaining(deadline: float, what: str) -> float:
@@ -651,9 +643,23 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _engine_of(argv: Sequence[str]) -> str:
+    """The value of ``--engine`` (simulator when absent)."""
+    for i, arg in enumerate(argv):
+        if arg == "--engine" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--engine="):
+            return arg.split("=", 1)[1]
+    return "simulator"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m e2e.bench_gpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=("simulator", "vllm"), default="simulator",
+                        help="simulator (default): engine simulators holding device memory; "
+                             "vllm: real vLLM servers and the failure scenarios (python -m "
+                             "e2e.bench_gpu --engine vllm --help)")
     parser.add_argument("--fake-nvml", metavar="FIXTURE", default=None,
                         help="use the fake NVML with this fixture (a path, or a shipped name "
                              "such as h200) instead of pynvml; implies --memory-backend fake")
@@ -733,6 +739,11 @@ def _backend(args: argparse.Namespace, fake_dir: Path | None) -> NvmlBackend:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _engine_of(argv) == "vllm":
+        from e2e.gpu.bench import main as vllm_main
+
+        return vllm_main(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.measure_h2d_only:

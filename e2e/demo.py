@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             token: Path = node.dirs.root / "activation-token"
             token.write_text(TOKEN + "\n")
             node.start_controller(extra=[f"--token-file={token}"])
-            gateway = node.start_gateway(token_file=token)
+            gateway = node.start_gateway(token_file=token,
+                                         extra=[f"--serving-namespaces={NAMESPACE}"])
             say(f"  driver, node agent, lease controller and gateway ({gateway}) running")
             apply_manifest(api, MANIFESTS / "examples" / "two-models.yaml", NAMESPACE)
             core = client.CoreV1Api(api)

@@ -24,7 +24,7 @@ from driver.nvml import fixture_path
 from e2e.cluster import LocalCluster, create_node
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
-from e2e.objects import MANIFESTS, apply_manifest
+from e2e.objects import MANIFESTS, apply_manifest, create_namespace
 from e2e.waiting import eventually
 
 
@@ -250,7 +250,7 @@ def engine_node(cluster: LocalCluster, api: client.ApiClient, *, prefix: str,
     own_namespace = namespace is None
     namespace = namespace or f"{prefix}-{uuid.uuid4().hex[:8]}"
     if own_namespace:
-        core.create_namespace({"metadata": {"name": namespace}})
+        create_namespace(api, namespace)
     node = GpuNode(cluster=cluster, api=api, name=f"{prefix}-{uuid.uuid4().hex[:8]}")
     try:
         node.start_driver()

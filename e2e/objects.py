@@ -92,3 +92,25 @@ def node_slices(api: client.ApiClient, node: str) -> list[dict[str, Any]]:
         GROUP, VERSION, "resourceslices",
         field_selector=f"spec.driver={DRIVER},spec.nodeName={node}")
     return list(result["items"])
+
+
+def create_namespace(api: client.ApiClient, name: str, *, labels: Mapping[str, str] | None = None,
+                     timeout: float = 30.0) -> None:
+    """Create a namespace and wait for its ``default`` ServiceAccount: with ServiceAccount
+    admission on, a pod created before the service-account controller made it is refused."""
+    from e2e.waiting import eventually
+
+    core = client.CoreV1Api(api)
+    body: dict[str, Any] = {"apiVersion": "v1", "kind": "Namespace",
+                            "metadata": {"name": name, "labels": dict(labels or {})}}
+    try:
+        core.create_namespace(body)
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+    def has_default() -> bool:
+        core.read_namespaced_service_account("default", name)
+        return True
+
+    eventually(has_default, timeout=timeout, what=f"ServiceAccount {name}/default")

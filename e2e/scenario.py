@@ -86,10 +86,20 @@ def deploy(api: client.ApiClient, namespace: str, node: str, specs: Sequence[Eng
 async def activate(session: aiohttp.ClientSession, url: str, model: str, *,
                    token: str | None = None, timeout_s: float = 120.0
                    ) -> tuple[int, dict[str, Any]]:
+    """Ask the controller at ``url`` to wake ``model``. A 200's body gains ``endpoint``:
+    the claimant's address as the controller's ``/v1/state`` lists it (the activation
+    answer itself carries no address: gateways route to pod IPs they watch)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with session.post(f"{url}/v1/activate", json={"model": model}, headers=headers,
                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        return resp.status, dict(await resp.json())
+        status, body = resp.status, dict(await resp.json())
+    if status == 200:
+        async with session.get(f"{url}/v1/state", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            state = await resp.json()
+        body["endpoint"] = next((c["endpoint"] for c in state.get("claimants", [])
+                                 if c.get("claim") == body.get("claim")), None)
+    return status, body
 
 
 async def sim_state(session: aiohttp.ClientSession, engine: Engine) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Fixtures shared by every test: the local cluster, a namespace per test, short socket dirs.
+"""Fixtures shared by every test: the local cluster, a namespace per test, short socket dirs;
+every async test fails when it leaks an asyncio task (:mod:`tests.leaks`).
 
 The cluster is started once per test session from real binaries (built and cached by
 ``e2e/build-k8s.sh`` on first use) and only when a test asks for it, so unit tests run
@@ -7,7 +8,6 @@ without it.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import tempfile
@@ -19,9 +19,9 @@ import pytest
 from kubernetes import client, config
 
 from e2e.cluster import LocalCluster
-from e2e.objects import MANIFESTS, apply_manifest
+from e2e.objects import MANIFESTS, apply_manifest, create_namespace
 
-pytest_plugins = ["tests.engines_on_cluster"]
+pytest_plugins = ["pytester", "tests.engines_on_cluster", "tests.leaks", "tests.real_node"]
 
 # Tests start processes while gRPC channels are open; gRPC's note about skipping its fork
 # handlers is expected then, and only noise.
@@ -59,8 +59,7 @@ def namespace(kube_api: client.ApiClient) -> Iterator[str]:
     """A fresh namespace, deleted (without waiting) after the test."""
     name = f"t-{uuid.uuid4().hex[:10]}"
     core = client.CoreV1Api(kube_api)
-    core.create_namespace({"apiVersion": "v1", "kind": "Namespace",
-                           "metadata": {"name": name}})
+    create_namespace(kube_api, name)
     try:
         yield name
     finally:
@@ -79,19 +78,6 @@ def short_tmp() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def _no_leaked_tasks() -> Iterator[None]:
-    """Fail a test that leaves asyncio tasks pending on a loop it ran."""
-    yield
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    pending = [t for t in asyncio.all_tasks(loop) if not t.done()
-               and t is not asyncio.current_task(loop)]
-    assert not pending, f"test leaked asyncio tasks: {pending}"
 
 
 def pytest_report_header() -> str:

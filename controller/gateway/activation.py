@@ -1,14 +1,19 @@
-"""Client of the lease controllers' activation API: "make this model serve, tell me where".
+"""Client of the lease controllers' activation API: "make this claimant the awake one".
 
-``POST <activation-url>/v1/activate`` with ``{"model", "claim"}`` and the bearer token from
-the mounted Secret. The controller answers once the model serves (200 with its endpoint)
-or the switch failed or was refused (409/503 with a reason and Retry-After). It serialises
+``POST <activation-url>/v1/activate`` with :class:`~controller.activation_api.ActivateRequest`
+and the bearer token from the mounted Secret. The controller answers once the claimant
+holds its GPU (200, :class:`~controller.activation_api.ActivateAnswer`: the fencing number,
+no address) or the switch failed or was refused (409/503 with a reason and Retry-After).
+An answer means only "done": where to send the request is decided again from what this
+gateway watches (the claimant's pod IP, the GPU Lease). The controller serialises
 switches per GPU and lets concurrent callers share one switch; this replica also shares
 one call among its own requests for the same (controller, model, claim), which only saves
 connections: every replica may call, and correctness rests on the controller and its Lease.
 
-A call that cannot reach the controller is retried a bounded number of times with backoff.
-A refusal is not retried here: it becomes a 503 for the client carrying the controller's
+A call that cannot reach the controller is retried a bounded number of times with
+jittered backoff (:class:`driver.aio.Backoff`); connecting has its own short timeout, so a
+controller whose address does not answer costs seconds, not the request's whole wait. A
+refusal is not retried here: it becomes a 503 for the client carrying the controller's
 reason and Retry-After.
 """
 
@@ -23,12 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
+from controller.activation_api import PATH, ActivateAnswer, ActivateRequest, ErrorBody
 from controller.gateway.credentials import SecretFile
 from controller.gateway.errors import Unavailable
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.proxy import read_bounded
+from driver.aio import Backoff
 
 __all__ = ["Activation", "ActivationFailed", "Activator"]
 
@@ -40,23 +47,12 @@ _BACKOFF_MAX_S = 2.0
 _UNSAFE = re.compile(r"[^a-z0-9_]")
 
 
-class _Answer(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    claim: str
-    endpoint: str
-    switched: bool = False
-    fence: int = 0
-
-
 @dataclass(frozen=True)
 class Activation:
-    """A successful activation: the model serves at ``endpoint``."""
+    """A successful activation: ``claim`` holds its GPU under ``fence``."""
 
     model: str
     claim: str
-    endpoint: str
     switched: bool
     fence: int
 
@@ -89,22 +85,23 @@ def _label(value: str) -> str:
 
 
 def _error_of(payload: Any) -> tuple[str | None, str | None]:
-    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-        err = payload["error"]
-        kind, message = err.get("type"), err.get("message")
-        return (str(kind) if kind else None, str(message) if message else None)
-    return None, None
+    try:
+        body = ErrorBody.model_validate(payload)
+    except ValidationError:
+        return None, None
+    return body.error.type or None, body.error.message or None
 
 
 class Activator:
     """Calls controllers' activation APIs on one shared ``ClientSession``."""
 
     def __init__(self, session: aiohttp.ClientSession, token: SecretFile | None, *,
-                 timeout_s: float, attempts: int, retry_after: float,
-                 metrics: GatewayMetrics) -> None:
+                 timeout_s: float, connect_timeout_s: float, attempts: int,
+                 retry_after: float, metrics: GatewayMetrics) -> None:
         self._session = session
         self._token = token
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s,
+                                              sock_connect=connect_timeout_s)
         self._attempts = attempts
         self._retry_after = retry_after
         self._metrics = metrics
@@ -153,7 +150,7 @@ class Activator:
             result = await self._attempt_all(url, model, claim, request_id)
             outcome = "switched" if result.switched else "already_awake"
             log.info("activation answered", extra={
-                "model": model, "claim": claim, "upstream": result.endpoint,
+                "model": model, "claim": claim, "upstream": url,
                 "switched": result.switched, "fence": result.fence, "request_id": request_id})
             return result
         except ActivationFailed as exc:
@@ -175,19 +172,26 @@ class Activator:
 
     async def _attempt_all(self, url: str, model: str, claim: str,
                            request_id: str) -> Activation:
-        target = f"{url}/v1/activate"
+        target = f"{url}{PATH}"
+        try:
+            body = ActivateRequest(model=model, claim=claim).model_dump()
+        except ValidationError as exc:
+            raise ActivationFailed(f"Model '{model}' cannot be named to a lease controller.",
+                                   code="bad_activation_request",
+                                   retry_after=self._retry_after) from exc
         last: Exception | None = None
+        pauses = Backoff(first_s=_BACKOFF_S, max_s=_BACKOFF_MAX_S)
         for attempt in range(self._attempts):
             if attempt:
-                await asyncio.sleep(min(_BACKOFF_S * 2 ** (attempt - 1), _BACKOFF_MAX_S))
+                await pauses.sleep()
             try:
                 async with self._session.post(
-                        target, json={"model": model, "claim": claim},
+                        target, json=body,
                         headers=self._headers(request_id), timeout=self._timeout) as resp:
                     raw = await read_bounded(resp, _MAX_ANSWER)
                     return self._interpret(resp.status, resp.headers.get("Retry-After"), raw,
                                            model, claim, url)
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 last = exc
                 log.warning("activation call failed; retrying", extra={
                     "model": model, "claim": claim, "upstream": url, "attempt": attempt + 1,
@@ -205,13 +209,12 @@ class Activator:
             payload = None
         if status == 200:
             try:
-                answer = _Answer.model_validate(payload)
+                answer = ActivateAnswer.model_validate(payload)
             except ValidationError as exc:
                 raise ActivationFailed(
                     f"Model '{model}': the lease controller's answer is not understood.",
                     code="bad_activation_answer", retry_after=self._retry_after) from exc
-            return Activation(answer.model, answer.claim, answer.endpoint.rstrip("/"),
-                              answer.switched, answer.fence)
+            return Activation(answer.model, answer.claim, answer.switched, answer.fence)
         kind, message = _error_of(payload)
         if status in (401, 403):
             log.error("the lease controller refused the activation token",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
@@ -133,3 +133,9 @@ class Admission:
 
     def counts(self) -> dict[str, GateCounts]:
         return {model: gate.counts() for model, gate in sorted(self._gates.items())}
+
+    def prune(self, known: Collection[str]) -> None:
+        """Forget the idle gates of models that no claim serves any more."""
+        for model in [m for m, g in self._gates.items() if m not in known
+                      and g.running == 0 and g.waiting == 0 and g.in_flight == 0]:
+            del self._gates[model]

@@ -14,9 +14,18 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["ApiKeys", "SecretFile", "bearer", "reload_forever"]
+__all__ = ["PLACEHOLDERS", "ApiKeys", "PlaceholderSecret", "SecretFile", "bearer",
+           "reload_forever"]
 
 log = logging.getLogger(__name__)
+
+PLACEHOLDERS = frozenset({"change-me-before-applying", "change-me", "changeme", "replace-me"})
+"""Values published in manifests and docs: known to everyone, so never a credential."""
+
+
+class PlaceholderSecret(OSError):
+    """The file holds a published placeholder. An ``OSError``, so it stops a component at
+    start like an unreadable file, and a periodic re-read keeps the last good value."""
 
 
 class SecretFile:
@@ -34,11 +43,15 @@ class SecretFile:
         """Read the file now.
 
         Raises:
-            OSError: it cannot be read (the caller decides whether that is fatal).
+            OSError: it cannot be read, or holds a placeholder (:class:`PlaceholderSecret`);
+                the caller decides whether that is fatal.
         """
         text = await asyncio.to_thread(self.path.read_text, encoding="utf-8")
-        self._lines = tuple(line.strip() for line in text.splitlines()
-                            if line.strip() and not line.strip().startswith("#"))
+        lines = tuple(line.strip() for line in text.splitlines()
+                      if line.strip() and not line.strip().startswith("#"))
+        if PLACEHOLDERS.intersection(lines):
+            raise PlaceholderSecret(f"{self.path} holds a published placeholder, not a secret")
+        self._lines = lines
 
 
 def bearer(header: str | None) -> str | None:

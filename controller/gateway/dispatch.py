@@ -1,19 +1,25 @@
-"""One generation request's way through the gateway: place, route, wake, forward, retry.
+"""One model request's way through the gateway: place, route, wake, forward, retry.
 
 1. Take a place in the model's gate (:mod:`~controller.gateway.admission`): 429 when the
    queue is full, 503 when no place frees up in time.
-2. Ask the routing state (:mod:`~controller.gateway.routing`) what to do:
-   forward to the awake engine; wait while a switch to or away from the model runs (a
-   request for a model being drained is held, never sent and never failed); or ask the
-   node's lease controller to wake it (:mod:`~controller.gateway.activation`) and forward
-   to the endpoint it answers with. A controller that declines for now (409, e.g. minimum
-   residency) is asked again after its Retry-After while the request has time left; a
-   failed switch is a 503 with the reason.
-3. Forward (:mod:`~controller.gateway.proxy`). If the engine refused with 503 or could not
-   be reached before any byte reached the client, the request lost its GPU (a switch began
-   before this replica saw it): once the Lease shows a change it goes back to step 2, which
-   may trigger the next activation. Attempts are bounded, and so is every wait, by one
-   deadline per request.
+2. Ask the routing state (:mod:`~controller.gateway.routing`) what to do: forward to the
+   claimant that holds its GPU (the pod IP this gateway watches, under the GPU Lease's
+   current fence); wait while a switch to or away from the model runs (a request for a
+   model being drained is held, never sent and never failed); or ask the node's lease
+   controller to wake it (:mod:`~controller.gateway.activation`). The controller's answer
+   only means "done": the request then waits until this gateway's own view of the Lease
+   shows the claimant awake under the answer's fence, and is routed from that view. A
+   controller that declines for now (409, e.g. minimum residency) is asked again after
+   its Retry-After while the request has time left; a failed switch is a 503 with the
+   reason.
+3. Forward (:mod:`~controller.gateway.proxy`), while watching the Lease. If, before the
+   engine's first byte, the GPU's Lease settles with another holder (the engine was put to
+   sleep, and holds the request), or the engine refused with 503 or could not be reached,
+   the request goes back to step 2, which may trigger the next activation. Attempts are
+   bounded, and so is every wait, by one deadline per request.
+
+A streamed request that waits gets its answer started early and kept alive with SSE
+comments (:mod:`~controller.gateway.downstream`); every refusal carries Retry-After.
 """
 
 from __future__ import annotations
@@ -29,19 +35,24 @@ from aiohttp import web
 from controller.gateway import proxy
 from controller.gateway.activation import ActivationFailed, Activator
 from controller.gateway.admission import Admission
+from controller.gateway.downstream import Downstream
+from controller.gateway.engine_keys import EngineKeys
 from controller.gateway.errors import GatewayError, ModelNotFound, Unavailable
 from controller.gateway.metrics import GatewayMetrics
-from controller.gateway.routing import Action, RoutingState
+from controller.gateway.routing import Action, Decision, RoutingState
 from controller.gateway.settings import GatewaySettings
 
-__all__ = ["Dispatcher", "GenerationRequest"]
+__all__ = ["Dispatcher", "ModelRequest"]
 
 log = logging.getLogger(__name__)
 
+_WAIT_CODES = frozenset({"no_controller", "controller_lost"})
+"""Reasons to wait that name the 503 when the wait runs out (else ``switch_timeout``)."""
+
 
 @dataclass(frozen=True)
-class GenerationRequest:
-    """A validated generation request, ready to route."""
+class ModelRequest:
+    """A validated request for one model, ready to route."""
 
     path: str
     model: str
@@ -53,42 +64,62 @@ class GenerationRequest:
 
 
 class Dispatcher:
-    """Everything a generation request needs on its way, shared by all requests."""
+    """Everything a model request needs on its way, shared by all requests."""
 
     def __init__(self, settings: GatewaySettings, state: RoutingState, admission: Admission,
                  activator: Activator, session: aiohttp.ClientSession,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, engine_keys: EngineKeys) -> None:
         self.settings = settings
         self.state = state
         self.admission = admission
         self.activator = activator
         self.session = session
         self.metrics = metrics
+        self.engine_keys = engine_keys
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=settings.upstream_connect_timeout_s,
             sock_connect=settings.upstream_connect_timeout_s,
             sock_read=settings.upstream_read_timeout_s)
 
-    async def serve(self, request: web.Request, gen: GenerationRequest) -> web.StreamResponse:
+    async def serve(self, request: web.Request, gen: ModelRequest) -> web.StreamResponse:
         """Serve ``gen`` for ``request``.
 
         Raises:
-            GatewayError: the gateway answers itself (queue full, unknown model, ...).
+            GatewayError: the gateway answers itself (queue full, unknown model, ...) and
+                the answer has not started yet.
         """
+        downstream = Downstream(request, gen.request_id, stream=gen.stream,
+                                keepalive_s=self.settings.stream_keepalive_s)
+        downstream.start_keepalive()
+        try:
+            return await self._serve(downstream, gen)
+        except GatewayError as err:
+            if not downstream.early:
+                raise
+            count_refusal(self.metrics, gen.model, err)
+            log.warning("request refused inside its started stream", extra={
+                "model": gen.model, "request_id": gen.request_id, "code": err.code})
+            return await downstream.fail(err)
+        finally:
+            await downstream.stop_keepalive()
+
+    async def _serve(self, downstream: Downstream, gen: ModelRequest) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.max_wait_s
         gate = self.admission.gate(gen.model)
+        downstream.note = f"waiting for a place to serve model '{gen.model}'"
         async with gate.place(deadline):
             attempt = 0
             while True:
                 attempt += 1
-                endpoint = await self._endpoint_for(gen, deadline)
-                version = self.state.version
+                decision = await self._route(gen, deadline, downstream)
                 if attempt == 1:
                     self.metrics.queue_wait.labels(gen.model).observe(
                         time.perf_counter() - gen.arrived)
+                version = self.state.version
+                downstream.note = f"model '{gen.model}' is generating"
                 with gate.upstream():
-                    result = await self._forward(request, gen, endpoint)
+                    result = await self._forward(downstream, gen, decision)
                 if isinstance(result, proxy.Delivered):
                     outcome = "ok" if result.status < 400 else f"upstream_{result.status}"
                     if result.client_gone:
@@ -97,22 +128,24 @@ class Dispatcher:
                         outcome = "upstream_broken"
                     self.metrics.requests.labels(gen.model, outcome).inc()
                     return result.response
-                self.metrics.engine_refusals.labels(
-                    gen.model, "unreachable" if result.status is None else "http_503").inc()
+                self.metrics.engine_refusals.labels(gen.model, result.reason).inc()
                 extra = {"model": gen.model, "request_id": gen.request_id,
-                         "upstream": endpoint, "attempt": attempt, "detail": result.detail}
+                         "upstream": decision.endpoint, "claim": decision.claim,
+                         "attempt": attempt, "detail": result.detail}
                 remaining = deadline - loop.time()
+                moved_on = result.reason == "lost_gpu"
                 if attempt >= self.settings.upstream_attempts or remaining <= 0 or not (
-                        await self.state.wait_changed(
+                        moved_on or await self.state.wait_changed(
                             version, min(self.settings.lost_gpu_grace_s, remaining))):
                     log.warning("engine did not serve; passing its refusal on", extra=extra)
                     return self._refusal(gen, result)
                 log.info("engine no longer serves this model; routing again", extra=extra)
                 self.metrics.upstream_retries.labels(gen.model).inc()
 
-    async def _forward(self, request: web.Request, gen: GenerationRequest,
-                       endpoint: str) -> proxy.Delivered | proxy.Refused:
+    async def _forward(self, downstream: Downstream, gen: ModelRequest,
+                       decision: Decision) -> proxy.Delivered | proxy.Refused:
         model = gen.model
+        assert decision.endpoint is not None
 
         def first_byte() -> None:
             self.metrics.first_byte.labels(model).observe(time.perf_counter() - gen.arrived)
@@ -122,49 +155,76 @@ class Dispatcher:
                 self.metrics.first_token.labels(model).observe(
                     time.perf_counter() - gen.arrived)
 
+        engine_key = await self.engine_keys.key_for(decision.namespace, decision.key_secret)
+        if not self.state.still_holds(decision):
+            return proxy.Refused("lost_gpu", "the GPU changed hands before sending")
         return await proxy.forward(
-            request, self.session, f"{endpoint}{gen.path}", body=gen.body,
-            request_id=gen.request_id, client_timeout=self._timeout, on_first_byte=first_byte,
+            downstream, self.session, f"{decision.endpoint}{gen.path}", body=gen.body,
+            request_id=gen.request_id, client_timeout=self._timeout, engine_key=engine_key,
+            lost=lambda: self.state.wait_lost(decision), on_first_byte=first_byte,
             on_first_token=first_token,
-            log_extra={"model": model, "request_id": gen.request_id, "upstream": endpoint})
+            log_extra={"model": model, "request_id": gen.request_id,
+                       "upstream": decision.endpoint, "claim": decision.claim or ""})
 
-    def _refusal(self, gen: GenerationRequest, refused: proxy.Refused) -> web.StreamResponse:
+    def _refusal(self, gen: ModelRequest, refused: proxy.Refused) -> web.StreamResponse:
         if refused.status is None:
             raise Unavailable(f"The engine serving model '{gen.model}' cannot be reached.",
                               code="upstream_unreachable",
                               retry_after=self.settings.retry_after_s)
         self.metrics.requests.labels(gen.model, f"upstream_{refused.status}").inc()
-        return web.Response(status=refused.status, body=refused.body, headers=refused.headers)
+        headers = refused.headers
+        headers.setdefault("Retry-After", str(self.settings.retry_after_s))
+        return web.Response(status=refused.status, body=refused.body, headers=headers)
 
-    async def _endpoint_for(self, gen: GenerationRequest, deadline: float) -> str:
-        """Where to send ``gen`` now, waiting for a switch or waking the model first."""
+    async def _wait(self, model: str, until: float, deadline: float, what: str, *,
+                    code: str = "switch_timeout") -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now >= deadline:
+            raise Unavailable(f"Waited too long for model '{model}': {what}.",
+                              code=code, retry_after=self.settings.retry_after_s)
+        await self.state.wait_changed(self.state.version, min(until, deadline) - now)
+
+    async def _route(self, gen: ModelRequest, deadline: float,
+                     downstream: Downstream) -> Decision:
+        """A FORWARD decision for ``gen``, waiting for a switch or waking the model first."""
         loop = asyncio.get_running_loop()
         model = gen.model
         declined_until = 0.0
+        activated: tuple[str, int, int] | None = None
+        """(claim, fence, state version) of the last activation this request saw done."""
         while True:
             decision = self.state.decide(model)
             if decision.action is Action.FORWARD and decision.endpoint:
-                return decision.endpoint
+                return decision
             if decision.action is Action.UNKNOWN:
                 raise ModelNotFound(model)
             if decision.action is Action.UNAVAILABLE:
                 raise Unavailable(f"Model '{model}' cannot be served now: {decision.reason}.",
                                   code=decision.reason, retry_after=self.settings.retry_after_s)
-            now = loop.time()
-            if decision.action is Action.WAIT or now < declined_until:
+            if activated is not None:
+                claim, fence, version = activated
+                seen = self.state.fence_of(claim)
+                if seen is None or seen < fence or (self.state.version == version
+                                                    and decision.claim == claim):
+                    # Done, says the controller; this gateway has not seen it yet.
+                    await self._wait(model, deadline, deadline, "its Lease to show it awake")
+                    continue
+                activated = None
+            if decision.action is Action.WAIT or loop.time() < declined_until:
+                why = decision.reason or "declined for now"
+                downstream.note = f"model '{model}' is being switched in ({why})"
                 until = deadline if decision.action is Action.WAIT else declined_until
-                if now >= deadline:
-                    raise Unavailable(f"Waited too long for model '{model}' to be switched in.",
-                                      code="switch_timeout",
-                                      retry_after=self.settings.retry_after_s)
-                await self.state.wait_changed(self.state.version, min(until, deadline) - now)
+                code = decision.reason if decision.reason in _WAIT_CODES else "switch_timeout"
+                await self._wait(model, until, deadline, why, code=code)
                 continue
             if not (decision.activation_url and decision.claim):
                 raise Unavailable(f"Model '{model}' has no engine to wake.",
                                   code="no_serving_engine",
                                   retry_after=self.settings.retry_after_s)
+            downstream.note = f"model '{model}' is being woken"
             try:
-                activation = await self.activator.activate(
+                done = await self.activator.activate(
                     decision.activation_url, model, decision.claim, deadline=deadline,
                     request_id=gen.request_id)
             except ActivationFailed as exc:
@@ -176,7 +236,7 @@ class Dispatcher:
                                 "reason": exc.code, "retry_after_s": wait})
                 declined_until = loop.time() + wait
                 continue
-            return activation.endpoint
+            activated = (done.claim, done.fence, self.state.version)
 
 
 def count_refusal(metrics: GatewayMetrics, model: str, err: GatewayError) -> None:

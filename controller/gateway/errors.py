@@ -16,6 +16,7 @@ from aiohttp import web
 __all__ = [
     "BadRequest",
     "GatewayError",
+    "GatewayTimeout",
     "ModelNotFound",
     "NotFound",
     "Overloaded",
@@ -99,3 +100,11 @@ def error_response(err: GatewayError, *, request_id: str | None = None) -> web.R
     return web.json_response(error_body(err.message, type_=err.type, code=err.code,
                                         param=err.param),
                              status=err.status, headers=headers)
+
+
+class GatewayTimeout(GatewayError):
+    """504: the engine took the request but did not answer in time; it is not sent again
+    (the engine may still be working on it)."""
+
+    status = 504
+    type = "timeout_error"

@@ -19,7 +19,7 @@ What is watched:
 
 Each watch lists first (replacing what the state held), then watches from the list's
 resourceVersion; it lists again after ``resync_s``, after a 410 Gone, and after any error,
-with bounded exponential backoff. The state is marked synced once claims, Leases and the
+with bounded, jittered exponential backoff. The state is marked synced once claims, Leases and the
 pods of every namespace known at that time have been listed.
 """
 
@@ -40,6 +40,7 @@ from controller import naming
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routing import ObjectKind, RoutingState
 from controller.gateway.settings import GatewaySettings
+from driver.aio import Backoff, wait_any
 from driver.kube import load_api_client
 
 __all__ = ["KubeSource"]
@@ -126,30 +127,28 @@ class _Watch:
                 w.stop()
 
     def _run(self) -> None:
-        backoff = _BACKOFF_S
+        pauses = Backoff(first_s=_BACKOFF_S, max_s=_BACKOFF_MAX_S)
         while not self.stop.is_set():
             try:
                 items, version = self._list()
                 self._deliver(functools.partial(self._replace, items))
-                backoff = _BACKOFF_S
+                pauses.reset()
                 self._watch(version, time.monotonic())
             except client.ApiException as exc:
                 if exc.status == _GONE:
                     continue  # our resourceVersion is too old: list again at once
-                self._failed(exc, backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                self._failed(exc, pauses)
             except Exception as exc:
-                self._failed(exc, backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                self._failed(exc, pauses)
 
-    def _failed(self, exc: Exception, backoff: float) -> None:
+    def _failed(self, exc: Exception, pauses: Backoff) -> None:
         if self.stop.is_set():
             return
         self._on_restart(self.resource)
         log.warning("watch failed; listing again after a pause", extra={
             "resource": self.resource, "namespace": self.namespace,
-            "error": repr(exc)[:300], "backoff_s": backoff})
-        self.stop.wait(backoff)
+            "error": repr(exc)[:300]})
+        pauses.wait(self.stop)
 
 
 class KubeSource:
@@ -203,8 +202,9 @@ class KubeSource:
             log.info("routing state synced", extra={"models": len(state.models()),
                                                     "namespaces": sorted(self._pods)})
             while True:
-                await namespaces_changed.wait()
+                await wait_any(namespaces_changed, state.binding_changed)
                 namespaces_changed.clear()
+                state.binding_changed.clear()
                 self._reconcile_pods(state, lambda ns: make("pods", "pod", ns,
                                                             core.list_namespaced_pod, ns))
         finally:

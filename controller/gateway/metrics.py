@@ -2,15 +2,17 @@
 
 One :class:`GatewayMetrics` per application, on its own registry, so several gateways in
 one process (tests) never share counters. Model labels only ever carry models rota knows:
-a client's made-up model name is counted as ``(unknown)``, which keeps the label set
-bounded. Queue and in-flight gauges are read from admission at scrape time.
+a client's made-up model name is counted as ``(unknown)``, and the series of a model whose
+last claim is gone are dropped at the next scrape (:meth:`GatewayMetrics.prune`), which
+keeps the label set bounded. Queue and in-flight gauges are read from admission at scrape
+time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -87,7 +89,21 @@ class GatewayMetrics:
         self.watch_restarts = Counter(
             "rota_gateway_watch_restarts_total", "Kubernetes watches re-opened after an "
             "error, by resource.", ["resource"], registry=self.registry)
+        self.ignored_claimants = Gauge(
+            "rota_gateway_ignored_claimants", "Claimants never routed to because the model "
+            "binding does not bind their namespace to their model.", registry=self.registry)
+        self._by_model = (self.requests, self.queue_wait, self.first_byte, self.first_token,
+                          self.activations, self.activation_seconds, self.engine_refusals,
+                          self.upstream_retries)
         self.registry.register(_GateCollector(gate_counts))
+
+    def prune(self, known: Collection[str]) -> None:
+        """Drop the series of models that no claim serves any more."""
+        for metric in self._by_model:
+            seen = {labels["model"] for family in metric.collect() for sample in family.samples
+                    if (labels := sample.labels).get("model") is not None}
+            for model in seen - set(known) - {UNKNOWN_MODEL}:
+                metric.remove_by_labels({"model": model})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

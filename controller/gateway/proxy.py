@@ -2,27 +2,45 @@
 
 The engine's status, body and (end-to-end) headers reach the client as they come: each
 chunk read from the engine is written to the client at once, so a stream is never held back
-and an error the engine sends inside a 200 stream passes through as it is. Non-2xx answers
-pass through with their bodies, except one case: a 503 before anything reached the client
-is handed back as :class:`Refused` (the engine is asleep or going to sleep: the request
-lost its GPU and may be routed again), as is an engine that cannot be reached at all.
+and an error the engine sends inside a 200 stream passes through as it is. The answer to
+the client starts only with the engine's first body bytes
+(:class:`~controller.gateway.downstream.Downstream`).
 
-If the client leaves, the engine request is closed with it (the connection to the engine
-is dropped, which is how vLLM learns to abort a generation); if the engine breaks mid-
+Until then the request may still be routed again, and :class:`Refused` says why:
+
+- the engine could not be reached, or dropped the connection before answering
+  (``unreachable``);
+- it answered 503 (``http_503``: an engine that refuses while asleep);
+- ``lost`` returned first (``lost_gpu``): the GPU's Lease settled with another holder, so
+  the engine was put to sleep, and an engine that is asleep **holds** requests (vLLM sends
+  200 headers and then nothing until woken). The engine connection is dropped, which is how
+  vLLM learns to abort a request.
+
+An engine that took the request and then stays silent longer than the read timeout is not
+asked again (it may still be generating): that is
+:class:`~controller.gateway.errors.GatewayTimeout`.
+
+If the client leaves, the engine request is closed with it; if the engine breaks mid-
 answer, the client's connection is closed too, so it sees a truncated answer, never a
 seemingly complete one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Literal
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from controller.gateway.downstream import Downstream
+from controller.gateway.errors import GatewayTimeout
 
 __all__ = ["Delivered", "Refused", "TokenSpotter", "forward", "read_bounded"]
 
@@ -38,6 +56,8 @@ _HOP_BY_HOP = frozenset({
 _PASSED_REQUEST_HEADERS = ("Accept", "traceparent", "tracestate", "OpenAI-Organization",
                            "OpenAI-Project")
 
+RefusalReason = Literal["unreachable", "http_503", "lost_gpu"]
+
 
 @dataclass
 class Delivered:
@@ -52,10 +72,11 @@ class Delivered:
 
 @dataclass
 class Refused:
-    """Nothing reached the client: the engine is unreachable (status None) or said 503."""
+    """Nothing of the engine's answer reached the client; the request may go elsewhere."""
 
-    status: int | None
+    reason: RefusalReason
     detail: str
+    status: int | None = None
     body: bytes = b""
     headers: CIMultiDict[str] = field(default_factory=CIMultiDict)
 
@@ -91,6 +112,8 @@ def _has_text(event: bytes) -> bool:
                 return True
             if choice.get("text"):
                 return True
+        if isinstance(obj, dict) and obj.get("type") == "response.output_text.delta":
+            return True  # the Responses API's stream
     return False
 
 
@@ -119,12 +142,15 @@ class TokenSpotter:
         return False
 
 
-def _request_headers(request: web.Request, request_id: str) -> dict[str, str]:
+def _request_headers(request: web.Request, request_id: str, engine_key: str | None
+                     ) -> dict[str, str]:
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
                "X-Request-Id": request_id}
     for name in _PASSED_REQUEST_HEADERS:
         if name in request.headers:
             headers[name] = request.headers[name]
+    if engine_key:
+        headers["Authorization"] = f"Bearer {engine_key}"
     return headers
 
 
@@ -137,34 +163,106 @@ def _response_headers(upstream: CIMultiDictProxy[str], request_id: str) -> CIMul
     return headers
 
 
-async def forward(request: web.Request, session: aiohttp.ClientSession, url: str, *,
-                  body: bytes, request_id: str, client_timeout: aiohttp.ClientTimeout,
-                  on_first_byte: Callable[[], None], on_first_token: Callable[[], None],
-                  log_extra: dict[str, str]) -> Delivered | Refused:
-    """Send ``body`` to ``url`` and pass the answer to the client of ``request``."""
-    try:
-        upstream = await session.post(url, data=body, timeout=client_timeout,
-                                      headers=_request_headers(request, request_id))
-    except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-        return Refused(None, f"engine unreachable: {exc!r:.200}")
-    finished = False
+@dataclass
+class _Opened:
+    upstream: aiohttp.ClientResponse
+    first: bytes
+    """The first body bytes (empty: the body is empty), or the 503's body."""
+
+
+async def _open(session: aiohttp.ClientSession, url: str, *, body: bytes,
+                headers: dict[str, str], limits: aiohttp.ClientTimeout) -> _Opened:
+    upstream = await session.post(url, data=body, timeout=limits, headers=headers)
     try:
         if upstream.status == 503:
             try:
                 raw = await read_bounded(upstream, _REFUSAL_BODY_LIMIT)
             except (aiohttp.ClientError, TimeoutError):
                 raw = b""
-            return Refused(503, "engine answered 503", raw,
+            return _Opened(upstream, raw)
+        return _Opened(upstream, await upstream.content.readany())
+    except BaseException:
+        upstream.close()
+        raise
+
+
+async def _first_of(opening: Awaitable[_Opened],
+                    lost: Callable[[], Awaitable[str]] | None) -> _Opened | str:
+    """The engine's first bytes, or ``lost``'s reason if that comes first."""
+    opener = asyncio.ensure_future(opening)
+    if lost is None:
+        return await opener
+    watcher = asyncio.ensure_future(lost())
+    try:
+        await asyncio.wait({opener, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (opener, watcher):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(opener, watcher, return_exceptions=True)
+    if opener.cancelled():
+        return watcher.result()
+    failure = opener.exception()
+    if failure is None:
+        return opener.result()
+    if watcher.done() and not watcher.cancelled():
+        return watcher.result()  # lost anyway: route again rather than report the failure
+    raise failure
+
+
+async def forward(downstream: Downstream, session: aiohttp.ClientSession, url: str, *,
+                  body: bytes, request_id: str, client_timeout: aiohttp.ClientTimeout,
+                  engine_key: str | None = None,
+                  lost: Callable[[], Awaitable[str]] | None = None,
+                  on_first_byte: Callable[[], None], on_first_token: Callable[[], None],
+                  log_extra: dict[str, str]) -> Delivered | Refused:
+    """Send ``body`` to ``url`` and pass the answer to ``downstream``'s client.
+
+    Raises:
+        GatewayTimeout: the engine took the request and did not answer in time.
+    """
+    request = downstream.request
+    try:
+        opened = await _first_of(_open(session, url, body=body, limits=client_timeout,
+                                       headers=_request_headers(request, request_id,
+                                                                engine_key)), lost)
+    except aiohttp.SocketTimeoutError:
+        raise GatewayTimeout(
+            f"The engine took the request but sent nothing for "
+            f"{client_timeout.sock_read:g} seconds; it was not sent again.",
+            code="upstream_timeout") from None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return Refused("unreachable", f"engine unreachable: {exc!r:.200}")
+    if isinstance(opened, str):
+        return Refused("lost_gpu", f"the engine lost its GPU before answering ({opened})")
+    upstream = opened.upstream
+    finished = False
+    try:
+        if upstream.status == 503:
+            return Refused("http_503", "engine answered 503", 503, opened.first,
                            _response_headers(upstream.headers, request_id))
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                      headers=_response_headers(upstream.headers, request_id))
         try:
-            await response.prepare(request)
+            response = await downstream.begin(upstream.status, upstream.reason,
+                                              _response_headers(upstream.headers, request_id))
+            if downstream.early and upstream.status >= 400:
+                rest = await read_bounded(upstream, _REFUSAL_BODY_LIMIT)
+                await downstream.engine_error(upstream.status, opened.first + rest)
+                finished = True
+                return Delivered(response, upstream.status, complete=True)
         except ConnectionError:
-            return Delivered(response, upstream.status, complete=False, client_gone=True)
+            return Delivered(downstream.response or web.StreamResponse(), upstream.status,
+                             complete=False, client_gone=True)
         spotter = TokenSpotter()
-        first = True
-        while True:
+        chunk = opened.first
+        if chunk:
+            on_first_byte()
+        while chunk:
+            if spotter.feed(chunk):
+                on_first_token()
+            try:
+                await response.write(chunk)
+            except ConnectionError:
+                return Delivered(response, upstream.status, complete=False, client_gone=True)
             try:
                 chunk = await upstream.content.readany()
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -173,17 +271,6 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, url: str
                 if request.transport is not None:
                     request.transport.close()
                 return Delivered(response, upstream.status, complete=False)
-            if not chunk:
-                break
-            if first:
-                first = False
-                on_first_byte()
-            if spotter.feed(chunk):
-                on_first_token()
-            try:
-                await response.write(chunk)
-            except ConnectionError:
-                return Delivered(response, upstream.status, complete=False, client_gone=True)
         finished = True
         try:
             await response.write_eof()
@@ -194,4 +281,5 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, url: str
         if finished:
             upstream.release()
         else:
-            upstream.close()  # drop the engine connection: it aborts the generation
+            with suppress(Exception):
+                upstream.close()  # drop the engine connection: it aborts the generation

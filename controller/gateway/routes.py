@@ -1,15 +1,19 @@
 """The gateway's HTTP surface: the OpenAI endpoints, health, readiness and metrics.
 
-Only ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` are served from the
-OpenAI API. Everything else — engines' control paths (``/sleep``, ``/wake_up``,
-``/is_sleeping``, ``/collective_rpc``, ``/reset_prefix_cache``, ``/pause``, ``/resume``,
-``/is_paused``, ``/v1/omni/*``) above all — is a 404 from the gateway itself: no path is
-ever proxied by pattern, so no control call can slip through.
+Served, each routed by its body's ``model`` with the same admission, queueing and
+switching (:data:`MODEL_PATHS`): ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``, ``/v1/responses``, ``/v1/rerank``, ``/v1/score``, ``/tokenize`` and
+``/detokenize`` (as vLLM serves them: a GPU often holds a chat model next to an embedder
+or a reranker); and ``/v1/models``. Everything else — engines' control paths (``/sleep``,
+``/wake_up``, ``/is_sleeping``, ``/collective_rpc``, ``/reset_prefix_cache``, ``/pause``,
+``/resume``, ``/is_paused``, ``/v1/omni/*``) above all — is a 404 from the gateway itself:
+no path is ever proxied by pattern, each served path goes to the same path on the engine,
+so no control call can slip through.
 
-A generation request is checked before it takes any place: API key (401), body size (413,
+A model request is checked before it takes any place: API key (401), body size (413,
 the body is read in bounded pieces and never past the limit), body arrival time (408),
-JSON shape (400) and model (404). Each refusal is an OpenAI-style error body and touches
-nothing another request uses.
+JSON shape (400, nesting too deep included) and model (404). Each refusal is an
+OpenAI-style error body and touches nothing another request uses.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from controller.gateway import keys
-from controller.gateway.dispatch import GenerationRequest, count_refusal
+from controller.gateway.dispatch import ModelRequest, count_refusal
 from controller.gateway.errors import (
     BadRequest,
     GatewayError,
@@ -41,11 +45,13 @@ from controller.gateway.errors import (
 )
 from controller.gateway.metrics import UNKNOWN_MODEL
 
-__all__ = ["GENERATION_PATHS", "error_middleware", "routes"]
+__all__ = ["MODEL_PATHS", "error_middleware", "routes"]
 
 log = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+               "/v1/rerank", "/v1/score", "/tokenize", "/detokenize")
+"""Paths routed by ``model``; each goes to the same path on the engine."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _READ_PIECE = 64 * 1024
 _STARTED = int(time.time())
@@ -98,6 +104,8 @@ def _parse(raw: bytes) -> _Envelope:
         obj: Any = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"The body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequest("The body is nested too deeply.", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise BadRequest("The body must be a JSON object.", code="invalid_json")
     if not isinstance(obj.get("model"), str) or not obj["model"]:
@@ -105,6 +113,8 @@ def _parse(raw: bytes) -> _Envelope:
                          code="missing_model", param="model")
     try:
         return _Envelope.model_validate(obj)
+    except RecursionError:
+        raise BadRequest("The body is nested too deeply.", code="invalid_json") from None
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         param = ".".join(str(p) for p in err["loc"]) or None
@@ -133,7 +143,7 @@ async def _refuse(request: web.Request, err: GatewayError, model: str,
     return response
 
 
-async def _generate(request: web.Request, path: str) -> web.StreamResponse:
+async def _model_request(request: web.Request, path: str) -> web.StreamResponse:
     arrived = time.perf_counter()
     request_id = _request_id(request)
     state = request.app[keys.STATE]
@@ -149,7 +159,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
                                   retry_after=request.app[keys.SETTINGS].retry_after_s)
             raise ModelNotFound(envelope.model)
         model = envelope.model
-        gen = GenerationRequest(path=path, model=model, stream=bool(envelope.stream),
+        gen = ModelRequest(path=path, model=model, stream=bool(envelope.stream),
                                 body=raw, request_id=request_id, arrived=arrived)
         return await request.app[keys.DISPATCHER].serve(request, gen)
     except GatewayError as err:
@@ -162,12 +172,12 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         raise
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "/v1/chat/completions")
+def _handler(path: str) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _model_request(request, path)
 
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "/v1/completions")
+    handle.__name__ = "model_request_" + path.strip("/").replace("/", "_")
+    return handle
 
 
 def _model_object(info: Any) -> dict[str, Any]:
@@ -214,7 +224,12 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[keys.METRICS].render(),
+    known = request.app[keys.STATE].models()
+    request.app[keys.ADMISSION].prune(known)
+    metrics = request.app[keys.METRICS]
+    metrics.prune(known)
+    metrics.ignored_claimants.set(request.app[keys.STATE].ignored_claimants)
+    return web.Response(body=metrics.render(),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -234,8 +249,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 def routes() -> list[web.RouteDef]:
     return [
-        web.post("/v1/chat/completions", chat_completions),
-        web.post("/v1/completions", completions),
+        *(web.post(path, _handler(path)) for path in MODEL_PATHS),
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model:.+}", get_model),
         web.get("/healthz", healthz),

@@ -2,37 +2,50 @@
 
 A plain in-memory structure, fed with Kubernetes objects by a :class:`RoutingSource` (the
 watches of :mod:`controller.gateway.kube_source`, or a test feeding it directly) and read
-by the request path:
+by the request path. What each kind of object may decide:
 
-- ResourceClaims allocated by ``gpu.rota.dev`` with an engine config, and their pods, give
-  every claimant (:func:`controller.claimants.claimants_from`): model, node, device, pod
-  endpoint.
-- GPU Leases say who is awake on each GPU and whether a switch is under way; controller
-  Leases give each node's activation URL (names and annotations: :mod:`controller.naming`).
+- ResourceClaims allocated by ``gpu.rota.dev`` and their pods give every claimant
+  (:func:`controller.claimants.claimants_from`): model, node, GPU, and the **pod IP**, the
+  only address a request is ever sent to. A claimant counts only in a namespace that the
+  admin's :class:`~controller.gateway.binding.ModelBinding` binds to its model.
+- GPU Leases (:class:`controller.leases.GpuLease`, one per physical GPU, named after
+  ``(node, Claimant.gpu)`` so the shares of one GPU meet in one Lease) say **who** holds
+  each GPU — the holder's claim ref and uid under a fencing number — and whether a switch
+  is under way. Never where to send traffic.
+- Controller Leases say which node controllers are alive (renewed within their duration)
+  and where their activation API listens. A GPU whose controller Lease expired is treated
+  as lost: its engine gets no traffic, and its unfinished switch does not hold requests
+  when another replica could be woken.
 
-The Lease is the truth: nothing here is replica-local knowledge that another gateway
+The Leases are the truth: nothing here is replica-local knowledge that another gateway
 replica could contradict. Every change bumps :attr:`RoutingState.version` and wakes the
-requests waiting in :meth:`RoutingState.wait_changed`. Only the event loop's thread may
-touch a state (sources in threads hand their events over with ``call_soon_threadsafe``).
+requests waiting in :meth:`RoutingState.wait_changed`; so does a controller Lease running
+out. Only the event loop's thread may touch a state (sources in threads hand their events
+over with ``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import itertools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from controller import naming
 from controller.claimants import DRIVER, Claimant, claimants_from
+from controller.gateway.binding import ModelBinding
+from controller.gateway.engine_keys import secret_ref
+from controller.gateway.lease_view import ControllerLease, gpu_lease_of, slim_pod
+from controller.leases import GpuLease
+from controller.urls import http_url
 
 __all__ = [
     "Action",
     "Decision",
-    "GpuLease",
     "ModelInfo",
     "ModelState",
     "ObjectKind",
@@ -46,6 +59,10 @@ log = logging.getLogger(__name__)
 Obj = Mapping[str, Any]
 ObjectKind = Literal["claim", "pod", "lease"]
 ModelState = Literal["awake", "asleep", "switching", "failed"]
+Clock = Callable[[], dt.datetime]
+
+_TERMINAL = frozenset({naming.STATE_AWAKE, naming.STATE_IDLE, naming.STATE_FAILED})
+"""Lease states in which no switch runs: the holder (if any) is the one awake engine."""
 
 
 class Action(StrEnum):
@@ -68,53 +85,18 @@ class Decision:
     action: Action
     model: str
     endpoint: str | None = None
+    """FORWARD: the claimant's pod IP and engine port, as this gateway watches them."""
     claim: str | None = None
+    claim_uid: str | None = None
+    namespace: str | None = None
+    gpu: str | None = None
+    """``<node>/<gpu>``."""
+    fence: int | None = None
+    """FORWARD: the GPU Lease's fencing number under which the claimant holds the GPU."""
+    key_secret: tuple[str, str] | None = None
+    """FORWARD: ``(name, key)`` of the Secret holding the engine's API key, if it has one."""
     activation_url: str | None = None
     reason: str = ""
-
-
-@dataclass(frozen=True)
-class GpuLease:
-    """The parts of one GPU Lease the gateway routes by."""
-
-    name: str
-    node: str
-    device: str
-    holder: str | None
-    state: str
-    holder_model: str | None
-    holder_endpoint: str | None
-    holder_claim_uid: str | None
-    target_model: str | None
-    draining_model: str | None
-    last_error: str | None
-    fence: int
-
-    @classmethod
-    def from_object(cls, obj: Obj) -> GpuLease | None:
-        """None when ``obj`` is not a GPU Lease (or lacks its node and device labels)."""
-        meta = obj.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        if labels.get(naming.LABEL_KIND) != naming.KIND_GPU:
-            return None
-        node, device = labels.get(naming.LABEL_NODE), labels.get(naming.LABEL_DEVICE)
-        if not node or not device:
-            return None
-        notes = meta.get("annotations") or {}
-        spec = obj.get("spec") or {}
-        holder = spec.get("holderIdentity") or None
-        default_state = naming.STATE_AWAKE if holder else naming.STATE_IDLE
-        return cls(
-            name=str(meta.get("name", "")), node=str(node), device=str(device),
-            holder=holder, state=str(notes.get(naming.STATE) or default_state),
-            holder_model=notes.get(naming.HOLDER_MODEL) or None,
-            holder_endpoint=notes.get(naming.HOLDER_ENDPOINT) or None,
-            holder_claim_uid=notes.get(naming.HOLDER_CLAIM_UID) or None,
-            target_model=notes.get(naming.TARGET_MODEL) or None,
-            draining_model=notes.get(naming.DRAINING_MODEL) or None,
-            last_error=notes.get(naming.LAST_ERROR) or None,
-            fence=int(spec.get("leaseTransitions") or 0),
-        )
 
 
 @dataclass(frozen=True)
@@ -124,8 +106,9 @@ class ModelInfo:
     model: str
     state: ModelState
     gpus: tuple[str, ...]
-    """``<node>/<device>`` of every GPU where a claimant serves it."""
+    """``<node>/<gpu>`` of every GPU where a claimant serves it."""
     last_error: str | None = None
+    """The reason of the last failed switch (``gpu_oom``), never its message."""
 
 
 # Which GPU to wake a sleeping model on when it has claimants on several: one nobody
@@ -151,18 +134,35 @@ def _ours(claim: Obj) -> bool:
     return any(r.get("driver") == DRIVER for r in results)
 
 
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _holds(lease: GpuLease, claimant: Claimant) -> bool:
+    """``lease`` names ``claimant`` (ref and uid: not a namesake created again) as holder."""
+    return (lease.holder == claimant.ref and bool(lease.holder_claim_uid)
+            and lease.holder_claim_uid == claimant.claim_uid)
+
+
 class RoutingState:
     """Claims, pods and Leases as last seen, and the routing decisions they imply."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, binding: ModelBinding | None = None, clock: Clock = _now) -> None:
         self._objects: dict[ObjectKind, dict[str, Obj]] = {"claim": {}, "pod": {}, "lease": {}}
+        self._binding = binding if binding is not None else ModelBinding()
+        self._clock = clock
         self._dirty = True
         self._by_model: dict[str, list[Claimant]] = {}
-        self._gpus: dict[tuple[str, str], GpuLease] = {}
-        self._activation_urls: dict[str, str] = {}
+        self._by_uid: dict[str, Claimant] = {}
+        self._gpus: dict[str, GpuLease] = {}
+        self._controllers: dict[str, ControllerLease] = {}
+        self._ignored = 0
         self._synced = False
         self._changed = asyncio.Event()
         self._turn = itertools.count()
+        self._fresh_seen: dict[str, bool] = {}
+        self.binding_changed = asyncio.Event()
+        """Set when :meth:`set_binding` changed it (sources re-check what they watch)."""
         self.version = 0
         """Bumped on every change."""
 
@@ -176,7 +176,7 @@ class RoutingState:
             if store.pop(key, None) is None:
                 return
         else:
-            store[key] = obj
+            store[key] = slim_pod(obj) if kind == "pod" else obj
         self._touch()
 
     def replace(self, kind: ObjectKind, objs: Iterable[Obj], *,
@@ -186,9 +186,22 @@ class RoutingState:
         for key in [k for k, o in store.items() if namespace is None or _namespace(o) == namespace]:
             del store[key]
         for obj in objs:
-            if kind != "claim" or _ours(obj):
+            if kind == "pod":
+                store[_key(obj)] = slim_pod(obj)
+            elif kind != "claim" or _ours(obj):
                 store[_key(obj)] = obj
         self._touch()
+
+    def set_binding(self, binding: ModelBinding) -> None:
+        """The admin's binding changed (its file was re-read)."""
+        if binding != self._binding:
+            self._binding = binding
+            self.binding_changed.set()
+            self._touch()
+
+    @property
+    def binding(self) -> ModelBinding:
+        return self._binding
 
     def mark_synced(self) -> None:
         """Every resource has been listed once: the gateway may answer for unknown models."""
@@ -201,8 +214,10 @@ class RoutingState:
         return self._synced
 
     def claim_namespaces(self) -> set[str]:
-        """Namespaces holding at least one claim allocated by rota's driver."""
-        return {_namespace(o) for o in self._objects["claim"].values()}
+        """Namespaces holding a claim of rota's driver that the binding could let serve:
+        the namespaces whose pods are worth watching."""
+        return {ns for o in self._objects["claim"].values()
+                if self._binding.may_serve_something(ns := _namespace(o))}
 
     def _touch(self) -> None:
         self._dirty = True
@@ -210,16 +225,46 @@ class RoutingState:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def _next_expiry(self) -> float | None:
+        """Seconds until the next fresh controller Lease runs out (None: none will)."""
+        now = self._clock()
+        ahead = [(c.expires - now).total_seconds() for c in self._controllers.values()
+                 if c.expires is not None and c.expires > now]
+        return min(ahead) if ahead else None
+
+    def _expired_since_refresh(self) -> bool:
+        now = self._clock()
+        return any(self._fresh_seen.get(name, False) and not c.fresh(now)
+                   for name, c in self._controllers.items())
+
     async def wait_changed(self, since: int, limit_s: float) -> bool:
-        """Wait until :attr:`version` differs from ``since``; False after ``limit_s``."""
+        """Wait until :attr:`version` differs from ``since``; False after ``limit_s``.
+
+        A controller Lease running out is a change too: it wakes the waiters.
+        """
+        self._refresh()
+        if self._expired_since_refresh():
+            self._touch()
         if self.version != since:
             return True
-        try:
-            async with asyncio.timeout(max(0.0, limit_s)):
-                await self._changed.wait()
-        except TimeoutError:
-            return self.version != since
-        return True
+        loop = asyncio.get_running_loop()
+        until = loop.time() + max(0.0, limit_s)
+        while True:
+            changed = self._changed
+            expiry = self._next_expiry()
+            left = until - loop.time()
+            step = left if expiry is None else min(left, expiry + 0.001)
+            try:
+                async with asyncio.timeout(max(0.0, step)):
+                    await changed.wait()
+                return True
+            except TimeoutError:
+                pass
+            if self._expired_since_refresh():
+                self._touch()
+                return True
+            if loop.time() >= until:
+                return self.version != since
 
     # -- reading ------------------------------------------------------------------------
 
@@ -229,24 +274,37 @@ class RoutingState:
         pods = {str((p.get("metadata") or {}).get("uid", "")): p
                 for p in self._objects["pod"].values()}
         by_model: dict[str, list[Claimant]] = {}
+        ignored = 0
         for claimant in claimants_from(self._objects["claim"].values(), pods):
-            by_model.setdefault(claimant.model, []).append(claimant)
-        gpus: dict[tuple[str, str], GpuLease] = {}
-        urls: dict[str, str] = {}
-        for obj in self._objects["lease"].values():
-            labels = (obj.get("metadata") or {}).get("labels") or {}
-            if labels.get(naming.LABEL_KIND) == naming.KIND_CONTROLLER:
-                node = labels.get(naming.LABEL_NODE)
-                url = ((obj.get("metadata") or {}).get("annotations") or {}).get(
-                    naming.ACTIVATION_URL)
-                if node and url:
-                    urls[str(node)] = str(url).rstrip("/")
+            if not self._binding.allows(claimant.model, claimant.namespace):
+                ignored += 1
                 continue
-            lease = GpuLease.from_object(obj)
+            by_model.setdefault(claimant.model, []).append(claimant)
+        gpus: dict[str, GpuLease] = {}
+        controllers: dict[str, ControllerLease] = {}
+        for obj in self._objects["lease"].values():
+            controller = ControllerLease.from_object(obj)
+            if controller is not None:
+                controllers[controller.name] = controller
+                continue
+            lease = gpu_lease_of(obj)
             if lease is not None:
-                gpus[(lease.node, lease.device)] = lease
-        self._by_model, self._gpus, self._activation_urls = by_model, gpus, urls
+                gpus[lease.name] = lease
+        if ignored != self._ignored and ignored:
+            log.warning("claimants ignored: their namespace is not bound to their model",
+                        extra={"count": ignored})
+        self._by_model, self._gpus, self._controllers = by_model, gpus, controllers
+        self._by_uid = {c.claim_uid: c for cs in by_model.values() for c in cs}
+        self._ignored = ignored
+        now = self._clock()
+        self._fresh_seen = {name: c.fresh(now) for name, c in controllers.items()}
         self._dirty = False
+
+    @property
+    def ignored_claimants(self) -> int:
+        """Claimants in namespaces the binding does not bind to their model."""
+        self._refresh()
+        return self._ignored
 
     def models(self) -> list[str]:
         self._refresh()
@@ -256,28 +314,39 @@ class RoutingState:
         self._refresh()
         return model in self._by_model
 
-    def gpu(self, node: str, device: str) -> GpuLease | None:
+    def lease_of(self, claimant: Claimant) -> GpuLease | None:
+        """The GPU Lease of the physical GPU ``claimant`` shares."""
         self._refresh()
-        return self._gpus.get((node, device))
+        return self._gpus.get(naming.gpu_lease_name(claimant.node, claimant.gpu))
 
     def claimants(self, model: str) -> list[Claimant]:
         self._refresh()
         return list(self._by_model.get(model, []))
 
-    def _awake_endpoint(self, claimant: Claimant) -> str | None:
-        lease = self._gpus.get((claimant.node, claimant.device))
-        if lease is None or lease.state != naming.STATE_AWAKE or lease.holder != claimant.ref:
-            return None
-        if lease.holder_claim_uid and lease.holder_claim_uid != claimant.claim_uid:
-            return None  # a claim of the same name, deleted and created again
-        if claimant.pod_deleting:
-            return None
-        return lease.holder_endpoint or claimant.endpoint
+    def _controller(self, claimant: Claimant) -> ControllerLease | None:
+        return self._controllers.get(naming.controller_lease_name(claimant.node))
 
-    def _switch_touching(self, model: str) -> str | None:
+    def _alive(self, claimant: Claimant, now: dt.datetime) -> bool:
+        controller = self._controller(claimant)
+        return controller is not None and controller.fresh(now)
+
+    def _awake(self, claimant: Claimant, now: dt.datetime) -> GpuLease | None:
+        """The Lease under which ``claimant`` may get traffic now, if it may."""
+        lease = self.lease_of(claimant)
+        if lease is None or lease.state != naming.STATE_AWAKE or not _holds(lease, claimant):
+            return None
+        if not claimant.serving or not self._alive(claimant, now):
+            return None
+        return lease
+
+    def _switch_touching(self, model: str, now: dt.datetime, *, alive: bool) -> str | None:
+        """``switching`` or ``draining`` when a switch to or from ``model`` runs on a GPU
+        whose controller is (``alive``) or is not alive."""
         for claimant in self._by_model.get(model, []):
-            lease = self._gpus.get((claimant.node, claimant.device))
-            if lease is None or lease.state != naming.STATE_SWITCHING:
+            lease = self.lease_of(claimant)
+            if lease is None or lease.state in _TERMINAL:
+                continue
+            if self._alive(claimant, now) != alive:
                 continue
             if lease.target_model == model:
                 return "switching"
@@ -293,47 +362,113 @@ class RoutingState:
             if not self._synced:
                 return Decision(Action.UNAVAILABLE, model, reason="not_ready")
             return Decision(Action.UNKNOWN, model)
-        awake = [(c, e) for c in claimants if (e := self._awake_endpoint(c))]
+        now = self._clock()
+        awake = [(c, lease) for c in claimants if (lease := self._awake(c, now))]
         if awake:
-            claimant, endpoint = awake[next(self._turn) % len(awake)]
-            return Decision(Action.FORWARD, model, endpoint=endpoint, claim=claimant.ref)
-        waiting = self._switch_touching(model)
+            claimant, lease = awake[next(self._turn) % len(awake)]
+            return self._forward(claimant, lease)
+        waiting = self._switch_touching(model, now, alive=True)
         if waiting:
             return Decision(Action.WAIT, model, reason=waiting)
         options: list[tuple[int, str, Claimant, str]] = []
         for claimant in claimants:
-            url = self._activation_urls.get(claimant.node)
-            if not claimant.serving or url is None:
+            controller = self._controller(claimant)
+            if not claimant.serving or controller is None or controller.url is None:
                 continue
-            lease = self._gpus.get((claimant.node, claimant.device))
+            if not controller.fresh(now):
+                continue
+            lease = self.lease_of(claimant)
             rank = _NO_LEASE_RANK if lease is None else _ACTIVATION_RANK.get(lease.state, 5)
-            options.append((rank, claimant.ref, claimant, url))
-        if not options:
-            serving = any(c.serving for c in claimants)
-            return Decision(Action.UNAVAILABLE, model,
-                            reason="no_controller" if serving else "no_serving_engine")
-        _, ref, _, url = min(options, key=lambda o: (o[0], o[1]))
-        return Decision(Action.ACTIVATE, model, claim=ref, activation_url=url)
+            options.append((rank, claimant.ref, claimant, controller.url))
+        if options:
+            _, ref, _, url = min(options, key=lambda o: (o[0], o[1]))
+            return Decision(Action.ACTIVATE, model, claim=ref, activation_url=url)
+        lost = self._switch_touching(model, now, alive=False)
+        if lost:
+            # Its node's controller stopped renewing mid-switch and nothing else can be
+            # woken: a restarted controller may still finish it.
+            return Decision(Action.WAIT, model, reason="controller_lost")
+        if any(c.serving for c in claimants):
+            # Serving engines, but no live controller to wake one (one is starting, or
+            # being replaced by a rollout): wait for it, bounded.
+            return Decision(Action.WAIT, model, reason="no_controller")
+        return Decision(Action.UNAVAILABLE, model, reason="no_serving_engine")
+
+    @staticmethod
+    def _forward(claimant: Claimant, lease: GpuLease) -> Decision:
+        assert claimant.pod_ip is not None  # serving
+        return Decision(Action.FORWARD, claimant.model,
+                        endpoint=http_url(claimant.pod_ip, claimant.port), claim=claimant.ref,
+                        claim_uid=claimant.claim_uid, namespace=claimant.namespace,
+                        gpu=f"{claimant.node}/{claimant.gpu}", fence=lease.fence,
+                        key_secret=secret_ref(claimant.config))
+
+    def still_holds(self, decision: Decision) -> bool:
+        """Does the claimant of a FORWARD ``decision`` still hold its GPU under the same
+        fence, as far as this gateway sees now? (Checked at forward time.)"""
+        self._refresh()
+        claimant = self._by_uid.get(decision.claim_uid or "")
+        if claimant is None:
+            return False
+        lease = self._awake(claimant, self._clock())
+        return lease is not None and lease.fence == decision.fence
+
+    def fence_of(self, claim: str) -> int | None:
+        """The fencing number of the GPU Lease of the claimant ``<namespace>/<name>``."""
+        self._refresh()
+        for claimants in self._by_model.values():
+            for claimant in claimants:
+                if claimant.ref == claim:
+                    lease = self.lease_of(claimant)
+                    return None if lease is None else lease.fence
+        return None
+
+    def lost(self, decision: Decision) -> str | None:
+        """Why a request forwarded under ``decision`` can no longer be served by its engine
+        (None while it may): the GPU's Lease moved past the fence it was sent under and
+        settled with another holder, or none, so the engine has been put to sleep (an
+        engine that is asleep holds requests until it is woken; it does not refuse them)."""
+        self._refresh()
+        claimant = self._by_uid.get(decision.claim_uid or "")
+        if claimant is None:
+            return "claim_gone"
+        lease = self.lease_of(claimant)
+        if lease is None or decision.fence is None or lease.fence <= decision.fence:
+            return None
+        if lease.state in _TERMINAL and not (lease.state != naming.STATE_IDLE
+                                             and _holds(lease, claimant)):
+            return "put_to_sleep"
+        return None
+
+    async def wait_lost(self, decision: Decision) -> str:
+        """Return (with :meth:`lost`'s reason) once ``decision``'s engine is lost."""
+        while True:
+            reason = self.lost(decision)
+            if reason is not None:
+                return reason
+            await self.wait_changed(self.version, 3600.0)
 
     def model_infos(self) -> list[ModelInfo]:
         """Every known model with its state, for ``/v1/models``."""
         self._refresh()
+        now = self._clock()
         infos = []
         for model in sorted(self._by_model):
             claimants = self._by_model[model]
-            gpus = tuple(sorted({f"{c.node}/{c.device}" for c in claimants}))
+            gpus = tuple(sorted({f"{c.node}/{c.gpu}" for c in claimants}))
             state: ModelState = "asleep"
             last_error = None
-            if any(self._awake_endpoint(c) for c in claimants):
+            if any(self._awake(c, now) for c in claimants):
                 state = "awake"
-            elif self._switch_touching(model):
+            elif self._switch_touching(model, now, alive=True):
                 state = "switching"
             else:
                 for c in claimants:
-                    lease = self._gpus.get((c.node, c.device))
+                    lease = self.lease_of(c)
                     if lease is not None and lease.state == naming.STATE_FAILED and (
                             lease.target_model == model or lease.holder == c.ref):
-                        state, last_error = "failed", lease.last_error
+                        state = "failed"
+                        last_error = lease.last_error.partition(":")[0].strip() or None
                         break
             infos.append(ModelInfo(model, state, gpus, last_error))
         return infos

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from driver.errors import ConfigError
 from driver.settings import build_parser as settings_parser
@@ -51,6 +51,16 @@ class GatewaySettings(BaseModel):
     api_keys_file: Path | None = Field(
         default=None, description="File of client API keys, one per line (a mounted Secret). "
                                   "When set, /v1/* needs 'Authorization: Bearer <key>'.")
+    serving_namespaces: tuple[str, ...] = Field(
+        default=(), description="Comma-separated namespaces (shell patterns allowed, '*' for "
+                                "all) whose claimants may serve any model name that the "
+                                "model binding file does not bind. Claimants elsewhere are "
+                                "never routed to.")
+    model_binding_file: Path | None = Field(
+        default=None, description="YAML file (a mounted ConfigMap) binding model names to "
+                                  "the only namespaces that may serve them: 'models: "
+                                  "{<model>: [<namespace>, ...]}' and 'namespaces: [...]' "
+                                  "(as --serving-namespaces); re-read periodically.")
     secret_reload_s: float = Field(default=30.0, gt=0, description="How often the token and "
                                    "key files are re-read (Secret rotation).")
     max_body_bytes: int = Field(default=1 * MIB, ge=1024, description="Largest request body "
@@ -68,6 +78,8 @@ class GatewaySettings(BaseModel):
     activation_timeout_s: float = Field(default=180.0, gt=0, description="Timeout of one call "
                                         "to a controller's activation API (it answers when the "
                                         "switch is done).")
+    activation_connect_timeout_s: float = Field(default=5.0, gt=0, description="Timeout to "
+                                                "connect to a controller's activation API.")
     activation_attempts: int = Field(default=3, ge=1, le=10, description="Attempts of an "
                                      "activation call that could not reach the controller.")
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0, description="Timeout to "
@@ -80,6 +92,21 @@ class GatewaySettings(BaseModel):
     lost_gpu_grace_s: float = Field(default=2.0, ge=0, description="After an engine refused a "
                                     "request as asleep, how long to wait for the Lease to show "
                                     "the switch before passing the refusal on.")
+    stream_keepalive_s: float = Field(default=10.0, ge=0, description="A streamed request "
+                                      "still waiting (queue, switch) after this many seconds "
+                                      "gets its 200 SSE answer started and an SSE comment "
+                                      "this often until the engine answers; 0 turns it off.")
+    engine_key_ttl_s: float = Field(default=60.0, gt=0, description="How long an engine API "
+                                    "key read from its Secret is used before it is read "
+                                    "again.")
+    shutdown_delay_s: float = Field(default=5.0, ge=0, description="On SIGTERM: readiness "
+                                    "fails at once, but new requests are still served this "
+                                    "long, while load balancers and Service endpoints catch "
+                                    "up.")
+    shutdown_grace_s: float = Field(default=600.0, ge=0, description="On SIGTERM, after the "
+                                    "delay: how long requests in flight (the longest stream) "
+                                    "may take to finish before they are cut. Keep "
+                                    "terminationGracePeriodSeconds above delay + grace.")
     api_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of each Kubernetes "
                                  "API call.")
     watch_timeout_s: int = Field(default=60, ge=1, description="Server-side timeout of one "
@@ -88,6 +115,14 @@ class GatewaySettings(BaseModel):
                             "Leases at least this often.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="debug | info | warning | error")
+
+
+    @field_validator("serving_namespaces", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
 
 
 def env_name(field: str) -> str:

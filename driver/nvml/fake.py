@@ -6,18 +6,28 @@ a registry directory that other programs write, so the engine simulator can "hol
 memory the way a real engine does and every layer above sees it through the same calls:
 
 - one file per process, ``<dir>/<pid>.json``, holding
-  ``{"pid": <int>, "gpu_uuid": "GPU-...", "used_bytes": <int>}``;
+  ``{"pid": <int>, "gpu_uuid": "GPU-...", "used_bytes": <int>}``; a process in a pid
+  namespace other than the machine's (an engine in a container) also writes its
+  namespace's inode, ``"pid_namespace": <int>``, and names the file
+  ``<namespace>-<pid>.json`` (two containers may both run pid 1);
 - written atomically (a dot-named temp file in the same directory, then a rename): use
   :func:`register_process` / :func:`unregister_process`;
 - files of processes that are gone (or zombies) are ignored, as NVML forgets a process
   when it exits; unreadable files are logged once and ignored.
+
+Like NVML, the fake reports processes by their pid in the machine's pid namespace: a
+namespaced record is mapped to that pid through ``/proc/<pid>/status`` (``NSpid``) and
+``/proc/<pid>/ns/pid``, which a driver running with the host's pid namespace can read.
 
 Used memory on a GPU is the fixture's baseline (what the driver holds with no process)
 plus every live registered process on that GPU; free is total minus used, never below
 zero. The directory is read on every call: callers poll, as they would poll NVML.
 
 Tests and e2e runs can inject NVML errors (:meth:`FakeNvml.fail`, or ``failures`` in the
-fixture) and health events (:meth:`FakeNvml.inject_health_event`).
+fixture) and health events: in the process (:meth:`FakeNvml.inject_health_event`), or from
+another one through ``<dir>/events/`` (:func:`write_health_event`; the driver in a
+container reads the registry directory from the node), each delivered once, in the order
+written.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -35,12 +46,14 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from driver.errors import ConfigError, NvmlError
-from driver.nvml.api import HealthEvent, MemoryInfo, ProcessInfo
+from driver.nvml.api import HealthEvent, HealthEventKind, MemoryInfo, ProcessInfo
 
 log = logging.getLogger(__name__)
 
 PROC_DIR_ENV = "ROTA_FAKE_NVML_PROC_DIR"
 """The environment variable that names the process registry directory."""
+INITIAL_PID_NAMESPACE = 0xEFFFFFFC
+"""The inode of the machine's own pid namespace (``PROC_PID_INIT_INO`` in Linux)."""
 
 CALLS = frozenset(
     {
@@ -121,6 +134,24 @@ class _ProcessRecord(BaseModel):
     pid: int = Field(gt=0)
     gpu_uuid: str = Field(min_length=1)
     used_bytes: NonNegative
+    pid_namespace: int | None = Field(default=None, gt=0)
+
+    @property
+    def file_stem(self) -> str:
+        return _file_stem(self.pid, self.pid_namespace)
+
+
+def _file_stem(pid: int, namespace: int | None) -> str:
+    return str(pid) if namespace is None else f"{namespace}-{pid}"
+
+
+def own_pid_namespace() -> int | None:
+    """This process's pid namespace inode; None for the machine's own (or no procfs)."""
+    try:
+        inode = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return None if inode == INITIAL_PID_NAMESPACE else inode
 
 
 def load_fixture(path: str | os.PathLike[str]) -> NvmlFixture:
@@ -138,15 +169,17 @@ def load_fixture(path: str | os.PathLike[str]) -> NvmlFixture:
 def register_process(
     directory: str | os.PathLike[str], pid: int, gpu_uuid: str, used_bytes: int
 ) -> Path:
-    """Record (or update) that ``pid`` holds ``used_bytes`` on ``gpu_uuid``; atomic."""
-    record = _ProcessRecord(pid=pid, gpu_uuid=gpu_uuid, used_bytes=used_bytes)
+    """Record (or update) that ``pid`` (of this process's pid namespace) holds
+    ``used_bytes`` on ``gpu_uuid``; atomic."""
+    record = _ProcessRecord(pid=pid, gpu_uuid=gpu_uuid, used_bytes=used_bytes,
+                            pid_namespace=own_pid_namespace())
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"{pid}.json"
+    target = folder / f"{record.file_stem}.json"
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{pid}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(record.model_dump_json())
+            out.write(record.model_dump_json(exclude_none=True))
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, target)
@@ -156,9 +189,87 @@ def register_process(
     return target
 
 
+class _EventRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_uuid: str = Field(min_length=1)
+    kind: HealthEventKind
+    xid: int | None = None
+    message: str = ""
+
+
+EVENTS_DIR = "events"
+
+
+def write_health_event(directory: str | os.PathLike[str], event: HealthEvent) -> Path:
+    """Queue ``event`` for the fake NVML reading the registry ``directory``; atomic."""
+    folder = Path(directory) / EVENTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    record = _EventRecord(gpu_uuid=event.gpu_uuid, kind=event.kind, xid=event.xid,
+                          message=event.message)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".event.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(record.model_dump_json())
+        target = folder / f"{time.time_ns():020d}-{os.getpid()}.json"
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
 def unregister_process(directory: str | os.PathLike[str], pid: int) -> None:
-    """Forget ``pid``; a missing entry is fine."""
-    (Path(directory) / f"{pid}.json").unlink(missing_ok=True)
+    """Forget ``pid`` (of this process's pid namespace); a missing entry is fine."""
+    (Path(directory) / f"{_file_stem(pid, own_pid_namespace())}.json").unlink(missing_ok=True)
+
+
+def _nspids(pid: int | str) -> list[int]:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            return [int(v) for v in line.split()[1:]]
+    return []
+
+
+def _in_namespace(host_pid: int | str, namespace: int, pid: int) -> bool:
+    ids = _nspids(host_pid)
+    if len(ids) < 2 or ids[-1] != pid:
+        return False
+    try:
+        return os.stat(f"/proc/{host_pid}/ns/pid").st_ino == namespace
+    except OSError:
+        return False
+
+
+class _HostPids:
+    """Maps (pid namespace, pid) to the pid in this process's namespace, cached; a cached
+    answer is checked again on every use (pids are reused)."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, int], int] = {}
+        self._own = own_pid_namespace()
+
+    def resolve(self, namespace: int | None, pid: int) -> int | None:
+        if namespace is None or namespace == self._own:
+            return pid
+        key = (namespace, pid)
+        known = self._known.get(key)
+        if known is not None and _in_namespace(known, namespace, pid):
+            return known
+        self._known.pop(key, None)
+        try:
+            entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+        except OSError:
+            return None
+        for name in entries:
+            if _in_namespace(name, namespace, pid):
+                self._known[key] = int(name)
+                return int(name)
+        return None
 
 
 def pid_alive(pid: int) -> bool:
@@ -198,6 +309,7 @@ class FakeNvml:
         self._events: queue.Queue[HealthEvent] = queue.Queue()
         self._initialised = False
         self._warned: set[tuple[str, int, int]] = set()
+        self._host_pids = _HostPids()
 
     @classmethod
     def from_path(
@@ -310,12 +422,47 @@ class FakeNvml:
 
     def wait_health_event(self, timeout_ms: int) -> HealthEvent | None:
         self._check("wait_health_event")
-        try:
-            if timeout_ms <= 0:
-                return self._events.get_nowait()
-            return self._events.get(timeout=timeout_ms / 1000)
-        except queue.Empty:
+        deadline = time.monotonic() + max(0, timeout_ms) / 1000
+        while True:
+            written = self._written_event()
+            if written is not None:
+                return written
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    return self._events.get_nowait()
+                return self._events.get(timeout=min(remaining, 0.1))
+            except queue.Empty:
+                if remaining <= 0:
+                    return None
+
+    def _written_event(self) -> HealthEvent | None:
+        """The oldest event another process wrote, taken (removed) first."""
+        if self._proc_dir is None:
             return None
+        folder = self._proc_dir / EVENTS_DIR
+        try:
+            names = sorted(p.name for p in folder.iterdir()
+                           if p.suffix == ".json" and not p.name.startswith("."))
+        except FileNotFoundError:
+            return None
+        for name in names:
+            taken = folder / f".{name}.taken"
+            try:
+                os.replace(folder / name, taken)
+                raw = taken.read_bytes()
+            except FileNotFoundError:
+                continue
+            finally:
+                taken.unlink(missing_ok=True)
+            try:
+                record = _EventRecord.model_validate_json(raw)
+            except ValueError as err:
+                log.warning("ignoring an unreadable health event file",
+                            extra={"path": str(folder / name), "problem": str(err)[:300]})
+                continue
+            return HealthEvent(record.gpu_uuid, record.kind, record.xid, record.message)
+        return None
 
     # the registry
 
@@ -334,8 +481,11 @@ class FakeNvml:
         seen: set[tuple[str, int, int]] = set()
         for path in entries:
             record = self._read(path, seen)
-            if record is not None and pid_alive(record.pid):
-                records.append(record)
+            if record is None:
+                continue
+            pid = self._host_pids.resolve(record.pid_namespace, record.pid)
+            if pid is not None and pid_alive(pid):
+                records.append(record.model_copy(update={"pid": pid, "pid_namespace": None}))
         with self._lock:
             self._warned &= seen
         return sorted(records, key=lambda r: r.pid)
@@ -356,9 +506,9 @@ class FakeNvml:
             except ValueError as err:  # bad UTF-8, bad JSON, or a ValidationError
                 problem = str(err)
             else:
-                if path.stem == str(record.pid):
+                if path.stem == record.file_stem:
                     return record
-                problem = f"file name does not match pid {record.pid}"
+                problem = f"file name does not match pid {record.file_stem}"
         seen.add(key)
         with self._lock:
             first = key not in self._warned

@@ -10,9 +10,10 @@ twice) gets a per-claim error naming the problem. v1beta1 differs from v1 only i
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import grpc
 
@@ -27,11 +28,21 @@ V1_SERVICE = v1.DESCRIPTOR.services_by_name["DRAPlugin"]
 V1BETA1_SERVICE = v1beta1.DESCRIPTOR.services_by_name["DRAPlugin"]
 
 
+_Context = grpc.aio.ServicerContext[Any, Any]
+
+
 class Preparer(Protocol):
-    async def prepare(self, claims: Sequence[ClaimRef]
+    async def prepare(self, claims: Sequence[ClaimRef], *, deadline: float | None = None
                       ) -> Mapping[str, Sequence[DeviceAnswer] | Exception]: ...
 
-    async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, Exception | None]: ...
+    async def unprepare(self, claims: Sequence[ClaimRef], *, deadline: float | None = None
+                        ) -> Mapping[str, Exception | None]: ...
+
+
+def _deadline(context: _Context) -> float | None:
+    """The caller's deadline on the monotonic clock (the kubelet sends 45 s), if any."""
+    remaining = cast(float | None, context.time_remaining())  # None without a deadline
+    return None if remaining is None else time.monotonic() + remaining
 
 
 def _refs(claims: Sequence[Any]) -> tuple[list[ClaimRef], dict[str, str]]:
@@ -62,9 +73,10 @@ class DraService:
     def __init__(self, preparer: Preparer) -> None:
         self.preparer = preparer
 
-    async def _prepare(self, request: Any, pb: Any, *, with_share_id: bool) -> Any:
+    async def _prepare(self, request: Any, pb: Any, context: _Context, *,
+                       with_share_id: bool) -> Any:
         refs, bad = _refs(request.claims)
-        outcomes = await self.preparer.prepare(refs) if refs else {}
+        outcomes = await self.preparer.prepare(refs, deadline=_deadline(context)) if refs else {}
         response = pb.NodePrepareResourcesResponse()
         for uid, message in bad.items():
             response.claims[uid].error = message
@@ -85,9 +97,10 @@ class DraService:
                         d.share_id = device.share_id
         return response
 
-    async def _unprepare(self, request: Any, pb: Any) -> Any:
+    async def _unprepare(self, request: Any, pb: Any, context: _Context) -> Any:
         refs, bad = _refs(request.claims)
-        outcomes = await self.preparer.unprepare(refs) if refs else {}
+        outcomes = (await self.preparer.unprepare(refs, deadline=_deadline(context))
+                    if refs else {})
         response = pb.NodeUnprepareResourcesResponse()
         for uid, message in bad.items():
             response.claims[uid].error = message
@@ -99,28 +112,29 @@ class DraService:
     async def prepare_v1(self, request: v1.NodePrepareResourcesRequest,
                          context: grpc.aio.ServicerContext[Any, Any]
                          ) -> v1.NodePrepareResourcesResponse:
-        response: v1.NodePrepareResourcesResponse = await self._prepare(request, v1,
+        response: v1.NodePrepareResourcesResponse = await self._prepare(request, v1, context,
                                                                         with_share_id=True)
         return response
 
     async def unprepare_v1(self, request: v1.NodeUnprepareResourcesRequest,
                            context: grpc.aio.ServicerContext[Any, Any]
                            ) -> v1.NodeUnprepareResourcesResponse:
-        response: v1.NodeUnprepareResourcesResponse = await self._unprepare(request, v1)
+        response: v1.NodeUnprepareResourcesResponse = await self._unprepare(request, v1,
+                                                                                context)
         return response
 
     async def prepare_v1beta1(self, request: v1beta1.NodePrepareResourcesRequest,
                               context: grpc.aio.ServicerContext[Any, Any]
                               ) -> v1beta1.NodePrepareResourcesResponse:
         response: v1beta1.NodePrepareResourcesResponse = await self._prepare(
-            request, v1beta1, with_share_id=False)
+            request, v1beta1, context, with_share_id=False)
         return response
 
     async def unprepare_v1beta1(self, request: v1beta1.NodeUnprepareResourcesRequest,
                                 context: grpc.aio.ServicerContext[Any, Any]
                                 ) -> v1beta1.NodeUnprepareResourcesResponse:
-        response: v1beta1.NodeUnprepareResourcesResponse = await self._unprepare(request,
-                                                                                  v1beta1)
+        response: v1beta1.NodeUnprepareResourcesResponse = await self._unprepare(
+            request, v1beta1, context)
         return response
 
     def handlers(self) -> list[grpc.GenericRpcHandler[Any, Any]]:

@@ -19,8 +19,10 @@ from driver.rpc.services import generic_handler
 log = logging.getLogger(__name__)
 
 DRA_PLUGIN_TYPE = "DRAPlugin"
-# Most preferred first: the kubelet takes the first entry it supports.
-SUPPORTED_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+# Most preferred first: the kubelet takes the first entry it supports (the health service
+# is chosen on its own, v1 before v1alpha1).
+SUPPORTED_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth",
+                      "v1alpha1.DRAResourceHealth")
 
 _SERVICE = reg_pb.DESCRIPTOR.services_by_name["Registration"]
 

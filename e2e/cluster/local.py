@@ -1,13 +1,21 @@
 """A real Kubernetes control plane on loopback: etcd, kube-apiserver, kube-scheduler and
 kube-controller-manager as plain processes.
 
-There is no kubelet: Nodes are objects created by :func:`e2e.cluster.nodes.create_node`,
-and rota's node agent plays the kubelet's DRA part. To keep static Node objects
-schedulable, the ``TaintNodesByCondition`` admission plugin is disabled (it would taint
-every new Node ``not-ready``) and the node-lifecycle controller is not run (it would taint
-Nodes without heartbeats). The ``ServiceAccount`` admission plugin is disabled too: no
-kubelet mounts tokens, and a pod created right after its namespace would otherwise race the
-service-account controller.
+Nodes are either real (a kubelet and containerd in namespaces of their own, see
+:mod:`e2e.cluster.realnode`) or static objects created by
+:func:`e2e.cluster.nodes.create_node`, which the node agent serves. To keep static Node
+objects schedulable, the ``TaintNodesByCondition`` admission plugin is disabled (it would
+taint every new Node ``not-ready``) and the node-lifecycle controller is not run (it would
+taint Nodes without heartbeats). Authorization is the Node authorizer and RBAC, with
+``NodeRestriction`` and ``ServiceAccount`` admission: kubelets act as ``system:node:<name>``
+and pods get projected, node-bound service-account tokens. A pod created right after its
+namespace must wait for the namespace's ``default`` ServiceAccount
+(:func:`e2e.objects.create_namespace` does).
+
+The apiserver reaches a kubelet by the Node's ``Hostname`` address. It runs in a mount
+namespace of its own where ``/etc/hosts`` is the cluster's file, so real nodes' names
+resolve to 127.0.0.1 (where each kubelet's relay listens) for the apiserver alone
+(:meth:`LocalCluster.add_host`).
 """
 
 from __future__ import annotations
@@ -51,9 +59,10 @@ class ClusterOptions:
 
     feature_gates: Mapping[str, bool] = field(default_factory=dict)
     """Applied to kube-apiserver, kube-scheduler and kube-controller-manager alike."""
-    enable_admission_plugins: Sequence[str] = ()
+    enable_admission_plugins: Sequence[str] = ("NodeRestriction",)
     """Added to the apiserver's default set."""
-    disable_admission_plugins: Sequence[str] = ("ServiceAccount", "TaintNodesByCondition")
+    disable_admission_plugins: Sequence[str] = ("TaintNodesByCondition",)
+    authorization_modes: Sequence[str] = ("Node", "RBAC")
     start_timeout_s: float = 90.0
     """The apiserver alone can take 60 s on two busy cores."""
     run_scheduler: bool = True
@@ -79,9 +88,11 @@ class LocalCluster:
         self._bin_dir = bin_dir
         self.processes: dict[str, ManagedProcess] = {}
         self.kubeconfig = self.workdir / "admin.kubeconfig"
+        self.hosts_file = self.workdir / "hosts"
         self.server = ""
         self.ports: dict[str, int] = {}
         self._pki: pki.Pki | None = None
+        self._node_indexes = 0
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -97,6 +108,32 @@ class LocalCluster:
     def log_dir(self) -> Path:
         return self.workdir / "logs"
 
+    @property
+    def pki(self) -> pki.Pki:
+        assert self._pki is not None, "the cluster is not started"
+        return self._pki
+
+    @property
+    def api_port(self) -> int:
+        return self.ports["apiserver"]
+
+    def api_client(self) -> Any:
+        """A new admin client of the kubernetes package (close it after use)."""
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def allocate_node_index(self) -> int:
+        """A small number unique among this cluster's real nodes (their addresses)."""
+        self._node_indexes += 1
+        return self._node_indexes
+
+    def add_host(self, name: str, address: str = "127.0.0.1") -> None:
+        """Make ``name`` resolve to ``address`` for the apiserver (how it finds a real
+        node's kubelet). The file is changed in place: the apiserver's mount pins it."""
+        with self.hosts_file.open("a") as hosts:
+            hosts.write(f"{address} {name}\n")
+
     def start(self, *, die_with_parent: bool = True) -> None:
         started = time.monotonic()
         bin_dir = self._bin_dir or binaries.locate()
@@ -106,6 +143,7 @@ class LocalCluster:
                       ("etcd", "etcd_peer", "apiserver", "scheduler", "controller_manager")}
         self.server = f"https://127.0.0.1:{self.ports['apiserver']}"
         pki.write_kubeconfig(self.kubeconfig, server=self.server, pki=self._pki)
+        self.hosts_file.write_text("127.0.0.1 localhost\n::1 localhost\n")
         try:
             self._start_etcd(bin_dir, die_with_parent)
             self._start_apiserver(bin_dir, die_with_parent)
@@ -135,8 +173,10 @@ class LocalCluster:
 
     # -- components ----------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str], die_with_parent: bool) -> ManagedProcess:
-        proc = ManagedProcess(name=name, argv=argv, log_path=self.log_dir / f"{name}.log")
+    def _spawn(self, name: str, argv: list[str], die_with_parent: bool, *, exe: str = ""
+               ) -> ManagedProcess:
+        proc = ManagedProcess(name=name, argv=argv, log_path=self.log_dir / f"{name}.log",
+                              exe=exe)
         proc.start(die_with_parent=die_with_parent)
         self.processes[name] = proc
         return proc
@@ -158,7 +198,11 @@ class LocalCluster:
         assert self._pki is not None
         p = self._pki
         port = self.ports["apiserver"]
+        # Its own mount namespace, where /etc/hosts is the cluster's file (see the module
+        # docstring); nothing else changes for it.
         argv = [
+            "unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+            'mount --bind "$0" /etc/hosts && exec "$@"', str(self.hosts_file),
             str(bin_dir / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
             "--bind-address=127.0.0.1", f"--secure-port={port}",
@@ -170,7 +214,11 @@ class LocalCluster:
             f"--service-account-key-file={p.sa_public}",
             f"--service-account-signing-key-file={p.sa_private}",
             "--service-cluster-ip-range=10.0.0.0/24",
-            "--authorization-mode=RBAC", "--allow-privileged=true",
+            f"--authorization-mode={','.join(self.options.authorization_modes)}",
+            "--allow-privileged=true",
+            f"--kubelet-client-certificate={p.kubelet_client_cert}",
+            f"--kubelet-client-key={p.kubelet_client_key}",
+            "--kubelet-preferred-address-types=Hostname,InternalIP",
             "--enable-priority-and-fairness=false",
             "--max-requests-inflight=0", "--max-mutating-requests-inflight=0",
             "--profiling=false", "-v=1",
@@ -182,7 +230,7 @@ class LocalCluster:
             argv.append("--enable-admission-plugins="
                         + ",".join(self.options.enable_admission_plugins))
         argv += _gates_flag(self.options.feature_gates)
-        self._spawn("kube-apiserver", argv, dwp)
+        self._spawn("kube-apiserver", argv, dwp, exe=str(bin_dir / "kube-apiserver"))
         self._wait_http(f"{self.server}/readyz", "kube-apiserver", tls=True, client_cert=True)
 
     def _start_scheduler(self, bin_dir: Path, dwp: bool) -> None:
@@ -268,7 +316,7 @@ class LocalCluster:
             "kubeconfig": str(self.kubeconfig),
             "logs": str(self.log_dir),
             "processes": {
-                name: {"pid": proc.pid, "exe": Path(proc.argv[0]).name}
+                name: {"pid": proc.pid, "exe": Path(proc.exe).name}
                 for name, proc in self.processes.items()
             },
         }

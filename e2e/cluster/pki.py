@@ -1,8 +1,11 @@
 """Certificates and keys for the local cluster, generated fresh for every cluster.
 
-One CA signs the apiserver's serving certificate (SANs: localhost, 127.0.0.1) and one
-client certificate per identity (the admin is in ``system:masters``). A separate RSA key
-pair signs service-account tokens. Nothing here leaves the cluster's directory.
+One CA signs the apiserver's serving certificate (SANs: localhost, 127.0.0.1 and the
+``kubernetes`` Service address pods dial) and one client certificate per identity: the
+admin (in ``system:masters``), the apiserver's own client for kubelets, and each real
+node's kubelet (``system:node:<name>`` in ``system:nodes``, what the Node authorizer and
+NodeRestriction recognise; :func:`issue_client_cert`). A separate RSA key pair signs
+service-account tokens. Nothing here leaves the cluster's directory.
 """
 
 from __future__ import annotations
@@ -30,9 +33,14 @@ class Pki:
     serving_key: Path
     admin_cert: Path
     admin_key: Path
+    kubelet_client_cert: Path
+    kubelet_client_key: Path
     sa_public: Path
     sa_private: Path
 
+
+SERVICE_ADDRESS = "10.0.0.1"
+"""The ``kubernetes`` Service's address in the cluster's service range (10.0.0.0/24)."""
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
     path.write_bytes(
@@ -70,6 +78,32 @@ def _builder(subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurve
     )
 
 
+def _client_cert(ca_key: ec.EllipticCurvePrivateKey, ca_name: x509.Name, common_name: str,
+                 organisation: str | None) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        _builder(_name(common_name, organisation), ca_name, key.public_key())
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def issue_client_cert(pki: Pki, directory: Path, name: str, *, common_name: str,
+                      organisation: str | None = None) -> tuple[Path, Path]:
+    """A client certificate signed by the cluster CA, written as ``<name>.crt/.key``."""
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise TypeError("the cluster CA key is not an EC key")
+    ca_cert = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    cert, key = _client_cert(ca_key, ca_cert.subject, common_name, organisation)
+    directory.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
+    _write_key(key_path, key)
+    _write_cert(cert_path, cert)
+    return cert_path, key_path
+
+
 def generate(directory: Path) -> Pki:
     """Write a CA, a serving certificate, an admin client certificate and SA keys."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -98,6 +132,7 @@ def generate(directory: Path) -> Pki:
                 x509.DNSName("kubernetes"),
                 x509.DNSName("kubernetes.default.svc"),
                 x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                x509.IPAddress(ipaddress.ip_address(SERVICE_ADDRESS)),
             ]),
             critical=False,
         )
@@ -105,12 +140,9 @@ def generate(directory: Path) -> Pki:
         .sign(ca_key, hashes.SHA256())
     )
 
-    admin_key = ec.generate_private_key(ec.SECP256R1())
-    admin_cert = (
-        _builder(_name("rota-admin", "system:masters"), ca_name, admin_key.public_key())
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
+    admin_cert, admin_key = _client_cert(ca_key, ca_name, "rota-admin", "system:masters")
+    kubelet_client_cert, kubelet_client_key = _client_cert(
+        ca_key, ca_name, "kube-apiserver-kubelet-client", "system:masters")
 
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
@@ -121,6 +153,8 @@ def generate(directory: Path) -> Pki:
         serving_key=directory / "apiserver.key",
         admin_cert=directory / "admin.crt",
         admin_key=directory / "admin.key",
+        kubelet_client_cert=directory / "apiserver-kubelet-client.crt",
+        kubelet_client_key=directory / "apiserver-kubelet-client.key",
         sa_public=directory / "sa.pub",
         sa_private=directory / "sa.key",
     )
@@ -130,6 +164,8 @@ def generate(directory: Path) -> Pki:
     _write_cert(pki.serving_cert, serving_cert)
     _write_key(pki.admin_key, admin_key)
     _write_cert(pki.admin_cert, admin_cert)
+    _write_key(pki.kubelet_client_key, kubelet_client_key)
+    _write_cert(pki.kubelet_client_cert, kubelet_client_cert)
     _write_key(pki.sa_private, sa_key)
     pki.sa_public.write_bytes(
         sa_key.public_key().public_bytes(
@@ -139,8 +175,10 @@ def generate(directory: Path) -> Pki:
     return pki
 
 
-def write_kubeconfig(path: Path, *, server: str, pki: Pki, user: str = "rota-admin") -> None:
-    """Write a kubeconfig that reaches ``server`` as the admin client certificate."""
+def write_kubeconfig(path: Path, *, server: str, pki: Pki, user: str = "rota-admin",
+                     client_cert: Path | None = None, client_key: Path | None = None) -> None:
+    """Write a kubeconfig that reaches ``server`` as a client certificate (the admin's
+    unless another is given)."""
     text = f"""apiVersion: v1
 kind: Config
 clusters:
@@ -151,8 +189,8 @@ clusters:
 users:
 - name: {user}
   user:
-    client-certificate: {pki.admin_cert}
-    client-key: {pki.admin_key}
+    client-certificate: {client_cert or pki.admin_cert}
+    client-key: {client_key or pki.admin_key}
 contexts:
 - name: rota-local
   context:

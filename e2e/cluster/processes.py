@@ -35,6 +35,15 @@ class ManagedProcess:
     env: Mapping[str, str] | None = None
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
+    exe: str = ""
+    """The binary the process ends up running (its argv may start with wrappers)."""
+    death_signal: str = "KILL"
+    """Sent to the process when the thread that started it dies."""
+    pass_fds: Sequence[int] = ()
+
+    def __post_init__(self) -> None:
+        self.exe = self.exe or str(self.argv[0])
+
     @property
     def pid(self) -> int:
         assert self.popen is not None, f"{self.name} was not started"
@@ -48,7 +57,7 @@ class ManagedProcess:
             on_main = threading.current_thread() is threading.main_thread()
             argv = list(self.argv)
             if die_with_parent and on_main and SETPRIV:
-                argv = [SETPRIV, "--pdeathsig", "KILL", "--", *argv]
+                argv = [SETPRIV, "--pdeathsig", self.death_signal, "--", *argv]
             self.popen = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
@@ -56,8 +65,9 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 env=dict(self.env) if self.env is not None else None,
                 start_new_session=True,
+                pass_fds=tuple(self.pass_fds),
             )
-        log.info("process started", extra={"process": self.name, "pid": self.popen.pid,
+        log.info("process started", extra={"component": self.name, "pid": self.popen.pid,
                                             "log": str(self.log_path)})
 
     def alive(self) -> bool:
@@ -76,10 +86,23 @@ class ManagedProcess:
         try:
             self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            log.warning("process ignored SIGTERM; killing", extra={"process": self.name,
+            log.warning("process ignored SIGTERM; killing", extra={"component": self.name,
                                                                   "pid": self.popen.pid})
             self.popen.kill()
             self.popen.wait(timeout=timeout_s)
+
+
+def wait_gone(proc: ManagedProcess, timeout_s: float) -> None:
+    """Wait for a process that was asked to stop; SIGKILL it when it takes too long."""
+    if proc.popen is None:
+        return
+    try:
+        proc.popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning("process did not stop in time; killing",
+                    extra={"component": proc.name, "pid": proc.popen.pid})
+        proc.popen.kill()
+        proc.popen.wait(timeout=timeout_s)
 
 
 def stop_pid(pid: int, *, expected_exe: str | None, timeout_s: float = 15.0) -> bool:

@@ -17,6 +17,7 @@ from e2e.engine_simulator.auth import control_auth_middleware
 from e2e.engine_simulator.control_api import control_routes
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.errors import error_middleware
+from e2e.engine_simulator.extra_api import extra_routes
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.memory import MemoryHolder, make_memory
 from e2e.engine_simulator.metrics_api import metrics_routes
@@ -67,6 +68,7 @@ def create_app(
     app.add_routes(control_routes())
     app.add_routes(metrics_routes())
     app.add_routes(openai_routes())
+    app.add_routes(extra_routes())
     app.add_routes(sim_routes())
     if settings.omni:
         app.add_routes(omni_routes())

@@ -455,7 +455,7 @@ class NodeAgent:
             "firstTimestamp": _now(), "lastTimestamp": _now(), "count": 1,
         }
         log.warning(reason, extra={"pod": f"{meta['namespace']}/{meta['name']}",
-                                   "message": message[:300]})
+                                   "detail": message[:300]})
         try:
             await asyncio.to_thread(self.core.create_namespaced_event, meta["namespace"], body,
                                     _request_timeout=_API_TIMEOUT)

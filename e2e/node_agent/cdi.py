@@ -29,9 +29,12 @@ def resolve_env(cdi_root: Path, device_ids: Iterable[str]) -> dict[str, str]:
     """Environment a runtime would inject for ``device_ids`` (``vendor/class=name``).
 
     Spec-level edits come first, then each device's, in the order given; later values win.
+    Engines run on the host, not in a mount namespace, so a value naming a mount's
+    container path is given as the mount's host path (what the engine would see there).
     """
     specs = _load_specs(cdi_root)
     env: dict[str, str] = {}
+    mounts: dict[str, str] = {}
     for qualified in device_ids:
         kind, sep, name = qualified.partition("=")
         if not sep:
@@ -45,10 +48,12 @@ def resolve_env(cdi_root: Path, device_ids: Iterable[str]) -> dict[str, str]:
                         for item in edits.get("env", []) or []:
                             key, _, value = str(item).partition("=")
                             env[key] = value
+                        for mount in edits.get("mounts", []) or []:
+                            mounts[str(mount["containerPath"])] = str(mount["hostPath"])
                     break
             else:
                 continue
             break
         else:
             raise CdiResolveError(f"CDI device {qualified} is in no spec under {cdi_root}")
-    return env
+    return {key: mounts.get(value, value) for key, value in env.items()}

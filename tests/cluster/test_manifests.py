@@ -18,8 +18,11 @@ FILES = sorted(p for p in MANIFESTS.rglob("*.yaml"))
 
 def test_there_are_manifests() -> None:
     names = {p.name for p in FILES}
-    assert {"deviceclass.yaml", "rbac.yaml", "node-daemonset.yaml", "gateway.yaml",
-            "networkpolicy.yaml", "two-models.yaml"} <= names
+    assert {"namespace.yaml", "deviceclass.yaml", "rbac-driver.yaml", "rbac-controller.yaml",
+            "rbac-gateway.yaml", "driver-daemonset.yaml", "controller-daemonset.yaml",
+            "gateway-deployment.yaml", "networkpolicy-controller.yaml",
+            "validatingadmissionpolicy-resourceslices.yaml",
+            "validatingadmissionpolicy-leases.yaml", "two-models.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(MANIFESTS)))

@@ -11,8 +11,10 @@ import pytest
 
 from driver.cdi import (
     CDI_KIND,
+    FAKE_NVML_CONTAINER_DIR,
     build_claim_spec,
     device_name,
+    fake_nvml_edits,
     list_spec_claim_uids,
     qualified_id,
     remove_spec,
@@ -90,7 +92,8 @@ ENGINE = {
 
 
 def test_shared_claim_spec() -> None:
-    spec = build_claim_spec(make_plan(SHARED_RESULT, config=ENGINE), DEVICES)
+    spec = build_claim_spec(make_plan(SHARED_RESULT, config=ENGINE), DEVICES,
+                            node_exists=lambda _: True)
     assert spec == {
         "cdiVersion": "0.5.0",
         "kind": "k8s.gpu.rota.dev/claim",
@@ -130,7 +133,7 @@ def env_of(spec: dict[str, Any], index: int = 0) -> dict[str, str]:
 
 
 def test_exclusive_claim_without_config() -> None:
-    spec = build_claim_spec(make_plan(EXCLUSIVE_RESULT), DEVICES)
+    spec = build_claim_spec(make_plan(EXCLUSIVE_RESULT), DEVICES, node_exists=lambda _: True)
     env = env_of(spec)
     assert spec["devices"][0]["name"] == f"{UID}-gpu-1"
     assert "ROTA_SHARE_ID" not in env
@@ -141,7 +144,8 @@ def test_exclusive_claim_without_config() -> None:
 
 
 def test_every_device_of_a_claim_carries_the_same_environment() -> None:
-    spec = build_claim_spec(make_plan(SHARED_RESULT, EXCLUSIVE_RESULT), DEVICES)
+    spec = build_claim_spec(make_plan(SHARED_RESULT, EXCLUSIVE_RESULT), DEVICES,
+                            node_exists=lambda _: True)
     assert [d["name"] for d in spec["devices"]] == [f"{UID}-gpu-0-{SHARE}", f"{UID}-gpu-1"]
     assert env_of(spec, 0) == env_of(spec, 1)
     env = env_of(spec)
@@ -163,7 +167,8 @@ def test_every_device_of_a_claim_carries_the_same_environment() -> None:
     ],
 )
 def test_device_root(dev_root: str, expected: list[dict[str, str]]) -> None:
-    spec = build_claim_spec(make_plan(SHARED_RESULT), DEVICES, dev_root=dev_root)
+    spec = build_claim_spec(make_plan(SHARED_RESULT), DEVICES, dev_root=dev_root,
+                            node_exists=lambda _: True)
     nodes = spec["devices"][0]["containerEdits"]["deviceNodes"]
     assert nodes[:1] == expected
     assert [n["path"] for n in nodes] == [
@@ -278,3 +283,27 @@ def test_listing_finds_only_our_specs(tmp_path: Path) -> None:
 
 def test_listing_a_missing_root(tmp_path: Path) -> None:
     assert list_spec_claim_uids(tmp_path / "missing") == set()
+
+
+def test_device_nodes_missing_on_the_node_are_not_listed(tmp_path: Path) -> None:
+    # A node without /dev/nvidia-uvm-tools (many have none): the container runtime stats
+    # every node a spec lists and fails the container on a missing one.
+    for name in ("nvidia0", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    spec = build_claim_spec(make_plan(SHARED_RESULT), DEVICES, dev_root=str(tmp_path))
+    nodes = spec["devices"][0]["containerEdits"]["deviceNodes"]
+    assert [n["path"] for n in nodes] == ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"]
+    assert nodes[0]["hostPath"] == str(tmp_path / "nvidia0")
+
+
+def test_extra_edits_add_mounts_and_environment() -> None:
+    edits = fake_nvml_edits(Path("/var/lib/rota/fake-nvml"))
+    spec = build_claim_spec(make_plan(SHARED_RESULT), DEVICES, extra=edits,
+                            node_exists=lambda _: True)
+    container = spec["devices"][0]["containerEdits"]
+    assert container["mounts"] == [{"hostPath": "/var/lib/rota/fake-nvml",
+                                    "containerPath": FAKE_NVML_CONTAINER_DIR,
+                                    "options": ["rbind", "rw"]}]
+    assert env_of(spec)["ROTA_FAKE_NVML_PROC_DIR"] == FAKE_NVML_CONTAINER_DIR
+    # Still sorted, still the same in every device of the claim.
+    assert container["env"] == sorted(container["env"])

@@ -63,6 +63,12 @@ STATIC = "6fb8a1b1e3f6a1d7b8d9c0e1f2a3b4c5"
         pytest.param(
             f"0::/system.slice/containerd.service/kubepods-burstable-pod{UID_}.slice:cri-containerd:{CID}\n",
             PodRef(UID, CID, "burstable"), id="containerd-cgroupfs-under-systemd-kubelet"),
+        pytest.param(
+            "".join(f"{i}:{c}:/process_api/7944d08b/rota-gpu-node-1/kubepods/besteffort/"
+                    f"pod{UID}/{CID}\n"
+                    for i, c in ((9, "name=systemd"), (8, "pids"), (4, "memory"), (1, "cpu")))
+            + f"0::/process_api/7944d08b/rota-gpu-node-1/kubepods/besteffort/pod{UID}/{CID}\n",
+            PodRef(UID, CID, "besteffort"), id="hybrid-cgroupfs-under-a-cgroup-root-real-node"),
         pytest.param("0::/user.slice/user-1000.slice/session-2.scope\n", None, id="host-session"),
         pytest.param("0::/system.slice/nvidia-persistenced.service\n", None, id="host-service"),
         pytest.param("0::/\n", None, id="private-cgroup-namespace"),

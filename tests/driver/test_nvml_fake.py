@@ -317,3 +317,52 @@ def test_recorder_output_loads_into_the_fake() -> None:
     shipped = load_fixture(fixture_path("h200"))
     assert recorded.devices == shipped.devices  # running processes are not baseline
     assert (recorded.driver_version, recorded.cuda_driver_version) == ("580.159.04", 13000)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a pid namespace needs root")
+def test_a_process_in_a_container_pid_namespace_is_reported_by_its_host_pid(
+        fake: FakeNvml, proc_dir: Path) -> None:
+    # NVML reports host pids; an engine in a container knows only its own pid (often 1).
+    from e2e.waiting import eventually
+
+    script = ("import os, signal, sys; from driver.nvml.fake import register_process; "
+              f"register_process(sys.argv[1], os.getpid(), {H200_UUID!r}, {GIB}); "
+              "signal.pause()")
+    holder = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--",
+                               sys.executable, "-c", script, str(proc_dir)])
+    try:
+        def child() -> int:
+            kids = Path(f"/proc/{holder.pid}/task/{holder.pid}/children").read_text().split()
+            return int(kids[0]) if kids else 0
+
+        host_pid = eventually(child, timeout=10, what="the namespaced process")
+        namespace = os.stat(f"/proc/{host_pid}/ns/pid").st_ino
+        eventually(lambda: (proc_dir / f"{namespace}-1.json").exists(), timeout=20,
+                   what="its registry file")
+        assert [(p.pid, p.used_bytes) for p in fake.compute_processes(0)] == [(host_pid, GIB)]
+    finally:
+        holder.kill()
+        holder.wait(10)
+    eventually(lambda: fake.compute_processes(0) == [], timeout=10,
+               what="the gone process forgotten")
+
+
+def test_an_event_written_by_another_process_is_delivered_once(fake: FakeNvml,
+                                                               proc_dir: Path) -> None:
+    # How a test reaches the fake NVML of a driver running in a container.
+    from driver.nvml.fake import write_health_event
+
+    event = HealthEvent(H200_UUID, HealthEventKind.XID, 79, "GPU has fallen off the bus")
+    subprocess.run([sys.executable, "-c",
+                    "import sys; from driver.nvml import HealthEvent, HealthEventKind; "
+                    "from driver.nvml.fake import write_health_event; "
+                    "write_health_event(sys.argv[1], HealthEvent(sys.argv[2], "
+                    "HealthEventKind.XID, 79, 'GPU has fallen off the bus'))",
+                    str(proc_dir), H200_UUID], check=True)
+    assert fake.wait_health_event(2000) == event
+    assert fake.wait_health_event(0) is None
+    write_health_event(proc_dir, event)
+    write_health_event(proc_dir, HealthEvent(H200_UUID, HealthEventKind.ECC_DOUBLE_BIT, None,
+                                             "dbe"))
+    assert fake.wait_health_event(1000) == event
+    assert fake.wait_health_event(1000).kind is HealthEventKind.ECC_DOUBLE_BIT  # type: ignore[union-attr]

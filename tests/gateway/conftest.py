@@ -10,6 +10,7 @@ into the gateway's routing state as a watch would.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,8 +24,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from controller import naming
 from controller.gateway import keys
 from controller.gateway.app import make_app
-from controller.gateway.routing import RoutingState, StaticSource
+from controller.gateway.routing import ObjectKind, RoutingState, StaticSource
 from controller.gateway.settings import GatewaySettings
+from controller.leases import micro_time
 from e2e.engine_simulator import Settings as SimSettings
 from e2e.engine_simulator import create_app as create_sim
 from e2e.engine_simulator.engine import Engine
@@ -76,10 +78,16 @@ def pod_obj(name: str, *, uid: str, ip: str = "127.0.0.1", ready: bool = True,
 def gpu_lease(*, holder: str | None, state: str, model: str | None = None,
               endpoint: str | None = None, target: str | None = None,
               draining: str | None = None, last_error: str | None = None,
-              fence: int = 0, node: str = NODE, device: str = DEVICE) -> dict[str, Any]:
+              fence: int = 0, node: str = NODE, device: str = DEVICE,
+              holder_uid: str | None = None) -> dict[str, Any]:
+    """A GPU Lease as the lease controller writes it. ``holder_uid`` defaults to the uid
+    :func:`claim_obj` gives the holder's claim; ``endpoint`` is the deprecated
+    ``holder-endpoint`` annotation, which the gateway must never route by."""
+    if holder and holder_uid is None:
+        holder_uid = f"uid-{holder.partition('/')[2]}"
     notes = {naming.STATE: state, naming.HOLDER_MODEL: model, naming.HOLDER_ENDPOINT: endpoint,
-             naming.TARGET_MODEL: target, naming.DRAINING_MODEL: draining,
-             naming.LAST_ERROR: last_error}
+             naming.HOLDER_CLAIM_UID: holder_uid, naming.TARGET_MODEL: target,
+             naming.DRAINING_MODEL: draining, naming.LAST_ERROR: last_error}
     return {
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": {"name": naming.gpu_lease_name(node, device), "namespace": "rota-system",
@@ -91,7 +99,11 @@ def gpu_lease(*, holder: str | None, state: str, model: str | None = None,
     }
 
 
-def controller_lease(url: str, *, node: str = NODE) -> dict[str, Any]:
+def controller_lease(url: str, *, node: str = NODE, renewed_ago_s: float = 0.0,
+                     duration_s: int = 3600) -> dict[str, Any]:
+    """A node controller's Lease, renewed ``renewed_ago_s`` ago (expired when that is
+    more than ``duration_s``)."""
+    renewed = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=renewed_ago_s)
     return {
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": {"name": naming.controller_lease_name(node), "namespace": "rota-system",
@@ -99,7 +111,8 @@ def controller_lease(url: str, *, node: str = NODE) -> dict[str, Any]:
                                 naming.LABEL_KIND: naming.KIND_CONTROLLER,
                                 naming.LABEL_NODE: node},
                      "annotations": {naming.ACTIVATION_URL: url}},
-        "spec": {"holderIdentity": "controller-0"},
+        "spec": {"holderIdentity": "controller-0", "leaseDurationSeconds": duration_s,
+                 "renewTime": micro_time(renewed)},
     }
 
 
@@ -135,14 +148,33 @@ class Sim:
             await engine.wait_for(lambda: engine.running + engine.waiting == 0)
 
 
-async def _start_sim(model: str, claim: str, **overrides: Any) -> Sim:
+async def start_sim(model: str, claim: str, *, host: str = "127.0.0.1",
+                    **overrides: Any) -> Sim:
+    """An engine simulator serving ``model`` for the claimant ``claim`` on ``host``:0."""
     values: dict[str, Any] = {"model": model, "awake_memory_bytes": 10 * GIB,
                               "resident_memory_bytes": 1 * GIB, "shutdown_grace_seconds": 0.0}
     app = create_sim(SimSettings.model_validate(values | overrides),
                      exit_process=lambda code: None)
-    client: TestClient[Any, Any] = TestClient(TestServer(app, host="127.0.0.1", port=0))
+    client: TestClient[Any, Any] = TestClient(TestServer(app, host=host, port=0))
     await client.start_server()
     return Sim(model, client, app[ENGINE_KEY], claim)
+
+
+async def start_controller(sims: dict[str, Sim], states: list[RoutingState], *,
+                           node: str = NODE, holder: Sim | None = None
+                           ) -> tuple[FakeController, TestClient[Any, Any]]:
+    """A fake lease controller for one GPU of ``node``, publishing into ``states``."""
+
+    def publish(lease: dict[str, Any]) -> None:
+        for state in states:
+            state.apply("lease", "MODIFIED", lease)
+
+    controller = FakeController(sims, publish, holder=holder, node=node)
+    app = web.Application()
+    app.router.add_post("/v1/activate", controller.activate)
+    client: TestClient[Any, Any] = TestClient(TestServer(app, host="127.0.0.1", port=0))
+    await client.start_server()
+    return controller, client
 
 
 # -- the fake lease controller ---------------------------------------------------------
@@ -172,6 +204,11 @@ class FakeController:
     switching: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     fence: int = 0
+    node: str = NODE
+    hold_answer: asyncio.Event | None = None
+    """When set to an unset event, activation calls wait for it before anything else."""
+    after_switch: Callable[[], None] | None = None
+    """Called after a switch published its Lease, before the activation is answered."""
 
     def lease_now(self, **changes: Any) -> dict[str, Any]:
         holder = self.holder
@@ -179,7 +216,8 @@ class FakeController:
             "holder": holder.claim if holder else None,
             "state": naming.STATE_AWAKE if holder else naming.STATE_IDLE,
             "model": holder.model if holder else None,
-            "endpoint": holder.url if holder else None, "fence": self.fence}
+            "endpoint": holder.url if holder else None, "fence": self.fence,
+            "node": self.node}
         return gpu_lease(**(values | changes))
 
     async def _awake_count(self) -> int:
@@ -199,6 +237,8 @@ class FakeController:
                                      status=401)
         body = await request.json()
         self.calls += 1
+        if self.hold_answer is not None:
+            await self.hold_answer.wait()
         sim = next((s for s in self.sims.values() if s.claim == body["claim"]), None)
         if sim is None or sim.model != body["model"]:
             return web.json_response(
@@ -213,8 +253,10 @@ class FakeController:
             switched = self.holder is not sim
             if switched:
                 await self._switch_to(sim)
-        return web.json_response({"model": sim.model, "claim": sim.claim, "endpoint": sim.url,
-                                  "switched": switched, "fence": self.fence})
+        # An address in the answer (a deprecated field) must never be routed to.
+        return web.json_response({"model": sim.model, "claim": sim.claim,
+                                  "endpoint": "http://192.0.2.1:9", "switched": switched,
+                                  "fence": self.fence})
 
     async def _switch_to(self, sim: Sim) -> None:
         old = self.holder
@@ -231,6 +273,8 @@ class FakeController:
         self.holder = sim
         self.switches += 1
         self.publish(self.lease_now())
+        if self.after_switch is not None:
+            self.after_switch()
 
 
 # -- the whole rig ---------------------------------------------------------------------
@@ -245,6 +289,14 @@ class Rig:
     b: Sim
     replicas: list[TestClient[Any, Any]] = field(default_factory=list)
     """Every gateway replica (the first is :attr:`gateway`), all fed the same Leases."""
+    states: list[RoutingState] = field(default_factory=list)
+    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    """What the fixture closes at the end; tests append what they start."""
+
+    def apply(self, kind: ObjectKind, event: str, obj: dict[str, Any]) -> None:
+        """A watch event seen by every replica."""
+        for state in self.states:
+            state.apply(kind, event, obj)
 
     @property
     def state(self) -> RoutingState:
@@ -274,15 +326,15 @@ async def make_rig(tmp_path: Path) -> AsyncIterator[RigFactory]:
     async def make(*, sim_a: dict[str, Any] | None = None, sim_b: dict[str, Any] | None = None,
                    api_keys: list[str] | None = None, token: str | None = TOKEN,
                    replicas: int = 1, **settings: Any) -> Rig:
-        a = await _start_sim(MODEL_A, f"{NAMESPACE}/claim-a", **(sim_a or {}))
+        a = await start_sim(MODEL_A, f"{NAMESPACE}/claim-a", **(sim_a or {}))
         closers.append(a.client.close)
-        b = await _start_sim(MODEL_B, f"{NAMESPACE}/claim-b", **(sim_b or {}))
+        b = await start_sim(MODEL_B, f"{NAMESPACE}/claim-b", **(sim_b or {}))
         closers.append(b.client.close)
         async with b.client.post("/sleep?level=1") as resp:
             assert resp.status == 200
 
         values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "max_wait_s": DEADLINE,
-                                  "lost_gpu_grace_s": 5.0}
+                                  "lost_gpu_grace_s": 5.0, "serving_namespaces": [NAMESPACE]}
         if token is not None:
             (tmp_path / "token").write_text(token + "\n")
             values["activation_token_file"] = tmp_path / "token"
@@ -290,16 +342,8 @@ async def make_rig(tmp_path: Path) -> AsyncIterator[RigFactory]:
             (tmp_path / "keys").write_text("\n".join(api_keys) + "\n")
             values["api_keys_file"] = tmp_path / "keys"
         state_holder: list[RoutingState] = []
-
-        def publish(lease: dict[str, Any]) -> None:
-            for state in state_holder:
-                state.apply("lease", "MODIFIED", lease)
-
-        controller = FakeController({MODEL_A: a, MODEL_B: b}, publish, holder=a)
-        ctl_app = web.Application()
-        ctl_app.router.add_post("/v1/activate", controller.activate)
-        ctl: TestClient[Any, Any] = TestClient(TestServer(ctl_app, host="127.0.0.1", port=0))
-        await ctl.start_server()
+        controller, ctl = await start_controller({MODEL_A: a, MODEL_B: b}, state_holder,
+                                                 holder=a)
         closers.append(ctl.close)
 
         source = StaticSource(
@@ -322,7 +366,10 @@ async def make_rig(tmp_path: Path) -> AsyncIterator[RigFactory]:
                     await app[keys.STATE].wait_changed(app[keys.STATE].version, DEADLINE)
             apps.append(app)
             clients.append(gateway)
-        return Rig(clients[0], apps[0], controller, a, b, clients)
+        rig = Rig(clients[0], apps[0], controller, a, b, clients)
+        rig.states = state_holder
+        rig.closers = closers
+        return rig
 
     try:
         yield make

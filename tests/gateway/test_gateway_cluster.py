@@ -34,6 +34,11 @@ def two_engines(engine_node: GpuNode, kube_api: client.ApiClient, namespace: str
 QUESTION = [{"role": "user", "content": "What is 3 + 4?"}]
 
 
+def _bound(namespace: str) -> list[str]:
+    """The model binding: the test's namespace serves its models."""
+    return [f"--serving-namespaces={namespace}"]
+
+
 def _token(node: GpuNode) -> Path:
     path = node.dirs.root / "activation-token"
     path.write_text("s3cret-activation-token\n")
@@ -74,10 +79,11 @@ async def _switches(session: aiohttp.ClientSession, controller: str) -> float:
 
 
 async def test_alternating_models_through_the_gateway(engine_node: GpuNode,
-                                                      two_engines: list[Engine]) -> None:
+                                                      two_engines: list[Engine],
+                                                      namespace: str) -> None:
     token = _token(engine_node)
     engine_node.start_controller(extra=[f"--token-file={token}"])
-    url = engine_node.start_gateway(token_file=token)
+    url = engine_node.start_gateway(token_file=token, extra=_bound(namespace))
     controller = engine_node.controller_url()
     async with aiohttp.ClientSession() as session:
         for i in range(6):
@@ -98,10 +104,11 @@ async def test_alternating_models_through_the_gateway(engine_node: GpuNode,
 
 
 async def test_a_burst_over_two_models_is_coalesced(engine_node: GpuNode,
-                                                    two_engines: list[Engine]) -> None:
+                                                    two_engines: list[Engine],
+                                                    namespace: str) -> None:
     token = _token(engine_node)
     engine_node.start_controller(extra=[f"--token-file={token}", "--min-residency-s=1"])
-    url = engine_node.start_gateway(token_file=token)
+    url = engine_node.start_gateway(token_file=token, extra=_bound(namespace))
     controller = engine_node.controller_url()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=128)) as session:
         assert (await _chat(session, url, MODEL_A.model, stream=False))[0].startswith("7")
@@ -117,11 +124,11 @@ async def test_a_burst_over_two_models_is_coalesced(engine_node: GpuNode,
 
 
 async def test_two_gateway_replicas_activate_different_models_at_once(
-        engine_node: GpuNode, two_engines: list[Engine]) -> None:
+        engine_node: GpuNode, two_engines: list[Engine], namespace: str) -> None:
     token = _token(engine_node)
     engine_node.start_controller(extra=[f"--token-file={token}"])
-    first = engine_node.start_gateway("gateway-0", token_file=token)
-    second = engine_node.start_gateway("gateway-1", token_file=token)
+    first = engine_node.start_gateway("gateway-0", token_file=token, extra=_bound(namespace))
+    second = engine_node.start_gateway("gateway-1", token_file=token, extra=_bound(namespace))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
         with AwakeMonitor(engine_node.dirs.inspect_socket, two_engines) as monitor:
             for _ in range(3):

@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client
 
 from controller import naming
+from controller.gateway.binding import ModelBinding
 from controller.gateway.kube_source import KubeSource
 from controller.gateway.routing import Action, RoutingState
 from controller.gateway.settings import GatewaySettings
@@ -67,15 +68,16 @@ async def test_routing_state_follows_watch_events(kube_api: client.ApiClient,
 
     settings = GatewaySettings(controller_namespace=namespace, watch_timeout_s=5,
                                resync_s=30)
-    state = RoutingState()
+    state = RoutingState(binding=ModelBinding(namespaces=(namespace,)))
     source = asyncio.create_task(KubeSource(settings, api=kube_api).run(state))
     try:
         await _until(state, lambda: state.synced, "first lists")
         assert not state.knows(MODEL)
 
         # A claim allocated by rota's driver, reserved for a pod that runs and is ready.
-        await asyncio.to_thread(objects.create_namespaced_custom_object, GROUP, VERSION,
-                                namespace, "resourceclaims", _claim("engine-x", 8000))
+        claim = await asyncio.to_thread(objects.create_namespaced_custom_object, GROUP,
+                                        VERSION, namespace, "resourceclaims",
+                                        _claim("engine-x", 8000))
         pod = await asyncio.to_thread(core.create_namespaced_pod, namespace,
                                       _pod("engine-x", node, "engine-x"))
         await asyncio.to_thread(
@@ -106,12 +108,13 @@ async def test_routing_state_follows_watch_events(kube_api: client.ApiClient,
         # The GPU Lease names the claim as holder: requests go straight to the engine.
         ref = f"{namespace}/engine-x"
         lease = gpu_lease(holder=ref, state=naming.STATE_AWAKE, model=MODEL,
-                          endpoint="http://10.9.0.5:8000", node=node)
+                          endpoint="http://10.9.0.77:9999", node=node,
+                          holder_uid=claim["metadata"]["uid"])
         lease["metadata"]["namespace"] = namespace
         await asyncio.to_thread(leases.create_namespaced_lease, namespace, lease)
         await _until(state, lambda: state.decide(MODEL).action is Action.FORWARD,
                      "the GPU Lease")
-        assert state.decide(MODEL).endpoint == "http://10.9.0.5:8000"
+        assert state.decide(MODEL).endpoint == "http://10.9.0.5:8000"  # the pod IP
 
         # A switch away from it: its requests are held.
         await asyncio.to_thread(

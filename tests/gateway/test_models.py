@@ -30,10 +30,12 @@ async def test_models_list_every_model_with_its_state(make_rig: RigFactory) -> N
     assert (one["id"], one["rota"]["state"]) == (MODEL_B, "switching")
 
     rig.state.apply("lease", "MODIFIED", gpu_lease(
-        holder=None, state=naming.STATE_FAILED, target=MODEL_B, last_error="gpu_oom: full"))
+        holder=None, state=naming.STATE_FAILED, target=MODEL_B,
+        last_error="gpu_oom: engines/claim-b ran out waking; prod/secret-claim holds 60Gi"))
     one = await (await rig.gateway.get(f"/v1/models/{MODEL_B}")).json()
+    # The reason only: the message names other tenants' claims.
     assert one["rota"] == {"state": "failed", "gpus": ["node-1/gpu-0"],
-                           "last_error": "gpu_oom: full"}
+                           "last_error": "gpu_oom"}
     missing = await rig.gateway.get("/v1/models/none/such")
     assert missing.status == 404
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+from typing import Any
 
 import pytest
 
 from controller import naming
+from controller.gateway.binding import ModelBinding
 from controller.gateway.routing import Action, RoutingState
 from tests.gateway.conftest import claim_obj, controller_lease, gpu_lease, pod_obj
 
@@ -14,11 +17,12 @@ pytestmark = pytest.mark.gateway
 
 A, B = "org/a", "org/b"
 URL = "http://10.0.0.9:8085"
+BOUND = ModelBinding(namespaces=("engines",))
 
 
-def _state(*, lease: dict[str, object] | None = None, with_controller: bool = True,
-           synced: bool = True) -> RoutingState:
-    state = RoutingState()
+def _state(*, lease: dict[str, Any] | None = None, with_controller: bool = True,
+           synced: bool = True, binding: ModelBinding = BOUND) -> RoutingState:
+    state = RoutingState(binding=binding)
     state.replace("claim", [claim_obj("ca", model=A, port=8000, pod_uid="pa"),
                             claim_obj("cb", model=B, port=8001, pod_uid="pb")])
     state.replace("pod", [pod_obj("pod-ca", uid="pa", ip="10.1.0.1"),
@@ -32,18 +36,27 @@ def _state(*, lease: dict[str, object] | None = None, with_controller: bool = Tr
     return state
 
 
-def _a_awake(**changes: object) -> dict[str, object]:
-    values: dict[str, object] = {"holder": "engines/ca", "state": naming.STATE_AWAKE,
-                                 "model": A, "endpoint": "http://10.1.0.1:8000"}
-    return gpu_lease(**(values | changes))  # type: ignore[arg-type]
+def _a_awake(**changes: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {"holder": "engines/ca", "state": naming.STATE_AWAKE,
+                              "model": A, "fence": 4}
+    return gpu_lease(**(values | changes))
 
 
-def test_the_awake_model_is_forwarded_to_the_leases_endpoint() -> None:
-    state = _state(lease=_a_awake(endpoint="http://10.1.0.1:9999"))
+def test_the_awake_model_is_forwarded_to_its_pod_ip_never_the_leases_endpoint() -> None:
+    state = _state(lease=_a_awake(endpoint="http://203.0.113.7:9999"))
     decision = state.decide(A)
     assert decision.action is Action.FORWARD
-    assert decision.endpoint == "http://10.1.0.1:9999"
-    assert decision.claim == "engines/ca"
+    assert decision.endpoint == "http://10.1.0.1:8000"
+    assert (decision.claim, decision.claim_uid, decision.fence) == ("engines/ca", "uid-ca", 4)
+    assert decision.gpu == "node-1/gpu-0"
+
+
+def test_ipv6_pod_addresses_are_bracketed() -> None:
+    state = _state(lease=_a_awake())
+    state.apply("pod", "MODIFIED", pod_obj("pod-ca", uid="pa", ip="fd00:10:1::5"))
+    assert state.decide(A).endpoint == "http://[fd00:10:1::5]:8000"
+    state.apply("lease", "MODIFIED", controller_lease("http://fd00::9:8090"))
+    assert state.decide(B).activation_url == "http://[fd00::9]:8090"
 
 
 def test_a_sleeping_model_is_activated_through_its_nodes_controller() -> None:
@@ -66,16 +79,18 @@ def test_unknown_models_and_not_yet_synced() -> None:
     assert _state().decide("nope").action is Action.UNKNOWN
 
 
-def test_without_a_controller_lease_nothing_can_wake_a_model() -> None:
-    decision = _state(lease=_a_awake(), with_controller=False).decide(B)
-    assert (decision.action, decision.reason) == (Action.UNAVAILABLE, "no_controller")
+def test_without_a_controller_lease_nothing_is_routed_or_woken() -> None:
+    """Requests wait (bounded) for a controller: one may be starting or rolling over."""
+    state = _state(lease=_a_awake(), with_controller=False)
+    for model in (A, B):
+        assert (state.decide(model).action, state.decide(model).reason) == (
+            Action.WAIT, "no_controller")
 
 
 def test_a_stale_holder_claim_uid_is_not_routed_to() -> None:
-    state = _state(lease=_a_awake())
-    lease = _a_awake()
-    lease["metadata"]["annotations"][naming.HOLDER_CLAIM_UID] = "some-older-claim"  # type: ignore[index]
-    state.apply("lease", "MODIFIED", lease)
+    state = _state(lease=_a_awake(holder_uid="some-older-claim"))
+    assert state.decide(A).action is Action.ACTIVATE
+    state.apply("lease", "MODIFIED", _a_awake(holder_uid=""))
     assert state.decide(A).action is Action.ACTIVATE
 
 
@@ -86,7 +101,7 @@ def test_model_states_and_failures() -> None:
                                                target=B, last_error="gpu_oom: no room"))
     infos = {i.model: i for i in state.model_infos()}
     assert infos[B].state == "failed"
-    assert infos[B].last_error == "gpu_oom: no room"
+    assert infos[B].last_error == "gpu_oom"
     assert infos[A].state == "asleep"
     assert infos[A].gpus == ("node-1/gpu-0",)
 
@@ -107,6 +122,101 @@ def test_a_pod_not_ready_is_not_woken() -> None:
     state.apply("pod", "MODIFIED", pod_obj("pod-cb", uid="pb", ip="10.1.0.2", ready=False))
     decision = state.decide(B)
     assert (decision.action, decision.reason) == (Action.UNAVAILABLE, "no_serving_engine")
+
+
+def test_shares_of_one_gpu_meet_in_one_lease() -> None:
+    """Partitioned mode: claims allocated gpu-0-share-1 and gpu-0-share-2 of one GPU."""
+    state = RoutingState(binding=BOUND)
+    state.replace("claim", [
+        claim_obj("ca", model=A, port=8000, pod_uid="pa", device="gpu-0-share-1"),
+        claim_obj("cb", model=B, port=8001, pod_uid="pb", device="gpu-0-share-2")])
+    state.replace("pod", [pod_obj("pod-ca", uid="pa", ip="10.1.0.1"),
+                          pod_obj("pod-cb", uid="pb", ip="10.1.0.2")])
+    state.replace("lease", [_a_awake(device="gpu-0"), controller_lease(URL)])
+    state.mark_synced()
+    assert state.decide(A).action is Action.FORWARD
+    assert state.decide(B).action is Action.ACTIVATE
+    assert {i.model: i.gpus for i in state.model_infos()} == {A: ("node-1/gpu-0",),
+                                                              B: ("node-1/gpu-0",)}
+
+
+def test_only_bound_namespaces_serve_a_model() -> None:
+    binding = ModelBinding(namespaces=("team-*",), models={A: ("engines",)})
+    state = _state(lease=_a_awake(), binding=binding)
+    # A tenant in a namespace allowed for other models claims model A too.
+    state.apply("claim", "ADDED", claim_obj("evil", model=A, port=8000, pod_uid="pe",
+                                            namespace="team-x"))
+    state.apply("pod", "ADDED", pod_obj("pod-evil", uid="pe", ip="10.9.9.9",
+                                        namespace="team-x"))
+    state.apply("lease", "MODIFIED", _a_awake())
+    for _ in range(4):
+        decision = state.decide(A)
+        assert (decision.action, decision.claim) == (Action.FORWARD, "engines/ca")
+    assert state.ignored_claimants == 2  # team-x/evil for A, engines/cb (B is not bound)
+    assert state.models() == [A]
+    # With no binding at all, nothing is served.
+    assert _state(binding=ModelBinding()).decide(A).action is Action.UNKNOWN
+
+
+def _clock(offset_s: float) -> dt.datetime:
+    return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=offset_s)
+
+
+def test_a_stale_switch_does_not_hold_a_model_another_replica_can_serve() -> None:
+    """M4: node-1 died mid-switch to B; B also has a claimant on healthy node-2."""
+    state = _state(lease=_a_awake(state=naming.STATE_SWITCHING, target=B, draining=A))
+    state.apply("claim", "ADDED", claim_obj("cb2", model=B, port=8001, pod_uid="pb2",
+                                            node="node-2"))
+    state.apply("pod", "ADDED", pod_obj("pod-cb2", uid="pb2", ip="10.2.0.2"))
+    state.apply("lease", "ADDED", controller_lease("http://10.0.0.10:8090", node="node-2"))
+    assert state.decide(B).action is Action.WAIT  # node-1's controller is alive: wait
+    state.apply("lease", "MODIFIED", controller_lease(URL, renewed_ago_s=30, duration_s=15))
+    decision = state.decide(B)
+    assert (decision.action, decision.claim, decision.activation_url) == (
+        Action.ACTIVATE, "engines/cb2", "http://10.0.0.10:8090")
+    # With no other replica, a restarted controller may still finish the switch.
+    state.apply("claim", "DELETED", claim_obj("cb2", model=B, port=8001, pod_uid="pb2"))
+    assert (state.decide(B).action, state.decide(B).reason) == (Action.WAIT, "controller_lost")
+
+
+def test_an_awake_lease_on_a_dead_node_or_not_ready_pod_gets_no_traffic() -> None:
+    state = _state(lease=_a_awake())
+    state.apply("pod", "MODIFIED", pod_obj("pod-ca", uid="pa", ip="10.1.0.1", ready=False))
+    assert state.decide(A).action is not Action.FORWARD
+    state.apply("pod", "MODIFIED", pod_obj("pod-ca", uid="pa", ip="10.1.0.1"))
+    assert state.decide(A).action is Action.FORWARD
+    state.apply("lease", "MODIFIED", controller_lease(URL, renewed_ago_s=30, duration_s=15))
+    assert (state.decide(A).action, state.decide(A).reason) == (Action.WAIT, "no_controller")
+
+
+async def test_a_controller_lease_running_out_wakes_waiters() -> None:
+    now = [0.0]
+    state = RoutingState(binding=BOUND, clock=lambda: _clock(now[0]))
+    state.replace("claim", [claim_obj("ca", model=A, port=8000, pod_uid="pa")])
+    state.replace("pod", [pod_obj("pod-ca", uid="pa", ip="10.1.0.1")])
+    state.replace("lease", [_a_awake(), controller_lease(URL, duration_s=15)])
+    state.mark_synced()
+    assert state.decide(A).action is Action.FORWARD
+    version = state.version
+    now[0] = 60.0  # the clock passes the controller Lease's end without any event
+    assert await state.wait_changed(version, 5.0)
+    assert state.decide(A).action is Action.WAIT
+
+
+def test_a_forwarded_request_is_lost_once_the_lease_settles_elsewhere() -> None:
+    state = _state(lease=_a_awake())
+    decision = state.decide(A)
+    assert state.still_holds(decision)
+    assert state.lost(decision) is None
+    state.apply("lease", "MODIFIED", _a_awake(state=naming.STATE_SWITCHING, target=B,
+                                              draining=A, fence=5))
+    assert not state.still_holds(decision)
+    assert state.lost(decision) is None  # draining: it may still finish
+    state.apply("lease", "MODIFIED", _a_awake(holder="engines/cb", model=B, fence=5))
+    assert state.lost(decision) == "put_to_sleep"
+    # A switch that failed and gave the GPU back: the request is served after the wake.
+    state.apply("lease", "MODIFIED", _a_awake(fence=5))
+    assert state.lost(decision) is None
 
 
 async def test_waiters_wake_on_change_and_time_out_without_one() -> None:

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.gateway
 CONTROL_PATHS = ["/sleep", "/sleep?level=1", "/wake_up", "/is_sleeping", "/collective_rpc",
                  "/reset_prefix_cache", "/pause", "/resume", "/is_paused", "/v1/omni/sleep",
                  "/v1/omni/wakeup", "/health", "/metrics/engine", "/sim/state", "/sim/faults",
-                 "/v1/embeddings", "/v1/chat/completions/../../sleep", "/tokenize",
-                 "/v1/load_lora_adapter"]
+                 "/v1/chat/completions/../../sleep", "/v1/embeddings/../../sleep",
+                 "/tokenize/../sleep", "/v1/load_lora_adapter", "/v1/responses/resp_1/cancel",
+                 "/v2/rerank", "/pooling", "/classify", "/invocations"]
 
 
 def _assert_openai_error(body: dict[str, object], code: str) -> None:

@@ -1,0 +1,115 @@
+{{/* The chart's name, for app.kubernetes.io/name. */}}
+{{- define "rota.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The prefix of every object's name: the release name, with the chart's name added unless
+the release name holds it already ("rota" -> rota-driver, "prod" -> prod-rota-driver).
+Kept to 48 characters so "<prefix>-controller-engines" stays a valid name.
+*/}}
+{{- define "rota.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 48 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "rota.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride }}
+{{- end }}
+
+{{- define "rota.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels of every object. Call with (dict "ctx" $ "component" "driver"). */}}
+{{- define "rota.labels" -}}
+helm.sh/chart: {{ include "rota.chart" .ctx }}
+{{ include "rota.selectorLabels" . }}
+app.kubernetes.io/part-of: rota
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- end }}
+
+{{/* Selector labels: name, instance and component. Same call as rota.labels. */}}
+{{- define "rota.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rota.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- if .component }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of pod templates: no chart version, so a chart upgrade that changes nothing
+else rolls no pod. */}}
+{{- define "rota.podLabels" -}}
+{{ include "rota.selectorLabels" . }}
+app.kubernetes.io/part-of: rota
+{{- end }}
+
+{{- define "rota.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Object names, one place each. */}}
+{{- define "rota.driverName" -}}{{ include "rota.fullname" . }}-driver{{- end }}
+{{- define "rota.controllerName" -}}{{ include "rota.fullname" . }}-controller{{- end }}
+{{- define "rota.gatewayName" -}}{{ include "rota.fullname" . }}-gateway{{- end }}
+{{- define "rota.activationSecretName" -}}
+{{- default (printf "%s-activation-token" (include "rota.fullname" .)) .Values.activation.existingSecret }}
+{{- end }}
+
+{{/* The service account username of a component: (dict "ctx" $ "component" "driver"). */}}
+{{- define "rota.serviceAccountUser" -}}
+system:serviceaccount:{{ include "rota.namespace" .ctx }}:{{ include "rota.fullname" .ctx }}-{{ .component }}
+{{- end }}
+
+{{/* Host paths of the driver. */}}
+{{- define "rota.pluginDataDir" -}}{{ .Values.kubelet.rootDir }}/plugins/gpu.rota.dev{{- end }}
+{{- define "rota.registryDir" -}}{{ .Values.kubelet.rootDir }}/plugins_registry{{- end }}
+{{- define "rota.inspectDir" -}}{{ include "rota.pluginDataDir" . }}/inspect{{- end }}
+
+{{/* An advertised URL of this pod on a port, with the IPv6 brackets when needed. */}}
+{{- define "rota.podURL" -}}
+{{- if eq .ctx.Values.ipFamily "IPv6" -}}
+http://[$(POD_IP)]:{{ .port }}
+{{- else -}}
+http://$(POD_IP):{{ .port }}
+{{- end }}
+{{- end }}
+
+{{/* Node affinity of the node DaemonSets. */}}
+{{- define "rota.nodeAffinity" -}}
+{{- if .Values.nodeSelection.affinity }}
+{{- toYaml .Values.nodeSelection.affinity }}
+{{- else }}
+{{- $mode := .Values.nodeSelection.mode -}}
+nodeAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    nodeSelectorTerms:
+    {{- if eq $mode "label" }}
+    - matchExpressions:
+      - {key: {{ .Values.nodeSelection.label.key | quote }}, operator: In, values: [{{ .Values.nodeSelection.label.value | quote }}]}
+    {{- end }}
+    {{- if or (eq $mode "nfd") (eq $mode "any") }}
+    - matchExpressions:
+      - {key: feature.node.kubernetes.io/pci-10de.present, operator: In, values: ["true"]}
+    {{- end }}
+    {{- if or (eq $mode "gfd") (eq $mode "any") }}
+    - matchExpressions:
+      - {key: nvidia.com/gpu.present, operator: In, values: ["true"]}
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The wildcard address to listen on, for the ipFamily. */}}
+{{- define "rota.anyAddress" -}}
+{{- if eq .Values.ipFamily "IPv6" }}::{{ else }}0.0.0.0{{ end }}
+{{- end }}

@@ -1,0 +1,145 @@
+"""The client's side of one request: its answer, started exactly once.
+
+Normally the answer starts with the engine's own status and headers, when the engine's
+first bytes arrive, so nothing reaches the client before an engine really serves it (an
+engine that holds a request, as vLLM does while asleep, sends 200 headers at once and then
+nothing: the gateway does not pass those on until a byte follows).
+
+A streamed request that has to wait — for a place, for a switch, for an engine that holds
+it — would leave the client and every proxy in between looking at a silent connection for
+as long as a switch takes. After ``keepalive_s`` of waiting the answer starts early instead:
+``200`` with ``text/event-stream`` headers, then an SSE comment (``: rota: ...``, which
+SSE clients, the OpenAI SDKs among them, skip) every ``keepalive_s`` until the engine's
+first bytes follow in the same stream. From then on an error, the gateway's or the
+engine's, can no longer change the status: it is sent the way vLLM sends errors inside a
+stream, as ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import suppress
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from controller.gateway.errors import GatewayError, error_body
+
+__all__ = ["Downstream"]
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_MAX_NOTE = 200
+
+
+def _sse(payload: object) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class Downstream:
+    """The answer to one client."""
+
+    def __init__(self, request: web.Request, request_id: str, *, stream: bool,
+                 keepalive_s: float) -> None:
+        self.request = request
+        self.request_id = request_id
+        self.stream = stream
+        self.keepalive_s = keepalive_s
+        self.response: web.StreamResponse | None = None
+        self.early = False
+        """Started by the keep-alive (200, SSE) before any engine byte."""
+        self.note = "waiting"
+        """What the request waits for, said in the keep-alive comments."""
+        self.comments = 0
+        self._engine = False
+        self._lock = asyncio.Lock()
+        self._ticker: asyncio.Task[None] | None = None
+
+    # -- keep-alive ---------------------------------------------------------------------
+
+    def start_keepalive(self) -> None:
+        """For a streamed request: start the answer early if the wait lasts."""
+        if self.stream and self.keepalive_s > 0 and self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick(), name="sse-keepalive")
+
+    async def _tick(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.keepalive_s)
+                async with self._lock:
+                    if self._engine:
+                        return
+                    if self.response is None:
+                        headers = dict(_SSE_HEADERS) | {"X-Request-Id": self.request_id}
+                        response = web.StreamResponse(status=200, headers=headers)
+                        await response.prepare(self.request)
+                        self.response, self.early = response, True
+                    note = self.note.replace("\n", " ")[:_MAX_NOTE]
+                    await self.response.write(f": rota: {note}\n\n".encode())
+                    self.comments += 1
+        except ConnectionError:
+            return  # the client left; its handler is being cancelled
+
+    async def stop_keepalive(self) -> None:
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.cancel()
+            with suppress(asyncio.CancelledError):
+                await ticker
+
+    # -- the engine's answer ------------------------------------------------------------
+
+    async def begin(self, status: int, reason: str | None, headers: CIMultiDict[str]
+                    ) -> web.StreamResponse:
+        """Start the answer with the engine's status and headers, or go on with the early
+        stream (whose status and headers stay).
+
+        Raises:
+            ConnectionError: the client is gone.
+        """
+        async with self._lock:
+            self._engine = True
+        await self.stop_keepalive()
+        if self.response is not None:
+            return self.response
+        response = web.StreamResponse(status=status, reason=reason, headers=headers)
+        self.response = response
+        await response.prepare(self.request)
+        return response
+
+    async def engine_error(self, status: int, body: bytes) -> None:
+        """An engine's error answer (status >= 400) inside the early stream.
+
+        Raises:
+            ConnectionError: the client is gone.
+        """
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None
+        if not (isinstance(payload, dict) and isinstance(payload.get("error"), dict)):
+            text = body[:512].decode(errors="replace") or f"HTTP {status}"
+            payload = error_body(text, type_="upstream_error", code=f"upstream_{status}")
+        assert self.response is not None
+        await self.response.write(_sse(payload) + _sse("[DONE]"))
+        await self.response.write_eof()
+
+    # -- the gateway's own refusal ------------------------------------------------------
+
+    async def fail(self, err: GatewayError) -> web.StreamResponse:
+        """End the early stream with ``err`` as an error event (see :meth:`early`)."""
+        await self.stop_keepalive()
+        assert self.response is not None
+        assert self.early
+        body = error_body(err.message, type_=err.type, code=err.code, param=err.param)
+        if err.retry_after is not None:
+            body["error"]["retry_after"] = str(max(1, round(err.retry_after)))
+        with suppress(ConnectionError):
+            await self.response.write(_sse(body) + _sse("[DONE]"))
+            await self.response.write_eof()
+        return self.response

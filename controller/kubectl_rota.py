@@ -1,0 +1,421 @@
+"""``kubectl rota``: rota's state where kubectl users look, and a switch on request.
+
+- ``kubectl rota status``: per node and GPU, the awake holder, its model, the fencing
+  number, the Lease's state and last error, and which controller instance acts (from the
+  GPU Leases and the controllers' Leases). With the activation token (the Secret, or
+  ``--token-file``) it also asks each node's controller (``GET /v1/state``) for the last
+  switch with its timings and the queue, when it can reach it.
+- ``kubectl rota switch <model>``: asks the node's activation API to make the model awake,
+  through the gateway's contract (:mod:`controller.activation_api`), and prints the answer.
+
+Installed as the ``kubectl-rota`` entry point: kubectl finds it on ``PATH``. The pure
+functions below build everything from Lease, claim and answer objects; ``main`` only reads
+the API server and calls the controllers. Controllers are reached at the URL their Lease
+advertises (the pod IP): run it where pod IPs are routable (in the cluster, or through a
+VPN), or add a NetworkPolicy peer for it (``networkPolicy.controllerFrom``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime as dt
+import json
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from pydantic import ValidationError
+
+from controller import naming
+from controller.activation_api import PATH, ActivateAnswer, ActivateRequest, ErrorBody
+from controller.claimants import claimants_from
+from controller.leases import GpuLease, parse_micro_time
+
+__all__ = ["ControllerInfo", "GpuRow", "SwitchOutcome", "controllers_from", "find_claimant",
+           "interpret_activation", "main", "render_status", "render_switch", "status_rows"]
+
+STATE_PATH = "/v1/state"
+DEFAULT_NAMESPACE = "rota-system"
+DEFAULT_SECRET = "rota-activation-token"
+
+
+@dataclass(frozen=True)
+class ControllerInfo:
+    """A node's controller Lease: the acting instance and where its API listens."""
+
+    node: str
+    identity: str
+    activation_url: str
+    renewed: dt.datetime | None
+    duration_s: float
+
+    def alive(self, now: dt.datetime) -> bool:
+        """The Lease was renewed within its duration."""
+        return self.renewed is not None and (now - self.renewed).total_seconds() <= \
+            self.duration_s
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    """One GPU: its Lease, its node's controller, and what that controller said."""
+
+    lease: GpuLease
+    controller: ControllerInfo | None
+    live: Mapping[str, Any] | None = None
+    """The GPU's entry of the controller's ``/v1/state`` (last switch, queue), if read."""
+
+    @property
+    def gpu(self) -> str:
+        return self.lease.device
+
+
+def _kind(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata", {}).get("labels") or {}).get(naming.LABEL_KIND, ""))
+
+
+def controllers_from(leases: Iterable[Mapping[str, Any]]) -> dict[str, ControllerInfo]:
+    """Node label value -> the controller Lease of that node."""
+    out: dict[str, ControllerInfo] = {}
+    for obj in leases:
+        if _kind(obj) != naming.KIND_CONTROLLER:
+            continue
+        meta, spec = obj.get("metadata", {}), obj.get("spec") or {}
+        node = str((meta.get("labels") or {}).get(naming.LABEL_NODE, ""))
+        out[node] = ControllerInfo(
+            node=node, identity=str(spec.get("holderIdentity") or ""),
+            activation_url=str((meta.get("annotations") or {}).get(naming.ACTIVATION_URL, "")),
+            renewed=parse_micro_time(spec.get("renewTime")),
+            duration_s=float(spec.get("leaseDurationSeconds") or 0))
+    return out
+
+
+def status_rows(leases: Iterable[Mapping[str, Any]],
+                states: Mapping[str, Mapping[str, Any]] | None = None, *,
+                node: str | None = None) -> list[GpuRow]:
+    """Every GPU Lease among ``leases`` (on ``node`` when given), sorted by node and GPU.
+
+    ``states`` maps a node label value to that node's ``/v1/state`` answer.
+    """
+    items = list(leases)
+    controllers = controllers_from(items)
+    rows = []
+    for obj in items:
+        if _kind(obj) != naming.KIND_GPU:
+            continue
+        lease = GpuLease.from_object(dict(obj))
+        if node is not None and lease.node != naming.label_value(node):
+            continue
+        state = (states or {}).get(lease.node) or {}
+        live = (state.get("leases") or {}).get(lease.device)
+        rows.append(GpuRow(lease=lease, controller=controllers.get(lease.node),
+                           live=live if isinstance(live, Mapping) else None))
+    return sorted(rows, key=lambda r: (r.lease.node, r.gpu))
+
+
+def _age(moment: dt.datetime | None, now: dt.datetime) -> str:
+    if moment is None:
+        return "-"
+    seconds = max(0, int((now - moment).total_seconds()))
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h"
+
+
+def _last_switch(live: Mapping[str, Any] | None) -> str:
+    switch = (live or {}).get("last_switch") or {}
+    if not isinstance(switch, Mapping) or not switch:
+        return "-"
+    timings = switch.get("timings") or {}
+    total = timings.get("total")
+    head = f"{switch.get('from') or '(none)'} -> {switch.get('to')} "
+    head += "ok" if switch.get("ok") else f"failed ({switch.get('reason') or '?'})"
+    if isinstance(total, int | float):
+        head += f" in {total:.2f}s"
+    steps = [f"{k} {v:.2f}s" for k, v in sorted(timings.items())
+             if k != "total" and isinstance(v, int | float)]
+    return head + (f" [{', '.join(steps)}]" if steps else "")
+
+
+def _queue(live: Mapping[str, Any] | None) -> str:
+    queue = (live or {}).get("queue")
+    if isinstance(queue, int):
+        return str(queue)
+    if isinstance(queue, list):
+        return ",".join(str(q) for q in queue) or "0"
+    return "-"
+
+
+def render_status(rows: Sequence[GpuRow], now: dt.datetime) -> str:
+    """A table, one line per GPU, the last error and last switch on indented lines."""
+    if not rows:
+        return "No GPU Leases: no lease controller has run yet in this namespace.\n"
+    header = ("NODE", "GPU", "STATE", "HOLDER", "MODEL", "FENCE", "CONTROLLER", "RENEWED",
+              "QUEUE")
+    lines = [header]
+    details: dict[int, list[str]] = {}
+    for i, row in enumerate(rows):
+        lease, ctl = row.lease, row.controller
+        acting = "-" if ctl is None else (ctl.identity + ("" if ctl.alive(now) else
+                                                         " (expired)"))
+        model = lease.holder_model or "-"
+        if lease.state == naming.STATE_SWITCHING and lease.target_model:
+            model = f"{lease.draining_model or model} -> {lease.target_model}"
+        lines.append((lease.node, row.gpu, lease.state, lease.holder or "-", model,
+                      str(lease.fence), acting, _age(lease.renewed, now), _queue(row.live)))
+        extra = []
+        if row.live is not None:
+            extra.append(f"last switch: {_last_switch(row.live)}")
+        if lease.last_error:
+            extra.append(f"last error: {lease.last_error}")
+        details[i + 1] = extra
+    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
+    out = []
+    for i, line in enumerate(lines):
+        out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True))
+                   .rstrip())
+        out += [f"    {d}" for d in details.get(i, [])]
+    return "\n".join(out) + "\n"
+
+
+def status_json(rows: Sequence[GpuRow], now: dt.datetime) -> list[dict[str, Any]]:
+    return [{"node": r.lease.node, "gpu": r.gpu, "state": r.lease.state,
+             "holder": r.lease.holder, "model": r.lease.holder_model, "fence": r.lease.fence,
+             "target_model": r.lease.target_model, "last_error": r.lease.last_error,
+             "gpu_uuid": r.lease.gpu_uuid,
+             "controller": None if r.controller is None else {
+                 "identity": r.controller.identity, "url": r.controller.activation_url,
+                 "alive": r.controller.alive(now)},
+             "last_switch": (r.live or {}).get("last_switch"),
+             "queue": (r.live or {}).get("queue")} for r in rows]
+
+
+def find_claimant(claims: Iterable[Mapping[str, Any]], model: str,
+                  claim: str | None = None) -> tuple[str, str]:
+    """(node, ``<namespace>/<claim>``) of an allocated claimant serving ``model``.
+
+    Raises:
+        LookupError: none does (the message lists the models that do exist).
+    """
+    found = claimants_from(claims, {})
+    matching = [c for c in found if c.model == model and (claim is None or c.ref == claim)]
+    if not matching:
+        known = sorted({c.model for c in found})
+        raise LookupError(f"no allocated claim serves model {model!r}"
+                          + (f" as {claim}" if claim else "")
+                          + (f"; models: {', '.join(known)}" if known else ""))
+    if claim is None and len({c.node for c in matching}) > 1:
+        refs = ", ".join(c.ref for c in matching)
+        raise LookupError(f"model {model!r} is served on several nodes ({refs}): "
+                          f"name one with --claim")
+    return matching[0].node, matching[0].ref
+
+
+@dataclass(frozen=True)
+class SwitchOutcome:
+    ok: bool
+    status: int
+    answer: ActivateAnswer | None = None
+    error: str = ""
+    message: str = ""
+    retry_after: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def interpret_activation(status: int, body: bytes, retry_after: str | None) -> SwitchOutcome:
+    """The activation API's answer, read through its contract."""
+    if status == 200:
+        try:
+            return SwitchOutcome(True, status, answer=ActivateAnswer.model_validate_json(body))
+        except ValidationError as exc:
+            return SwitchOutcome(False, status, error="bad_answer", message=str(exc)[:300])
+    try:
+        detail = ErrorBody.model_validate_json(body).error
+        return SwitchOutcome(False, status, error=detail.type, message=detail.message,
+                             retry_after=retry_after)
+    except ValidationError:
+        return SwitchOutcome(False, status, error=f"http_{status}",
+                             message=body[:300].decode(errors="replace"),
+                             retry_after=retry_after)
+
+
+def render_switch(outcome: SwitchOutcome, model: str) -> str:
+    if outcome.ok and outcome.answer is not None:
+        a = outcome.answer
+        verb = "switched to" if a.switched else "already awake:"
+        timings = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(a.timings.items()))
+        return (f"{verb} {a.model} ({a.claim}), fence {a.fence}"
+                + (f" [{timings}]" if timings else "") + "\n")
+    retry = f" (retry after {outcome.retry_after}s)" if outcome.retry_after else ""
+    return f"could not switch to {model}: {outcome.error}: {outcome.message}{retry}\n"
+
+
+# -- the thin part: the API server and the controllers -------------------------------------
+
+
+def _http(url: str, *, token: str | None, body: bytes | None, timeout_s: float
+          ) -> tuple[int, bytes, str | None]:
+    headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(url, data=body, headers=headers,
+                                     method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return int(resp.status), resp.read(1 << 20), resp.headers.get("Retry-After")
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read(1 << 20), exc.headers.get("Retry-After")
+
+
+def _token(args: argparse.Namespace, api: Any) -> str | None:
+    from kubernetes import client
+
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as f:
+            lines = [x.strip() for x in f if x.strip() and not x.startswith("#")]
+        return lines[0] if lines else None
+    try:
+        secret = client.CoreV1Api(api).read_namespaced_secret(args.secret, args.namespace,
+                                                              _request_timeout=10)
+    except client.ApiException:
+        return None
+    raw = (secret.data or {}).get("token")
+    return base64.b64decode(raw).decode().splitlines()[0].strip() if raw else None
+
+
+def _api(args: argparse.Namespace) -> Any:
+    from kubernetes import config
+
+    return config.new_client_from_config(config_file=args.kubeconfig, context=args.context)
+
+
+def _leases(api: Any, namespace: str) -> list[dict[str, Any]]:
+    from kubernetes import client
+
+    resp = client.CoordinationV1Api(api).list_namespaced_lease(
+        namespace, label_selector=f"{naming.LABEL_MANAGED_BY}={naming.MANAGED_BY}",
+        _preload_content=False, _request_timeout=10)
+    return list(json.loads(resp.data).get("items", []))
+
+
+def _status(args: argparse.Namespace, out: TextIO) -> int:
+    api = _api(args)
+    try:
+        leases = _leases(api, args.namespace)
+        states: dict[str, Mapping[str, Any]] = {}
+        if not args.no_live:
+            token = _token(args, api)
+            for node, ctl in controllers_from(leases).items():
+                if args.node is not None and node != naming.label_value(args.node):
+                    continue
+                if not ctl.activation_url:
+                    continue
+                try:
+                    status, body, _ = _http(ctl.activation_url + STATE_PATH, token=token,
+                                            body=None, timeout_s=args.request_timeout)
+                    if status == 200:
+                        states[node] = json.loads(body)
+                except (OSError, ValueError):
+                    continue  # unreachable from here: the Leases still say enough
+        rows = status_rows(leases, states, node=args.node)
+        now = dt.datetime.now(dt.UTC)
+        if args.output == "json":
+            out.write(json.dumps(status_json(rows, now), indent=2, default=str) + "\n")
+        else:
+            out.write(render_status(rows, now))
+        return 0
+    finally:
+        api.close()
+
+
+def _switch(args: argparse.Namespace, out: TextIO) -> int:
+    from kubernetes import client
+
+    api = _api(args)
+    try:
+        claims = client.CustomObjectsApi(api).list_cluster_custom_object(
+            "resource.k8s.io", "v1", "resourceclaims", _request_timeout=30)["items"]
+        try:
+            node, ref = find_claimant(claims, args.model, args.claim)
+        except LookupError as exc:
+            out.write(f"{exc}\n")
+            return 1
+        ctl = controllers_from(_leases(api, args.namespace)).get(naming.label_value(node))
+        if ctl is None or not ctl.activation_url:
+            out.write(f"no lease controller acts for node {node}\n")
+            return 1
+        request = ActivateRequest(model=args.model, claim=ref)
+        try:
+            status, body, retry_after = _http(
+                ctl.activation_url + PATH, token=_token(args, api),
+                body=request.model_dump_json().encode(), timeout_s=args.timeout)
+        except OSError as exc:
+            out.write(f"the lease controller of {node} at {ctl.activation_url} cannot be "
+                      f"reached: {exc}\n")
+            return 1
+        outcome = interpret_activation(status, body, retry_after)
+        out.write(render_switch(outcome, args.model))
+        return 0 if outcome.ok else (3 if status == 409 else 2)
+    finally:
+        api.close()
+
+
+def _common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """Flags every command takes, before or after the command's name."""
+    def default(value: str | None) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument("-n", "--namespace", default=default(DEFAULT_NAMESPACE),
+                        help="Namespace of rota's components and Leases. Default: "
+                             f"{DEFAULT_NAMESPACE}.")
+    parser.add_argument("--kubeconfig", default=default(None), help="kubeconfig file "
+                        "(default: $KUBECONFIG or ~/.kube/config).")
+    parser.add_argument("--context", default=default(None), help="kubeconfig context.")
+    parser.add_argument("--secret", default=default(DEFAULT_SECRET), help="Secret holding "
+                        f"the activation token (key token). Default: {DEFAULT_SECRET}.")
+    parser.add_argument("--token-file", default=default(None), help="Read the activation "
+                        "token from this file instead of the Secret.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kubectl rota", description=__doc__.split("\n\n")[0])
+    _common(parser, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _common(common, defaults=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", parents=[common], help="GPU -> holder, fence, state, "
+                                                             "last switch, per node.")
+    status.add_argument("--node", default=None, help="Only this node's GPUs.")
+    status.add_argument("--no-live", action="store_true", help="Leases only; do not ask "
+                        "the controllers for their last switch and queue.")
+    status.add_argument("--request-timeout", type=float, default=5.0, help="Timeout of "
+                        "each controller call, in seconds. Default: 5.")
+    status.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    switch = sub.add_parser("switch", parents=[common], help="Make a model awake on its GPU.")
+    switch.add_argument("model", help="The model name (EngineConfig model).")
+    switch.add_argument("--claim", default=None, help="<namespace>/<claim> when several "
+                        "claims serve the model.")
+    switch.add_argument("--timeout", type=float, default=330.0, help="Wait this long for "
+                        "the switch, in seconds. Default: 330.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Exit codes: 0 done, 1 nothing to act on, 2 the switch failed, 3 refused for now
+    (another controller instance acts; retry)."""
+    args = build_parser().parse_args(argv)
+    stream = out or sys.stdout
+    if args.command == "status":
+        return _status(args, stream)
+    return _switch(args, stream)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Sends what :mod:`controller.visible_state` builds to the API server, off the switch's path.
+
+A switch never waits for an Event, a label or a condition: callers hand their changes to
+:class:`VisibleStateWriter`, which keeps only the latest wanted value per object (a newer
+state of a pod replaces an older one not yet sent) and writes them from one background
+task. A failed write is retried a few times with the shared backoff and then dropped with a
+warning and a count (``rota_visible_state_errors_total{kind}``); the next change of that
+object writes it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+from prometheus_client import Counter
+
+from controller import metrics
+from controller.claimants import Claimant
+from controller.visible_state import (
+    FIELD_MANAGER,
+    SERIES_WINDOW_S,
+    EngineState,
+    Occurrence,
+    awake_conditions,
+    device_status,
+    event_body,
+    event_series_patch,
+    merged_devices,
+    pod_state_patch,
+)
+from driver.aio import Backoff, retry, wait_any
+from driver.errors import KubeConflictError, KubeError, KubeNotFoundError
+from driver.kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube
+
+__all__ = ["VisibleStateKube", "VisibleStateWriter"]
+
+log = logging.getLogger(__name__)
+
+ERRORS = Counter("rota_visible_state_errors_total",
+                 "Events, pod labels or claim conditions that could not be written.",
+                 ["kind"], registry=metrics.REGISTRY)
+for _kind in ("event", "pod_label", "claim_conditions"):
+    ERRORS.labels(_kind)
+
+
+class VisibleStateKube(Kube):
+    """The three writes, through the shared facade (threads, timeouts, error mapping)."""
+
+    def __init__(self, api: client.ApiClient, *, timeout_s: float = 10.0) -> None:
+        super().__init__(api, timeout_s=timeout_s)
+        self._events = client.EventsV1Api(api)
+
+    async def create_event(self, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        await self._call(f"create event {meta['namespace']}/{meta['name']}",
+                         self._events.create_namespaced_event, meta["namespace"], body,
+                         _preload_content=False)
+
+    async def patch_event(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        await self._call(f"patch event {namespace}/{name}",
+                         self._events.patch_namespaced_event, name, namespace, patch,
+                         _content_type="application/merge-patch+json", _preload_content=False)
+
+    async def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        await self._call(f"patch pod {namespace}/{name}", self._core.patch_namespaced_pod,
+                         name, namespace, patch,
+                         _content_type="application/merge-patch+json", _preload_content=False)
+
+    async def set_claim_devices(self, namespace: str, name: str,
+                                entries: list[dict[str, Any]]) -> None:
+        """Put rota's ``status.devices[]`` entries (and keep every other driver's), with a
+        compare-and-swap on the resourceVersion, retried once on a conflict."""
+        for attempt in range(2):
+            claim = await self._call(
+                f"get resourceclaim {namespace}/{name}",
+                self._objects.get_namespaced_custom_object, RESOURCE_GROUP, RESOURCE_VERSION,
+                namespace, "resourceclaims", name)
+            status = dict(claim.get("status") or {})
+            status["devices"] = merged_devices(status.get("devices") or [], entries)
+            claim["status"] = status
+            try:
+                await self._call(
+                    f"update resourceclaim status {namespace}/{name}",
+                    self._objects.replace_namespaced_custom_object_status, RESOURCE_GROUP,
+                    RESOURCE_VERSION, namespace, "resourceclaims", name, claim,
+                    field_manager=FIELD_MANAGER, _preload_content=False)
+                return
+            except KubeConflictError:
+                if attempt:
+                    raise
+
+
+@dataclass
+class _Series:
+    namespace: str
+    name: str
+    first: dt.datetime
+    count: int
+
+
+@dataclass
+class _ClaimStatus:
+    awake: bool
+    ready: bool
+    since: dict[str, dt.datetime]
+
+
+class VisibleStateWriter:
+    """Latest-wins queue of visible-state writes, sent by :meth:`run`."""
+
+    def __init__(self, kube: VisibleStateKube, *, instance: str,
+                 clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+                 attempts: int = 3) -> None:
+        self.kube = kube
+        self.instance = instance
+        self.clock = clock
+        self.attempts = attempts
+        self._pending: dict[tuple[str, str], Callable[[], Awaitable[None]]] = {}
+        self._changed = asyncio.Event()
+        self._series: dict[tuple[str, str], _Series] = {}
+        self._pod_states: dict[str, EngineState] = {}
+        self._claims: dict[str, _ClaimStatus] = {}
+        self.idle = asyncio.Event()
+        """Set while nothing waits to be written (tests wait on it)."""
+        self.idle.set()
+
+    # -- what callers say --------------------------------------------------------------------
+
+    def record(self, occurrence: Occurrence) -> None:
+        """Record an Event (or extend its series)."""
+        self._queue(("event", f"{occurrence.key[0]}/{occurrence.key[1]}"),
+                    lambda: self._write_event(occurrence))
+
+    def pod_state(self, claimant: Claimant, state: EngineState) -> None:
+        """Set the engine pod's state label (written only when it changes)."""
+        if not claimant.pod_name or not claimant.pod_uid:
+            return
+        if self._pod_states.get(claimant.pod_uid) is state:
+            return
+        self._pod_states[claimant.pod_uid] = state
+        namespace, name = claimant.namespace, claimant.pod_name
+        self._queue(("pod", claimant.pod_uid),
+                    lambda: self.kube.patch_pod(namespace, name, pod_state_patch(state)))
+
+    def claim_conditions(self, claimant: Claimant, *, awake: bool, ready: bool, reason: str,
+                         message: str) -> None:
+        """Set the claim's ``Awake`` and ``Ready`` conditions (written only on change)."""
+        now = self.clock()
+        known = self._claims.get(claimant.claim_uid)
+        if known is not None and (known.awake, known.ready) == (awake, ready):
+            return
+        since = {"Awake": now, "Ready": now}
+        if known is not None:
+            since["Awake"] = known.since["Awake"] if known.awake == awake else now
+            since["Ready"] = known.since["Ready"] if known.ready == ready else now
+        self._claims[claimant.claim_uid] = _ClaimStatus(awake, ready, since)
+        entry = device_status(claimant, awake_conditions(awake=awake, ready=ready,
+                                                         reason=reason, message=message),
+                              since=since, generation=1)
+        namespace, name = claimant.namespace, claimant.claim_name
+        self._queue(("claim", claimant.claim_uid),
+                    lambda: self.kube.set_claim_devices(namespace, name, [entry]))
+
+    def forget(self, *, pod_uids: set[str], claim_uids: set[str]) -> None:
+        """Drop what is remembered of pods and claims that are gone (bounded memory)."""
+        for uid in list(self._pod_states):
+            if uid not in pod_uids:
+                del self._pod_states[uid]
+        for uid in list(self._claims):
+            if uid not in claim_uids:
+                del self._claims[uid]
+        for key in list(self._series):
+            if key[0] not in pod_uids | claim_uids:
+                del self._series[key]
+
+    # -- the writer --------------------------------------------------------------------------
+
+    def _queue(self, key: tuple[str, str], write: Callable[[], Awaitable[None]]) -> None:
+        self._pending.pop(key, None)  # re-insert: latest wins, and goes last
+        self._pending[key] = write
+        self.idle.clear()
+        self._changed.set()
+
+    async def _write_event(self, occurrence: Occurrence) -> None:
+        now = self.clock()
+        series = self._series.get(occurrence.key)
+        if series is not None and (now - series.first).total_seconds() <= SERIES_WINDOW_S:
+            series.count += 1
+            try:
+                await self.kube.patch_event(series.namespace, series.name,
+                                            event_series_patch(occurrence, count=series.count,
+                                                               now=now))
+                return
+            except KubeNotFoundError:
+                pass  # expired or deleted: start a new Event
+        body = event_body(occurrence, instance=self.instance, now=now)
+        await self.kube.create_event(body)
+        self._series[occurrence.key] = _Series(body["metadata"]["namespace"],
+                                               body["metadata"]["name"], now, 1)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Write what is pending until ``stop``; then one last bounded flush."""
+        while not stop.is_set():
+            await wait_any(self._changed, stop)
+            self._changed.clear()
+            await self.flush()
+        await self.flush()
+
+    async def flush(self) -> None:
+        while self._pending:
+            key = next(iter(self._pending))
+            write = self._pending.pop(key)
+            try:
+                await retry(write, retry_on=(KubeError,),
+                            backoff=Backoff(first_s=0.1, max_s=1.0, attempts=self.attempts - 1),
+                            transient=_transient)
+            except KubeError as exc:
+                ERRORS.labels(_error_kind(key[0])).inc()
+                log.warning("could not write visible state", extra={
+                    "kind": key[0], "object": key[1], "error": str(exc)})
+        self.idle.set()
+
+
+def _transient(exc: BaseException) -> bool:
+    """Worth another try: not a refusal, a missing object or an invalid body."""
+    return not (isinstance(exc, KubeError) and exc.status in (403, 404, 422))
+
+
+def _error_kind(key_kind: str) -> str:
+    return {"event": "event", "pod": "pod_label", "claim": "claim_conditions"}[key_kind]

@@ -1,0 +1,170 @@
+"""Ledger garbage collection: records of claims the kubelet will never unprepare.
+
+The kubelet unprepares what it prepared, nearly always. A record can still be left behind:
+a prepare answered after the kubelet had already unprepared the claim (calls overlap), a
+claim deleted or moved while the driver was down, an unprepare that failed until the pod
+was gone. Such a record holds its GPU budget and device for good, so new claims on that
+GPU are refused. Every pass (a jittered period, :func:`driver.aio.run_periodically`) the
+collector:
+
+1. reads the ledger and, for each completed record, the claim from the API server; the
+   record is a *suspect* when the claim is gone (404), was re-created (another uid), or is
+   no longer allocated in this node's pool by this driver. An API error proves nothing:
+   that record is kept;
+2. keeps every suspect that a pod bound to this node still references (by namespace and
+   claim name, in ``spec.resourceClaims`` or ``status.resourceClaimStatuses``): the
+   kubelet may hold it (containers still running, a pod terminating, a kubelet that
+   re-sends prepares after a restart);
+3. collects a suspect once it has been one for ``grace_s`` (so, with the default, across
+   two passes or more), under the preparer's locks (the same as prepare's), and not if
+   the preparer answered it prepared since the pass began: the kubelet holds it then.
+
+The same pass, under the lock, rolls back ``PrepareStarted`` records (prepares that
+failed) and removes CDI specs that no record backs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from driver.aio import Backoff, run_periodically
+from driver.errors import KubeError, KubeNotFoundError
+from driver.ledger import ClaimRecord, LedgerState
+
+log = logging.getLogger(__name__)
+
+Verdict = Literal["live", "gone", "replaced", "elsewhere", "unknown"]
+
+
+class GcKube(Protocol):
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+    async def list_pods_on_node(self, node: str) -> list[dict[str, Any]]: ...
+
+
+class GcPreparer(Protocol):
+    def records(self) -> LedgerState: ...
+
+    async def collect(self, uids: set[str], *, decided_at: float) -> list[str]: ...
+
+
+def verdict(record: ClaimRecord, claim: Mapping[str, Any] | None, *, driver: str,
+            pool: str) -> Verdict:
+    """What the API server says about a recorded claim (``None``: it does not exist)."""
+    if claim is None:
+        return "gone"
+    if claim.get("metadata", {}).get("uid") != record.uid:
+        return "replaced"
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    results = (allocation.get("devices") or {}).get("results") or []
+    here = [r for r in results if isinstance(r, Mapping)
+            and r.get("driver") == driver and r.get("pool") == pool]
+    return "live" if here else "elsewhere"
+
+
+def claims_held_by_pods(pods: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    """(namespace, claim name) of every claim the given pods reference."""
+    held: set[tuple[str, str]] = set()
+    for pod in pods:
+        namespace = pod.get("metadata", {}).get("namespace", "")
+        spec_refs = (pod.get("spec") or {}).get("resourceClaims") or []
+        status_refs = (pod.get("status") or {}).get("resourceClaimStatuses") or []
+        for ref in (*spec_refs, *status_refs):
+            name = ref.get("resourceClaimName") if isinstance(ref, Mapping) else None
+            if name:
+                held.add((namespace, name))
+    return held
+
+
+@dataclass
+class PassResult:
+    """What one pass found and did."""
+
+    checked: int = 0
+    suspects: dict[str, Verdict] = field(default_factory=dict)
+    held: list[str] = field(default_factory=list)
+    collected: list[str] = field(default_factory=list)
+
+
+class LedgerCollector:
+    """Collects ledger records of claims that are gone; see the module docstring."""
+
+    def __init__(self, *, preparer: GcPreparer, kube: GcKube, node_name: str, driver: str,
+                 pool: str, interval_s: float = 60.0, grace_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` measures ``grace_s`` (seconds, monotonic)."""
+        self.preparer = preparer
+        self.kube = kube
+        self.node_name = node_name
+        self.driver = driver
+        self.pool = pool
+        self.interval_s = interval_s
+        self.grace_s = grace_s
+        self.clock = clock
+        self._suspect_since: dict[str, float] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Pass after pass until ``stop``; a failed pass is retried with backoff."""
+        await run_periodically(
+            self.collect_once, stop=stop, what="ledger garbage collection",
+            interval=Backoff(first_s=self.interval_s, max_s=self.interval_s, jitter=0.2),
+            on_error=Backoff(first_s=min(5.0, self.interval_s), max_s=self.interval_s))
+
+    async def collect_once(self) -> PassResult:
+        """One pass; see the module docstring.
+
+        Raises:
+            KubeError: the pods of this node could not be listed (nothing collected).
+            LedgerError: the ledger could not be read or written.
+        """
+        decided_at = time.monotonic()  # the preparer's clock: answers after it win
+        now = self.clock()
+        state = await asyncio.to_thread(self.preparer.records)
+        result = PassResult()
+        completed = [r for r in state.claims.values() if r.state == "PrepareCompleted"]
+        result.checked = len(completed)
+        for record in completed:
+            found = await self._verdict(record)
+            if found not in ("live", "unknown"):
+                result.suspects[record.uid] = found
+        if result.suspects:
+            held = claims_held_by_pods(await self.kube.list_pods_on_node(self.node_name))
+            for uid in list(result.suspects):
+                record = state.claims[uid]
+                if (record.namespace, record.name) in held:
+                    result.held.append(uid)
+                    del result.suspects[uid]
+        for uid in list(self._suspect_since):
+            if uid not in result.suspects:
+                del self._suspect_since[uid]
+        ripe = set()
+        for uid in result.suspects:
+            since = self._suspect_since.setdefault(uid, now)
+            if now - since >= self.grace_s:
+                ripe.add(uid)
+        # Always taken, so stale started records and orphan specs go too.
+        result.collected = await self.preparer.collect(ripe, decided_at=decided_at)
+        for uid in result.collected:
+            self._suspect_since.pop(uid, None)
+            record = state.claims[uid]
+            log.warning("collected a prepared claim that is gone from this node", extra={
+                "claim_uid": uid, "claim": record.ref, "why": result.suspects[uid],
+                "devices": [d.device_name for d in record.devices]})
+        return result
+
+    async def _verdict(self, record: ClaimRecord) -> Verdict:
+        try:
+            claim: Mapping[str, Any] | None = await self.kube.get_claim(record.namespace,
+                                                                        record.name)
+        except KubeNotFoundError:
+            claim = None
+        except KubeError as exc:
+            log.info("cannot read a prepared claim; keeping it this pass",
+                     extra={"claim_uid": record.uid, "claim": record.ref, "error": str(exc)})
+            return "unknown"
+        return verdict(record, claim, driver=self.driver, pool=self.pool)

@@ -1,0 +1,65 @@
+"""python -m e2e.chaos: run a campaign and print what it counted (a JSON line last)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from kubernetes import config
+
+from driver.logs import configure
+from e2e.chaos.campaign import CampaignOptions, run_campaign
+from e2e.chaos.rig import RigOptions
+from e2e.cluster import LocalCluster
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m e2e.chaos",
+        description="Randomized switches with injected faults on the local cluster: real "
+                    "engine simulators, lease controllers, gateways and API server; every "
+                    "GPU sampled every 5 ms. Prints switches, instants with two engines "
+                    "awake, requests without an answer, GPUs left without an owner, and "
+                    "failures by reason.")
+    d = CampaignOptions()
+    p.add_argument("--switches", type=int, default=d.switches)
+    p.add_argument("--max-seconds", type=float, default=d.max_seconds)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--nodes", type=int, default=RigOptions().nodes,
+                   help="GPU nodes (one fake H200 each)")
+    p.add_argument("--engines-per-gpu", type=int, default=RigOptions().engines_per_gpu)
+    p.add_argument("--awake", default=RigOptions().awake,
+                   help="each engine's awake budget (two of 80Gi do not fit an H200)")
+    p.add_argument("--clients-per-gpu", type=int, default=d.clients_per_gpu)
+    p.add_argument("--fault-every-s", type=float, default=d.fault_every_s)
+    p.add_argument("--no-faults", action="store_true", help="load only, no faults")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configure(args.log_level)
+    options = CampaignOptions(
+        switches=args.switches, max_seconds=args.max_seconds, seed=args.seed,
+        clients_per_gpu=args.clients_per_gpu, fault_every_s=args.fault_every_s,
+        faults=() if args.no_faults else CampaignOptions().faults,
+        rig=RigOptions(nodes=args.nodes, engines_per_gpu=args.engines_per_gpu,
+                       awake=args.awake))
+    with LocalCluster() as cluster:
+        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        try:
+            tally = asyncio.run(run_campaign(cluster, api, options))
+        finally:
+            api.close()
+    for line in tally.lines():
+        print(line)
+    print(tally.json_line())
+    clean = (tally.double_awake == 0 and not tally.unowned_gpus
+             and tally.answers["unanswered"] == 0)
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

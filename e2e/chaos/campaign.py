@@ -1,0 +1,205 @@
+"""One campaign: bring the rig up, drive switches with client load while faults come and
+go, then let everything settle and check that every GPU has one owner."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from kubernetes import client
+
+from controller import naming
+from e2e.chaos.faults import CATALOGUE, Fault
+from e2e.chaos.load import client_loop
+from e2e.chaos.observe import LeaseObserver, Transition
+from e2e.chaos.rig import NodeRig, Rig, RigOptions, namespace_for
+from e2e.chaos.tally import Tally
+from e2e.cluster import LocalCluster
+from e2e.scenario import AwakeMonitor, sim_state
+
+__all__ = ["CampaignOptions", "run_campaign"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CampaignOptions:
+    switches: int = 10_000
+    """Stop once this many switches ended (successfully or not)."""
+    max_seconds: float = 1800.0
+    """...or after this long, whichever comes first."""
+    seed: int = 1
+    fault_every_s: float = 2.0
+    """Mean pause between two injected faults (exponentially distributed)."""
+    fault_hold_s: tuple[float, float] = (0.5, 6.0)
+    """How long a fault stays before it is undone (uniform)."""
+    clients_per_gpu: int = 2
+    request_timeout_s: float = 120.0
+    settle_s: float = 120.0
+    """After the load stops: how long every GPU has to end up with one owner."""
+    rig: RigOptions = field(default_factory=RigOptions)
+    faults: tuple[Fault, ...] = CATALOGUE
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)  # the campaign's progress lines are its user interface
+
+
+class _Faults:
+    def __init__(self, rig: Rig, session: aiohttp.ClientSession, options: CampaignOptions,
+                 rng: random.Random, tally: Tally) -> None:
+        self.rig, self.session, self.options, self.rng, self.tally = (
+            rig, session, options, rng, tally)
+        self.undos: set[asyncio.Task[None]] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        weights = [f.weight for f in self.options.faults]
+        if not weights:
+            await stop.wait()
+            return
+        while not stop.is_set():
+            pause = self.rng.expovariate(1.0 / self.options.fault_every_s)
+            try:
+                await asyncio.wait_for(stop.wait(), pause)
+                break
+            except TimeoutError:
+                pass
+            fault = self.rng.choices(self.options.faults, weights)[0]
+            node = self.rng.choice(self.rig.nodes)
+            try:
+                undo = await fault.inject(self.rig, node, self.rng, self.session)
+            except Exception as exc:
+                log.warning("fault injection failed", extra={"fault": fault.name,
+                                                             "error": repr(exc)[:200]})
+                continue
+            self.tally.faults[fault.name] += 1
+            if undo is not None:
+                hold = self.rng.uniform(*self.options.fault_hold_s)
+                task = asyncio.create_task(self._later(hold, undo), name=f"undo {fault.name}")
+                self.undos.add(task)
+                task.add_done_callback(self.undos.discard)
+
+    async def _later(self, delay: float, undo: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            await asyncio.shield(undo())
+
+    async def undo_all(self) -> None:
+        for task in list(self.undos):
+            task.cancel()
+        await asyncio.gather(*self.undos, return_exceptions=True)
+
+
+async def _owner_problem(rig: Rig, node: NodeRig, session: aiohttp.ClientSession) -> str | None:
+    """None when the node's GPU has one owner: the Lease's holder is the only awake engine,
+    or nobody is awake and the Lease says idle."""
+    name = naming.gpu_lease_name(node.node.name, "gpu-0")
+    try:
+        lease = await asyncio.to_thread(client.CoordinationV1Api(rig.api).read_namespaced_lease,
+                                        name, "rota-system", _request_timeout=5)
+        states = [await sim_state(session, e) for e in node.engines]
+    except (client.ApiException, aiohttp.ClientError, TimeoutError) as exc:
+        return f"{node.node.name}: cannot read: {exc!r}"[:200]
+    state = (lease.metadata.annotations or {}).get(naming.STATE, "")
+    holder = lease.spec.holder_identity or ""
+    awake = [f"{e.namespace}/{e.spec.name}" for e, s in zip(node.engines, states, strict=True)
+             if not s.get("sleeping")]
+    if state == naming.STATE_AWAKE and awake == [holder]:
+        return None
+    if state == naming.STATE_IDLE and not awake and not holder:
+        return None
+    return f"{node.node.name}: lease {state} holder {holder or '-'}; awake {awake}"
+
+
+async def _settle(rig: Rig, session: aiohttp.ClientSession, deadline_s: float) -> list[str]:
+    deadline = time.monotonic() + deadline_s
+    problems: list[str] = []
+    while True:
+        problems = [p for node in rig.nodes
+                    if (p := await _owner_problem(rig, node, session)) is not None]
+        if not problems or time.monotonic() > deadline:
+            return problems
+        await asyncio.sleep(1.0)
+
+
+async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
+                       options: CampaignOptions) -> Tally:
+    rng = random.Random(options.seed)
+    tally = Tally()
+    loop = asyncio.get_running_loop()
+
+    def on_transition(found: Transition) -> None:
+        loop.call_soon_threadsafe(lambda: tally.switch(ok=found.ok, reason=found.reason))
+
+    with namespace_for(api) as namespace:
+        rig = Rig(cluster, api, namespace, options.rig)
+        observer = LeaseObserver(api, "rota-system", on_transition)
+        try:
+            for index in range(options.rig.nodes):
+                node = await rig.add_node(index)
+                node.start_controller(options.rig)
+            await asyncio.gather(*(asyncio.to_thread(rig.deploy_engines, node, index)
+                                   for index, node in enumerate(rig.nodes)))
+            await asyncio.to_thread(rig.start_gateways)
+            for node in rig.nodes:
+                node.monitor = AwakeMonitor(node.node.dirs.inspect_socket, node.engines)
+                node.monitor.__enter__()
+            observer.start()
+            _say(f"rig up: {len(rig.nodes)} GPUs, {len(rig.engines)} engines, "
+                 f"{len(rig.gateways)} gateways; target {options.switches} switches")
+            tally = await _drive(rig, options, rng, tally)
+            async with aiohttp.ClientSession() as session:
+                tally.unowned_gpus = await _settle(rig, session, options.settle_s)
+        finally:
+            observer.stop()
+            for node in rig.nodes:
+                if node.monitor is not None:
+                    tally.gpu_samples += node.monitor.samples
+                    tally.double_awake += len(node.monitor.violations)
+                    tally.double_awake_samples += node.monitor.violations[:5]
+            await rig.close()
+    return tally
+
+
+async def _drive(rig: Rig, options: CampaignOptions, rng: random.Random, tally: Tally
+                 ) -> Tally:
+    stop = asyncio.Event()
+    start = time.monotonic()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        faults = _Faults(rig, session, options, rng, tally)
+        clients = [asyncio.create_task(client_loop(session, rig.gateways, models, tally, stop,
+                                                   rng=random.Random(rng.random()),
+                                                   timeout_s=options.request_timeout_s))
+                   for models in rig.models_by_gpu() for _ in range(options.clients_per_gpu)]
+        injector = asyncio.create_task(faults.run(stop))
+        last = 0.0
+        try:
+            while tally.switches < options.switches:
+                elapsed = time.monotonic() - start
+                if elapsed > options.max_seconds:
+                    _say(f"time is up after {elapsed:.0f} s")
+                    break
+                if elapsed - last >= 30:
+                    last = elapsed
+                    _say(f"{elapsed:6.0f} s  switches {tally.switches}  failed "
+                         f"{tally.failed_switches}  requests {sum(tally.answers.values())}  "
+                         f"faults {sum(tally.faults.values())}")
+                await asyncio.sleep(0.5)
+        finally:
+            stop.set()
+            await injector
+            await faults.undo_all()
+            await asyncio.gather(*clients)
+            tally.seconds = time.monotonic() - start
+            for node in rig.nodes:
+                node.reap()
+                if not node.controllers:
+                    node.start_controller(rig.options)
+    return tally

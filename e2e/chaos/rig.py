@@ -1,0 +1,148 @@
+"""What a campaign runs on: the local cluster, GPU nodes (driver and node agent as real
+processes, a fake H200 each, whose memory runs out), engine simulators deployed as pods
+through claims, a lease controller per node reaching the API server through a
+:class:`~e2e.chaos.proxy.FlakyRelay`, and gateways."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from kubernetes import client
+
+from e2e.chaos.proxy import FlakyRelay
+from e2e.cluster import LocalCluster
+from e2e.cluster.local import free_port
+from e2e.cluster.processes import ManagedProcess
+from e2e.harness import GpuNode
+from e2e.objects import MANIFESTS, apply_manifest
+from e2e.scenario import AwakeMonitor, Engine, EngineSpec, deploy
+
+__all__ = ["NodeRig", "Rig", "RigOptions"]
+
+GIB = 2**30
+FAST_ENGINE = ("--later-sleep-seconds", "0.01", "--first-sleep-seconds", "0.05",
+               "--wake-level1-seconds", "0.01", "--ttft-seconds", "0.002")
+
+
+@dataclass(frozen=True)
+class RigOptions:
+    nodes: int = 2
+    engines_per_gpu: int = 2
+    awake: str = "80Gi"
+    """Each engine's awake budget: 80Gi twice does not fit an H200 awake together, so
+    every start and every switch depends on rota's ordering."""
+    resident: str = "2Gi"
+    gateways: int = 2
+    controller_args: tuple[str, ...] = (
+        "--min-residency-s=0", "--resync-s=2", "--election-lease-s=4",
+        # The simulators answer in milliseconds: bounds far above that, far below the
+        # defaults sized for real engines, so a hung call costs seconds, not minutes.
+        '--timeouts={"drain_s": 2, "sleep_s": 10, "wake_s": 10, "probe_s": 5, '
+        '"inspect_s": 2, "lease_s": 5}')
+    gateway_args: tuple[str, ...] = ("--max-wait-s=45", "--stream-keepalive-s=5")
+
+
+@dataclass
+class NodeRig:
+    node: GpuNode
+    relay: FlakyRelay
+    kubeconfig: Path
+    engines: list[Engine] = field(default_factory=list)
+    controllers: list[ManagedProcess] = field(default_factory=list)
+    monitor: AwakeMonitor | None = None
+
+    def start_controller(self, options: RigOptions, *, identity: str = "controller-0"
+                         ) -> ManagedProcess:
+        proc = self.node.start_controller(identity=identity, extra=[
+            *options.controller_args, f"--kubeconfig={self.kubeconfig}",
+            f"--listen=127.0.0.1:{free_port()}"])
+        self.controllers.append(proc)
+        return proc
+
+    def signal_controller(self, sig: signal.Signals) -> bool:
+        """Send ``sig`` to one live controller; False when none runs."""
+        for proc in self.controllers:
+            if proc.alive() and proc.popen is not None:
+                proc.popen.send_signal(sig)
+                return True
+        return False
+
+    def reap(self) -> None:
+        self.controllers = [p for p in self.controllers if p.alive()]
+
+
+def _relay_kubeconfig(cluster: LocalCluster, relay: FlakyRelay, path: Path) -> Path:
+    config = yaml.safe_load(cluster.kubeconfig.read_text())
+    for entry in config["clusters"]:
+        entry["cluster"]["server"] = f"https://127.0.0.1:{relay.port}"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@dataclass
+class Rig:
+    cluster: LocalCluster
+    api: client.ApiClient
+    namespace: str
+    options: RigOptions
+    nodes: list[NodeRig] = field(default_factory=list)
+    gateways: list[str] = field(default_factory=list)
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [e for n in self.nodes for e in n.engines]
+
+    def models_by_gpu(self) -> list[list[str]]:
+        return [[e.spec.model for e in n.engines] for n in self.nodes]
+
+    async def add_node(self, index: int) -> NodeRig:
+        node = GpuNode(cluster=self.cluster, api=self.api, name=f"chaos-{index}-"
+                       f"{uuid.uuid4().hex[:6]}")
+        node.start_driver()
+        node.start_agent()
+        relay = FlakyRelay("127.0.0.1", self.cluster.api_port)
+        await relay.start()
+        rig = NodeRig(node, relay, _relay_kubeconfig(self.cluster, relay,
+                                                      node.dirs.root / "relay.kubeconfig"))
+        self.nodes.append(rig)
+        return rig
+
+    def deploy_engines(self, rig: NodeRig, index: int) -> None:
+        specs = [EngineSpec(f"e{index}-{k}", f"chaos/gpu{index}-m{k}",
+                            resident=self.options.resident, awake=self.options.awake,
+                            args=FAST_ENGINE)
+                 for k in range(self.options.engines_per_gpu)]
+        rig.engines = deploy(self.api, self.namespace, rig.node.name, specs, timeout=180)
+
+    def start_gateways(self) -> None:
+        assert self.nodes, "gateways need a node to keep their logs"
+        for k in range(self.options.gateways):
+            self.gateways.append(self.nodes[0].node.start_gateway(
+                f"gateway-{k}", extra=[f"--serving-namespaces={self.namespace}",
+                                       *self.options.gateway_args]))
+
+    async def close(self) -> None:
+        for rig in self.nodes:
+            if rig.monitor is not None:
+                rig.monitor.__exit__(None, None, None)
+            await rig.relay.close()
+            rig.node.close()
+
+
+@contextlib.contextmanager
+def namespace_for(api: client.ApiClient) -> Iterator[str]:
+    apply_manifest(api, MANIFESTS / "deviceclass.yaml")
+    core = client.CoreV1Api(api)
+    name = f"chaos-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    try:
+        yield name
+    finally:
+        with contextlib.suppress(client.ApiException):
+            core.delete_namespace(name)

@@ -1,0 +1,208 @@
+"""rota on real nodes: the images built, the nodes started, rota deployed from its manifests,
+engines deployed from its examples. What the node tests, the demo and later cluster tests
+build on.
+
+    images = build_rota_images()
+    with RealNode(cluster, "gpu-node-1", images, bin_dir=...) as node:
+        rota = RotaOnNodes(cluster, [node], deploy(api))
+        rota.wait_ready()
+        engines = rota.deploy_engines("demo")
+        url = rota.gateway_url()          # the host reaches the gateway pod through a relay
+
+The host cannot reach pod addresses (they live in the nodes' network namespaces);
+:meth:`RotaOnNodes.url` gives a loopback URL relayed to any pod address and port.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from e2e.cluster import LocalCluster
+from e2e.cluster.realnode import RealNode
+from e2e.deploy import EXAMPLES, Applier, RotaDeployment, images_of, is_ready, read, read_manifests
+from e2e.images import PAUSE_IMAGE, BuiltImages, build_images
+from e2e.objects import create_namespace
+from e2e.waiting import eventually
+
+REPO = Path(__file__).resolve().parent.parent
+GATEWAY_PORT = 8080
+CONTROLLER_PORT = 8090
+DRIVER_HTTP_PORT = 8081
+
+
+def exec_in(api: client.ApiClient, namespace: str, pod: str, argv: Sequence[str], *,
+            container: str | None = None, timeout: float = 60.0) -> str:
+    """Run ``argv`` in a pod's container through the API (``kubectl exec``); its stdout.
+
+    Raises:
+        RuntimeError: the command failed; the message carries its stderr.
+    """
+    from kubernetes.stream import stream
+
+    kwargs: dict[str, Any] = {"container": container} if container else {}
+    ws = stream(client.CoreV1Api(api).connect_get_namespaced_pod_exec, pod, namespace,
+                command=list(argv), stderr=True, stdin=False, stdout=True, tty=False,
+                _preload_content=False, _request_timeout=timeout, **kwargs)
+    try:
+        ws.run_forever(timeout=timeout)
+        out, err = ws.read_stdout(), ws.read_stderr()
+        code = ws.returncode
+    finally:
+        ws.close()
+    if code != 0:
+        raise RuntimeError(f"{' '.join(argv)} in {namespace}/{pod} exited {code}: {err[-2000:]}")
+    return str(out)
+
+
+def build_rota_images() -> BuiltImages:
+    """rota's images under the names its manifests and examples use."""
+    rota = sorted(images_of(read_manifests()))
+    simulator = sorted(set().union(*(images_of(read(p)) for p in EXAMPLES.glob("*.yaml"))))
+    return build_images(REPO, rota_names=rota, simulator_names=simulator,
+                        pause_name=PAUSE_IMAGE)
+
+
+@dataclass
+class EnginePod:
+    """An engine of an example: its pod and claim."""
+
+    namespace: str
+    name: str
+    claim: str
+    model: str
+
+    def pod(self, api: client.ApiClient) -> client.V1Pod:
+        return client.CoreV1Api(api).read_namespaced_pod(self.name, self.namespace,
+                                                         _request_timeout=10)
+
+
+def engine_docs(name: str, *, model: str, resident: str, awake: str,
+                example: Path = EXAMPLES / "two-models.yaml") -> list[dict[str, Any]]:
+    """A claim and an engine pod like the example's first, under another name and budgets."""
+    docs = read(example)
+    claim = copy.deepcopy(next(d for d in docs if d["kind"] == "ResourceClaim"))
+    pod = copy.deepcopy(next(d for d in docs if d["kind"] == "Pod"))
+    claim["metadata"]["name"] = name
+    claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["memory"] = \
+        resident
+    params = claim["spec"]["devices"]["config"][0]["opaque"]["parameters"]
+    params.update({"model": model, "awakeMemory": awake})
+    pod["metadata"]["name"] = name
+    pod["metadata"]["labels"]["app"] = name
+    pod["spec"]["resourceClaims"][0]["resourceClaimName"] = name
+    return [claim, pod]
+
+
+def _pinned(docs: Sequence[Mapping[str, Any]], node: str) -> list[dict[str, Any]]:
+    """Pods of an example pinned to ``node`` (the cluster may have other nodes)."""
+    out: list[dict[str, Any]] = []
+    for doc in docs:
+        copied = copy.deepcopy(dict(doc))
+        if copied["kind"] == "Pod":
+            copied["spec"].setdefault("nodeSelector", {})["kubernetes.io/hostname"] = node
+        out.append(copied)
+    return out
+
+
+def _model_of(claim: Mapping[str, Any]) -> str:
+    for entry in claim["spec"]["devices"].get("config", []):
+        params = entry.get("opaque", {}).get("parameters", {})
+        if params.get("model"):
+            return str(params["model"])
+    return ""
+
+
+@dataclass
+class RotaOnNodes:
+    """rota deployed on a cluster's real nodes."""
+
+    cluster: LocalCluster
+    nodes: list[RealNode]
+    deployment: RotaDeployment
+    api: client.ApiClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.api = self.deployment.api
+
+    def node(self, name: str | None = None) -> RealNode:
+        if name is None:
+            return self.nodes[0]
+        return next(n for n in self.nodes if n.name == name)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        self.deployment.wait_ready([n.name for n in self.nodes], timeout=timeout)
+
+    def url(self, pod_ip: str, port: int) -> str:
+        """A host URL relayed to ``pod_ip:port`` (found on the node that owns the pod)."""
+        for node in self.nodes:
+            if pod_ip.startswith(node.pod_cidr.rsplit(".", 1)[0] + "."):
+                return node.forward(pod_ip, port)
+        raise LookupError(f"no node of this cluster has pod address {pod_ip}")
+
+    def pod_url(self, pod: client.V1Pod, port: int) -> str:
+        return self.url(str(pod.status.pod_ip), port)
+
+    def gateway_url(self) -> str:
+        pods = [p for p in self.deployment.gateway_pods() if is_ready(p)]
+        if not pods:
+            raise LookupError("no gateway pod is Ready")
+        return self.pod_url(pods[0], GATEWAY_PORT)
+
+    def controller_url(self, node: str | None = None) -> str:
+        name = self.node(node).name
+        pods = [p for p in self.deployment.node_pods(name) if is_ready(p)]
+        if not pods:
+            raise LookupError(f"no rota-node pod is Ready on {name}")
+        return self.pod_url(pods[0], CONTROLLER_PORT)
+
+    def node_pod(self, node: str | None = None) -> client.V1Pod:
+        """The Ready DaemonSet pod (driver and controller) of a node."""
+        name = self.node(node).name
+        pods = [p for p in self.deployment.node_pods(name) if is_ready(p)]
+        if len(pods) != 1:
+            raise LookupError(f"{len(pods)} Ready rota-node pods on {name}")
+        return pods[0]
+
+    def logs(self, pod: client.V1Pod, container: str) -> str:
+        """``kubectl logs`` (through the apiserver and the kubelet)."""
+        return str(client.CoreV1Api(self.api).read_namespaced_pod_log(
+            pod.metadata.name, pod.metadata.namespace, container=container,
+            _request_timeout=30))
+
+    def deploy_engines(self, namespace: str, *, node: str | None = None,
+                       example: Path = EXAMPLES / "two-models.yaml",
+                       docs: Sequence[Mapping[str, Any]] | None = None,
+                       timeout: float = 180.0, wait: bool = True) -> list[EnginePod]:
+        """Apply an example's claims and engine pods (or ``docs``) in ``namespace``
+        (created when missing), pinned to a node; wait until every pod is Ready."""
+        target = self.node(node).name
+        create_namespace(self.api, namespace)
+        docs = _pinned(docs if docs is not None else read(example), target)
+        Applier(self.api).apply(docs, namespace)
+        claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ResourceClaim"}
+        engines = []
+        for doc in docs:
+            if doc["kind"] != "Pod":
+                continue
+            claim = next(c.get("resourceClaimName", "") for c in doc["spec"]["resourceClaims"])
+            engines.append(EnginePod(namespace, doc["metadata"]["name"], claim,
+                                     _model_of(claims[claim]) if claim in claims else ""))
+        for engine in engines if wait else []:
+            eventually(lambda e=engine: is_ready(e.pod(self.api)),  # type: ignore[misc]
+                       timeout=timeout, max_interval=2.0, what=f"engine {engine.name} Ready")
+        return engines
+
+
+def client_with_token(cluster: LocalCluster, token: str) -> client.ApiClient:
+    """An API client that authenticates with a bearer token (a pod's, say)."""
+    configuration = client.Configuration()
+    configuration.host = cluster.server
+    configuration.ssl_ca_cert = str(cluster.pki.ca_cert)
+    configuration.api_key = {"authorization": f"Bearer {token}"}
+    return client.ApiClient(configuration)

@@ -1,0 +1,225 @@
+"""The chart lints, renders with every value set, and renders what the design asks for:
+least privilege per pod, probes that outlast their handlers, a gateway grace period that
+fits the longest request, a generated activation token that is never a placeholder."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.gateway.credentials import PLACEHOLDERS
+from driver.settings import DriverSettings
+from e2e.chart import CHART, Rendered, render, run_tool
+
+VALUE_SETS = sorted((CHART / "ci").glob("*-values.yaml"))
+
+
+def _pod(rendered: Rendered, kind: str, name: str) -> dict[str, Any]:
+    [obj] = rendered.find(kind, name)
+    spec: dict[str, Any] = obj["spec"]["template"]["spec"]
+    return spec
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+@pytest.fixture(scope="module")
+def default(chart_bin: Path) -> Rendered:
+    return render(bin_dir=chart_bin)
+
+
+@pytest.fixture(scope="module")
+def hardened(chart_bin: Path) -> Rendered:
+    return render(values_files=[CHART / "ci" / "hardened-values.yaml"], release="prod",
+                  bin_dir=chart_bin)
+
+
+def test_there_are_two_non_default_value_sets() -> None:
+    names = {p.name for p in VALUE_SETS}
+    assert {"hardened-values.yaml", "monitoring-values.yaml"} <= names
+
+
+@pytest.mark.parametrize("values", [None, *VALUE_SETS], ids=lambda p: p.name if p else "default")
+def test_helm_lint(chart_bin: Path, values: Path | None) -> None:
+    args = ["lint", str(CHART), "--strict", "--kube-version", "1.37.2"]
+    if values is not None:
+        args += ["--values", str(values)]
+    done = run_tool("helm", args, bin_dir=chart_bin)
+    assert "0 chart(s) failed" in done.stdout
+
+
+def test_the_schema_refuses_unknown_and_wrong_values(chart_bin: Path) -> None:
+    for bad in ("sharing.mode=everything", "nvml.source=guess", "ipFamily=IPv5",
+                "driver.colour=blue", "nodeSelection.mode=nvidia"):
+        done = run_tool("helm", ["template", "x", str(CHART), "--kube-version", "1.37.2",
+                                 "--set", bad], bin_dir=chart_bin, check=False)
+        assert done.returncode != 0, bad
+        assert "schema" in done.stderr, (bad, done.stderr)
+
+
+def test_components_are_labelled_by_name_instance_and_component(default: Rendered) -> None:
+    for obj in default.documents():
+        labels = obj["metadata"].get("labels", {})
+        assert labels.get("app.kubernetes.io/name") == "rota", obj["metadata"]
+        assert labels.get("app.kubernetes.io/managed-by") == "Helm"
+        assert "helm.sh/chart" in labels
+    for kind, name, component in (("DaemonSet", "rota-driver", "driver"),
+                                  ("DaemonSet", "rota-controller", "controller"),
+                                  ("Deployment", "rota-gateway", "gateway")):
+        [obj] = default.find(kind, name)
+        selector = obj["spec"]["selector"]["matchLabels"]
+        assert selector == {"app.kubernetes.io/name": "rota",
+                            "app.kubernetes.io/instance": "rota",
+                            "app.kubernetes.io/component": component}
+        pod_labels = obj["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= pod_labels.items()
+        # No chart version on pods: a chart upgrade that changes nothing else rolls nothing.
+        assert "helm.sh/chart" not in pod_labels
+
+
+def test_only_the_driver_pod_shares_the_host_pid_namespace(default: Rendered) -> None:
+    pods = [_pod(default, kind, name) for kind, name in (
+        ("DaemonSet", "rota-driver"), ("DaemonSet", "rota-controller"),
+        ("Deployment", "rota-gateway"))]
+    assert [bool(p.get("hostPID")) for p in pods] == [True, False, False]
+
+
+def test_the_controller_mounts_only_the_inspection_socket_directory(default: Rendered) -> None:
+    driver = _pod(default, "DaemonSet", "rota-driver")
+    controller = _pod(default, "DaemonSet", "rota-controller")
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in controller["volumes"]
+                  if "hostPath" in v}
+    assert list(host_paths) == ["inspect"]
+    [container] = controller["containers"]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "inspect"]
+    assert mount["readOnly"] is True
+    # The driver, as configured by the chart, puts its inspection socket there and nothing
+    # else: not the ledger, not the DRA socket, not the registration socket.
+    env = _env(driver["containers"][0])
+    settings = DriverSettings(node_name="n", pod_uid="0b7f6c8e-1d2a-4e3b-9c4d-5e6f7a8b9c0d",
+                              plugin_data_dir=Path(env["ROTA_PLUGIN_DATA_DIR"]),
+                              plugin_registry_dir=Path(env["ROTA_PLUGIN_REGISTRY_DIR"]),
+                              inspect_dir=Path(env["ROTA_INSPECT_DIR"]))
+    shared = Path(host_paths["inspect"])
+    assert settings.inspect_socket.parent == shared
+    assert settings.inspect_listen_socket.parent == shared
+    assert Path(_env(container)["ROTA_INSPECT_SOCKET"]) == settings.inspect_socket
+    for private in (settings.ledger_path, settings.dra_socket, settings.registration_socket,
+                    settings.lock_path):
+        assert shared not in private.parents, private
+
+
+def test_controller_and_gateway_run_unprivileged(default: Rendered) -> None:
+    for kind, name in (("DaemonSet", "rota-controller"), ("Deployment", "rota-gateway")):
+        pod = _pod(default, kind, name)
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        [container] = pod["containers"]
+        sc = container["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+    driver = _pod(default, "DaemonSet", "rota-driver")
+    assert driver["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert driver["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_probe_timeouts_exceed_what_their_handlers_may_take(default: Rendered) -> None:
+    from driver import probes
+
+    driver = _pod(default, "DaemonSet", "rota-driver")["containers"][0]
+    # /healthz makes two gRPC calls of at most _PROBE_TIMEOUT_S each.
+    worst = 2 * probes._PROBE_TIMEOUT_S
+    for probe in ("startupProbe", "livenessProbe"):
+        assert driver[probe]["httpGet"]["path"] == "/healthz"
+        assert driver[probe]["timeoutSeconds"] > worst, probe
+    for kind, name in (("DaemonSet", "rota-controller"), ("Deployment", "rota-gateway")):
+        [container] = _pod(default, kind, name)["containers"]
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert container[probe]["timeoutSeconds"] >= 5, (name, probe)
+
+
+def test_the_gateway_grace_period_fits_the_longest_request(default: Rendered,
+                                                           hardened: Rendered) -> None:
+    for rendered, longest in ((default, 600), (hardened, 1800)):
+        pod = next(_pod(rendered, "Deployment", name) for name in
+                   ("rota-gateway", "prod-rota-gateway") if rendered.find("Deployment", name))
+        [container] = pod["containers"]
+        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert pre_stop > 0
+        assert pod["terminationGracePeriodSeconds"] >= pre_stop + longest
+
+
+def test_the_activation_token_is_random_and_never_a_placeholder(chart_bin: Path) -> None:
+    tokens = []
+    for _ in range(2):
+        [secret] = render(bin_dir=chart_bin).find("Secret", "rota-activation-token")
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        assert token not in PLACEHOLDERS
+        assert len(token) == 48
+        assert token.isalnum()
+        tokens.append(token)
+    assert tokens[0] != tokens[1]
+
+
+def test_an_existing_activation_secret_is_used_not_generated(hardened: Rendered,
+                                                             chart_bin: Path) -> None:
+    rendered = render(set_values={"activation.existingSecret": "mine"}, bin_dir=chart_bin)
+    assert rendered.find("Secret") == []
+    for kind, name in (("DaemonSet", "rota-controller"), ("Deployment", "rota-gateway")):
+        pod = _pod(rendered, kind, name)
+        [volume] = [v for v in pod["volumes"] if v["name"] == "activation-token"]
+        assert volume["secret"]["secretName"] == "mine"
+
+
+def test_nvml_from_a_host_path_or_the_runtime_class(default: Rendered,
+                                                    hardened: Rendered) -> None:
+    driver = _pod(default, "DaemonSet", "rota-driver")
+    [volume] = [v for v in driver["volumes"] if v["name"] == "nvml"]
+    assert volume["hostPath"] == {"path": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+                                  "type": "File"}
+    [container] = driver["containers"]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "nvml"]
+    assert Path(mount["mountPath"]).parent == Path(_env(container)["LD_LIBRARY_PATH"])
+    assert "runtimeClassName" not in driver
+
+    runtime = _pod(hardened, "DaemonSet", "prod-rota-driver")
+    assert runtime["runtimeClassName"] == "nvidia"
+    assert not [v for v in runtime["volumes"] if v["name"] == "nvml"]
+    assert _env(runtime["containers"][0])["NVIDIA_VISIBLE_DEVICES"] == "all"
+
+
+def test_node_selection_needs_no_feature_discovery(default: Rendered,
+                                                   hardened: Rendered) -> None:
+    for name in ("rota-driver", "rota-controller"):
+        terms = _pod(default, "DaemonSet", name)["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert terms == [{"matchExpressions": [{"key": "gpu.rota.dev/enabled",
+                                                "operator": "In", "values": ["true"]}]}]
+    nfd = _pod(hardened, "DaemonSet", "prod-rota-driver")
+    terms = nfd["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0]["key"] == "feature.node.kubernetes.io/pci-10de.present"
+    assert nfd["nodeSelector"] == {"node-pool": "gpu"}
+
+
+def test_ipv6_urls_are_bracketed(hardened: Rendered) -> None:
+    env = _env(_pod(hardened, "DaemonSet", "prod-rota-controller")["containers"][0])
+    assert env["ROTA_ADVERTISE_URL"] == "http://[$(POD_IP)]:8090"
+    assert env["ROTA_LISTEN"] == ":::8090"
+
+
+def test_engine_namespaces_get_network_policies_and_namespaced_pod_reads(
+        default: Rendered, hardened: Rendered) -> None:
+    assert default.find("NetworkPolicy", "rota-engines") == []
+    policies = hardened.find("NetworkPolicy", "prod-rota-engines")
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
+    [cluster_role] = hardened.find("ClusterRole", "prod-rota-gateway")
+    assert all("pods" not in r["resources"] for r in cluster_role["rules"])
+    roles = hardened.find("Role", "prod-rota-gateway-pods")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]

@@ -1,0 +1,205 @@
+"""``kubectl rota``: status from the Leases as the controller writes them, and a switch
+through the activation API of a real lease controller, on the local cluster."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from controller import naming
+from controller.kubectl_rota import (
+    find_claimant,
+    interpret_activation,
+    main,
+    render_status,
+    render_switch,
+    status_rows,
+)
+from controller.leases import GpuLease, lease_body, micro_time
+from e2e.cluster import LocalCluster
+from e2e.harness import GpuNode
+from e2e.scenario import Engine
+from e2e.waiting import eventually
+from tests.engines_on_cluster import MODEL_A, MODEL_B
+
+NOW = dt.datetime(2026, 12, 1, 10, 0, 0, tzinfo=dt.UTC)
+
+
+def _gpu(ns: str, node: str, device: str, **fields: Any) -> dict[str, Any]:
+    lease = GpuLease(name=naming.gpu_lease_name(node, device), node=node, device=device,
+                     **fields)
+    return lease_body(lease, ns, labels_node=node, labels_device=device)
+
+
+def _controller(ns: str, node: str, url: str, *, renewed: dt.datetime) -> dict[str, Any]:
+    """A controller Lease as controller.election writes it."""
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": naming.controller_lease_name(node), "namespace": ns,
+                         "labels": {naming.LABEL_MANAGED_BY: naming.MANAGED_BY,
+                                    naming.LABEL_KIND: naming.KIND_CONTROLLER,
+                                    naming.LABEL_NODE: naming.label_value(node)},
+                         "annotations": {naming.ACTIVATION_URL: url}},
+            "spec": {"holderIdentity": f"rota-controller-{node[-4:]}",
+                     "leaseDurationSeconds": 15, "renewTime": micro_time(renewed),
+                     "leaseTransitions": 0}}
+
+
+def _leases(ns: str, now: dt.datetime) -> list[dict[str, Any]]:
+    return [
+        _gpu(ns, "gpu-node-1", "gpu-0", holder="prod/chat", fence=7,
+             state=naming.STATE_AWAKE, holder_model="org/chat", gpu_uuid="GPU-1a2b"),
+        _gpu(ns, "gpu-node-1", "gpu-1", fence=3, state=naming.STATE_FAILED,
+             last_error="memory_not_returned: prod/embed holds 9.1 GiB asleep"),
+        _gpu(ns, "gpu-node-2", "gpu-0", holder="prod/rerank", fence=12,
+             state=naming.STATE_SWITCHING, holder_model="org/rerank",
+             draining_model="org/rerank", target_model="org/chat-small"),
+        _controller(ns, "gpu-node-1", "http://127.0.0.1:9", renewed=now),
+        _controller(ns, "gpu-node-2", "http://127.0.0.1:9",
+                    renewed=now - dt.timedelta(minutes=5)),
+    ]
+
+
+def test_status_rows_and_table() -> None:
+    state = {"leases": {"gpu-0": {"holder": "prod/chat", "queue": 2, "last_switch": {
+        "ok": True, "from": "prod/embed", "to": "prod/chat", "fence": 7,
+        "timings": {"total": 2.5, "later_sleep": 0.4, "wake_call": 1.25}}}}}
+    rows = status_rows(_leases("rota-system", NOW), {"gpu-node-1": state})
+    assert [(r.lease.node, r.gpu, r.lease.state) for r in rows] == [
+        ("gpu-node-1", "gpu-0", "awake"), ("gpu-node-1", "gpu-1", "failed"),
+        ("gpu-node-2", "gpu-0", "switching")]
+    text = render_status(rows, NOW)
+    lines = text.splitlines()
+    assert lines[0].split() == ["NODE", "GPU", "STATE", "HOLDER", "MODEL", "FENCE",
+                                "CONTROLLER", "RENEWED", "QUEUE"]
+    assert lines[1].split()[:6] == ["gpu-node-1", "gpu-0", "awake", "prod/chat", "org/chat",
+                                    "7"]
+    assert lines[1].split()[-1] == "2"
+    assert ("last switch: prod/embed -> prod/chat ok in 2.50s [later_sleep 0.40s, "
+            "wake_call 1.25s]") in text
+    assert "last error: memory_not_returned: prod/embed holds 9.1 GiB asleep" in text
+    assert "org/rerank -> org/chat-small" in text
+    assert "(expired)" in next(line for line in lines if line.startswith("gpu-node-2"))
+    assert [r.gpu for r in status_rows(_leases("x", NOW), node="gpu-node-2")] == ["gpu-0"]
+    assert "No GPU Leases" in render_status([], NOW)
+
+
+def test_activation_answers_are_read_through_the_contract() -> None:
+    ok = interpret_activation(200, json.dumps({
+        "model": "org/b", "claim": "prod/b", "switched": True, "fence": 9,
+        "timings": {"total": 1.5}}).encode(), None)
+    assert ok.ok
+    assert render_switch(ok, "org/b") == "switched to org/b (prod/b), fence 9 [total 1.50s]\n"
+    failed = interpret_activation(503, json.dumps({"error": {
+        "type": "gpu_oom", "message": "org/b ran out of GPU memory waking"}}).encode(), "2")
+    assert not failed.ok
+    assert render_switch(failed, "org/b") == (
+        "could not switch to org/b: gpu_oom: org/b ran out of GPU memory waking "
+        "(retry after 2s)\n")
+    garbled = interpret_activation(502, b"<html>bad gateway</html>", None)
+    assert garbled.error == "http_502"
+
+
+def test_find_claimant_names_the_node_or_says_what_exists() -> None:
+    def claim(name: str, model: str, node: str) -> dict[str, Any]:
+        return {"metadata": {"namespace": "prod", "name": name, "uid": name},
+                "spec": {"devices": {"config": [{"requests": ["gpu"], "opaque": {
+                    "driver": "gpu.rota.dev", "parameters": {
+                        "apiVersion": "gpu.rota.dev/v1alpha1", "kind": "EngineConfig",
+                        "model": model, "awakeMemory": "20Gi"}}}]}},
+                "status": {"allocation": {"devices": {"results": [{
+                    "request": "gpu", "driver": "gpu.rota.dev", "pool": node,
+                    "device": "gpu-0"}]}}}}
+    claims = [claim("a", "org/a", "n1"), claim("b", "org/b", "n2"), claim("b2", "org/b", "n3")]
+    assert find_claimant(claims, "org/a") == ("n1", "prod/a")
+    assert find_claimant(claims, "org/b", "prod/b2") == ("n3", "prod/b2")
+    with pytest.raises(LookupError, match="several nodes"):
+        find_claimant(claims, "org/b")
+    with pytest.raises(LookupError, match="models: org/a, org/b"):
+        find_claimant(claims, "org/z")
+
+
+@pytest.fixture
+def lease_namespace(kube_api: client.ApiClient) -> Iterator[str]:
+    name = f"rota-status-{uuid.uuid4().hex[:8]}"
+    core = client.CoreV1Api(kube_api)
+    core.create_namespace({"metadata": {"name": name}})
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name)
+
+
+@pytest.mark.cluster
+def test_status_reads_the_leases_on_the_cluster(cluster: LocalCluster, kube_api: client.ApiClient,
+                                                lease_namespace: str) -> None:
+    leases = client.CoordinationV1Api(kube_api)
+    for body in _leases(lease_namespace, dt.datetime.now(dt.UTC)):
+        leases.create_namespaced_lease(lease_namespace, body)
+    out = io.StringIO()
+    # The controllers' URLs lead nowhere: the Leases alone still answer.
+    assert main(["status", "-n", lease_namespace, "--kubeconfig", str(cluster.kubeconfig),
+                 "--request-timeout", "2"], out) == 0
+    text = out.getvalue()
+    assert "prod/chat" in text
+    assert "last error: memory_not_returned" in text
+    assert "(expired)" in text
+    out = io.StringIO()
+    assert main(["status", "-n", lease_namespace, "--kubeconfig", str(cluster.kubeconfig),
+                 "--no-live", "-o", "json", "--node", "gpu-node-1"], out) == 0
+    rows = json.loads(out.getvalue())
+    assert [(r["gpu"], r["holder"], r["fence"]) for r in rows] == [
+        ("gpu-0", "prod/chat", 7), ("gpu-1", "", 3)]
+    assert rows[0]["controller"]["alive"] is True
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_switch_and_status_against_a_real_controller(
+        cluster: LocalCluster, engine_node: GpuNode, two_engines: list[Engine]) -> None:
+    token = engine_node.dirs.root / "activation-token"
+    token.write_text("kubectl-rota-test-token\n")
+    engine_node.start_controller(extra=[f"--token-file={token}"])
+    common = ["-n", "rota-system", "--kubeconfig", str(cluster.kubeconfig),
+              "--token-file", str(token)]
+    by_model = {e.spec.model: e for e in two_engines}
+
+    def switch(model: str) -> str:
+        out = io.StringIO()
+        assert main([*common, "switch", model], out) == 0, out.getvalue()
+        return out.getvalue()
+
+    def holder() -> str:
+        out = io.StringIO()
+        assert main([*common, "status", "--node", engine_node.name, "-o", "json"], out) == 0
+        [row] = json.loads(out.getvalue())
+        return str(row["holder"])
+
+    # The controller answers once it leads and has reconciled (409 not_leader before).
+    eventually(lambda: switch(MODEL_B.model), timeout=90, interval=0.5,
+               what="the controller switching to B")
+    assert holder().endswith(f"/{by_model[MODEL_B.model].spec.name}")
+    said = switch(MODEL_A.model)
+    assert said.startswith(f"switched to {MODEL_A.model}"), said
+    assert holder().endswith(f"/{by_model[MODEL_A.model].spec.name}")
+
+    out = io.StringIO()
+    assert main([*common, "status", "--node", engine_node.name], out) == 0
+    text = out.getvalue()
+    assert f"last switch: {two_engines[0].namespace}/" in text
+    assert " ok in " in text
+    assert "wake_call" in text
+
+    wrong = Path(engine_node.dirs.root / "wrong-token")
+    wrong.write_text("not-the-token\n")
+    out = io.StringIO()
+    assert main(["-n", "rota-system", "--kubeconfig", str(cluster.kubeconfig),
+                 "--token-file", str(wrong), "switch", MODEL_B.model], out) == 2
+    assert "unauthorized" in out.getvalue()

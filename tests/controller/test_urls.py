@@ -1,0 +1,38 @@
+"""Pod URLs work on IPv6 clusters."""
+
+from __future__ import annotations
+
+import pytest
+from yarl import URL
+
+from controller.claimants import claimants_from
+from controller.engines.base import EngineEndpoint
+from controller.urls import http_url
+
+
+@pytest.mark.parametrize(("host", "url"), [
+    ("10.0.0.5", "http://10.0.0.5:8000"), ("fd00::5", "http://[fd00::5]:8000"),
+    ("[fd00::5]", "http://[fd00::5]:8000"), ("engine.ns.svc", "http://engine.ns.svc:8000"),
+    ("::1", "http://[::1]:8000"),
+])
+def test_urls_of_every_address_family_parse_back_to_their_host(host: str, url: str) -> None:
+    built = http_url(host, 8000)
+    assert built == url
+    assert URL(built).port == 8000
+    assert URL(built).host == host.strip("[]")
+
+
+def test_an_ipv6_pod_gets_a_usable_engine_endpoint() -> None:
+    claim = {"metadata": {"uid": "c-1", "namespace": "ns", "name": "model-a"},
+             "spec": {"devices": {"config": [{"opaque": {"driver": "gpu.rota.dev", "parameters": {
+                 "apiVersion": "gpu.rota.dev/v1alpha1", "kind": "EngineConfig",
+                 "model": "org/a", "awakeMemory": "20Gi"}}}]}},
+             "status": {"allocation": {"devices": {"results": [
+                 {"driver": "gpu.rota.dev", "pool": "node-1", "device": "gpu-0",
+                  "request": "gpu"}]}},
+                 "reservedFor": [{"resource": "pods", "name": "pod-a", "uid": "p-1"}]}}
+    pod = {"metadata": {"uid": "p-1", "name": "pod-a"}, "status": {"podIP": "fd00:10::7"}}
+    (claimant,) = claimants_from([claim], {"p-1": pod})
+    assert claimant.endpoint is not None
+    EngineEndpoint(base_url=claimant.endpoint, model="org/a", claim="ns/model-a")
+    assert URL(claimant.endpoint).host == "fd00:10::7"
