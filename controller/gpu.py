@@ -252,7 +252,7 @@ class GpuWorker:
                         continue
                     if self._reconcile_due():
                         await self.reconcile()
-                    elif self._start_ready():
+                    if self._start_ready():
                         await self._serve_start()
                     elif self._queue:
                         await self._serve_next(stop)
@@ -360,7 +360,8 @@ class GpuWorker:
             log.info("lease reconciled", extra={"device": self.gpu, "holder": wanted[0],
                                                 "state": wanted[1], "fence": lease.fence})
         self.lease = lease
-        HOLDERS.set(self.gpu, {(self.gpu, c.ref): 1.0 if keep is c else 0.0 for c in on_gpu})
+        HOLDERS.set(self.gpu, {(self.gpu, snapshot.uuid, c.ref, c.model): 1.0 if keep is c
+                               else 0.0 for c in on_gpu})
         if self.unsettled:
             self._next_reconcile = self.clock() + self._unsettled_pauses.next_delay()
             log.warning("engines in an unknown state; no wake on this GPU until they are "

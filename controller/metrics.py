@@ -48,14 +48,14 @@ START_SECONDS = Histogram("rota_start_seconds", "From a start slot's grant until
 RECONCILES = Counter("rota_reconcile_actions_total",
                      "Engines put to sleep by start-up or expiry reconciliation.", ["reason"],
                      registry=REGISTRY)
-GPU_CLAIM_MEMORY = Gauge("rota_gpu_claim_memory_bytes",
-                         "GPU memory held by each claim's processes, as NVML reports it "
-                         "(claim \"unknown\": processes of no claim). Series of claims "
-                         "that left the GPU are removed.",
-                         ["gpu", "claim"], registry=REGISTRY)
-HOLDER = Gauge("rota_lease_holder", "1 for the claimant that holds each GPU, 0 for the "
-               "others on it; series of claimants that left the GPU are removed.",
-               ["device", "claim"], registry=REGISTRY)
+GPU_MEMORY = Gauge("rota_controller_gpu_memory_bytes",
+                   "GPU memory held by each claim's processes, as NVML reports it (claim "
+                   "\"unknown\": processes of no claim); summed per claim, no pid. Series of "
+                   "claims that left the GPU are removed.",
+                   ["gpu", "gpu_uuid", "claim"], registry=REGISTRY)
+HOLDER = Gauge("rota_controller_lease_holder", "1 for the claimant that holds each GPU, 0 for "
+               "the others on it; series of claimants that left the GPU are removed.",
+               ["gpu", "gpu_uuid", "claim", "model_name"], registry=REGISTRY)
 WATCH_RESTARTS = Counter("rota_controller_watch_restarts_total",
                          "Lists made again after a failed list or watch, by resource.",
                          ["resource"], registry=REGISTRY)

@@ -40,7 +40,7 @@ from driver.aio import wait_any
 
 log = logging.getLogger(__name__)
 
-MEMORY = metrics.SeriesSet(metrics.GPU_CLAIM_MEMORY)
+MEMORY = metrics.SeriesSet(metrics.GPU_MEMORY)
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class NodeController:
         for snap in snapshots.values():
             held: dict[tuple[str, ...], float] = {}
             for proc in snap.processes:
-                key = (snap.device, proc.claim_uid or "unknown")
+                key = (snap.device, snap.uuid, proc.claim_uid or "unknown")
                 held[key] = held.get(key, 0.0) + proc.used_bytes
             MEMORY.set(snap.device, held)
         if gpu not in snapshots:

@@ -45,8 +45,6 @@ EXPECTED_MISSING = frozenset({
     "rota_controller_switches_total",
     "rota_controller_switch_failures_total",
     "rota_controller_reconcile_actions_total",
-    "rota_controller_gpu_memory_bytes",
-    "rota_controller_lease_holder",
     "rota_gateway_queue_wait_duration_seconds",
     "rota_gateway_first_token_duration_seconds",
     "rota_gateway_requests_queued",
