@@ -9,14 +9,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools manifests venv clean help
+.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools manifests images host venv clean help
 
 all: test
 
 help:
 	@echo "make demo       bring up the local cluster, rota, two simulated engines; show a switch"
 	@echo "make test       ruff, mypy --strict and the whole pytest suite (builds what it needs)"
-	@echo "make k8s        build or find the cached control-plane binaries"
+	@echo "make k8s        build or find the cached Kubernetes and containerd binaries"
+	@echo "make images     build or find the cached images (pause, rota, engine simulator)"
+	@echo "make host       install the Debian packages a real node needs (runc, CNI, socat...)"
 	@echo "make chart-tools build or find the cached helm and promtool"
 	@echo "make manifests  render manifests/*.yaml from the Helm chart (charts/rota)"
 	@echo "make proto      regenerate driver/pb from proto/"
@@ -32,6 +34,12 @@ venv: $(STAMP)
 
 k8s:
 	bash e2e/build-k8s.sh
+
+host:
+	bash e2e/setup-host.sh
+
+images: $(STAMP)
+	$(PY) -m e2e.images
 
 chart-tools:
 	bash e2e/build-chart-tools.sh
@@ -51,7 +59,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy driver controller e2e tests proto
 
-test: $(STAMP) lint typecheck proto-check
+test: $(STAMP) host lint typecheck proto-check
 	ROTA_K8S_BIN="$$(bash e2e/build-k8s.sh | tail -n 1)" \
 	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" \
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
@@ -59,7 +67,7 @@ test: $(STAMP) lint typecheck proto-check
 unit: $(STAMP)
 	$(VENV)/bin/pytest -m "not cluster" $(PYTEST_ARGS)
 
-demo: $(STAMP)
+demo: $(STAMP) host
 	ROTA_K8S_BIN="$$(bash e2e/build-k8s.sh | tail -n 1)" $(PY) -m e2e.demo
 
 clean:

@@ -114,6 +114,30 @@ def device_memory_of(slices: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     return found
 
 
+def _reserved_pod(claim: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]], *,
+                  node: str) -> Mapping[str, Any] | None:
+    """The pod the claim is reserved for, only if it really is that pod: same namespace as
+    the claim, the name ``reservedFor`` gives, and running on the node whose pool holds the
+    allocation. ``reservedFor`` is status, which a node component may be able to write; a
+    pod of another namespace or node named there must never receive the claim's traffic."""
+    meta = claim.get("metadata", {})
+    for ref in (claim.get("status", {}) or {}).get("reservedFor", []) or []:
+        if ref.get("resource") != "pods":
+            continue
+        pod = pods.get(str(ref.get("uid", "")))
+        if pod is None:
+            continue
+        pod_meta = pod.get("metadata", {}) or {}
+        if (pod_meta.get("namespace") == meta.get("namespace")
+                and pod_meta.get("name") == ref.get("name")
+                and (pod.get("spec", {}) or {}).get("nodeName") in (node, None)):
+            return pod
+        log.warning("a claim's reservedFor names a pod that is not its own; ignored",
+                    extra={"claim": f"{meta.get('namespace')}/{meta.get('name')}",
+                           "pod": f"{pod_meta.get('namespace')}/{pod_meta.get('name')}"})
+    return None
+
+
 def claimants_from(claims: Iterable[Mapping[str, Any]],
                    pods: Mapping[str, Mapping[str, Any]], *,
                    node: str | None = None, driver: str = DRIVER,
@@ -146,11 +170,9 @@ def claimants_from(claims: Iterable[Mapping[str, Any]],
             continue
         if config is None:
             continue
-        reserved = [r for r in (claim.get("status", {}) or {}).get("reservedFor", []) or []
-                    if r.get("resource") == "pods"]
-        pod = pods.get(reserved[0]["uid"]) if reserved else None
-        model, port, level = _override(config, pod)
         result = results[0]
+        pod = _reserved_pod(claim, pods, node=str(result.get("pool", "")))
+        model, port, level = _override(config, pod)
         consumed = (result.get("consumedCapacity") or {}).get("memory")
         try:
             resident = (parse_quantity(consumed) if consumed is not None

@@ -83,7 +83,8 @@ class Election:
                        naming.LABEL_KIND: naming.KIND_CONTROLLER,
                        naming.LABEL_NODE: naming.label_value(self.node)},
             "annotations": {naming.ACTIVATION_URL: self.activation_url,
-                            naming.INSTANCE: self.instance},
+                            naming.INSTANCE: self.instance,
+                            naming.NODE_NAME: self.node},
         }
         if resource_version:
             metadata["resourceVersion"] = resource_version

@@ -83,7 +83,7 @@ class GpuLease:
 
 def lease_body(lease: GpuLease, namespace: str, *, labels_node: str, labels_device: str
                ) -> dict[str, Any]:
-    annotations = dict(lease.extra_annotations)
+    annotations = dict(lease.extra_annotations) | {naming.NODE_NAME: labels_node}
     for key, value in ((naming.STATE, lease.state), (naming.HOLDER_MODEL, lease.holder_model),
                        (naming.HOLDER_CLAIM_UID, lease.holder_claim_uid),
                        (naming.HOLDER_ENDPOINT, lease.holder_endpoint),

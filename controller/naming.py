@@ -32,6 +32,9 @@ KIND_GPU = "gpu"
 KIND_CONTROLLER = "controller"
 LABEL_NODE = f"{DOMAIN}/node"
 LABEL_DEVICE = f"{DOMAIN}/device"
+NODE_NAME = f"{DOMAIN}/node-name"
+"""Annotation of every Lease a controller writes: its node's full name (the label is hashed
+past 63 characters); the chart's admission policy compares it with the token's node."""
 
 STATE = f"{DOMAIN}/state"
 """A :class:`LeaseState`: ``awake``, ``switching``, ``starting``, ``idle`` or ``failed``."""

@@ -22,6 +22,19 @@ find each claimant's engine. This module therefore depends only on pydantic and 
 parser: it must stay importable without grpc or the kubernetes client.
 
 ``awakeMemory`` is what the engine holds on one GPU while awake, its resident part included.
+
+Optional sections:
+
+- ``apiKeySecret: {name, key}``: the Secret (in the claim's namespace; ``key`` defaults to
+  ``api-key``) holding the engine's own API key (vLLM's ``--api-key``). The lease
+  controller's probe and the gateway send it as ``Authorization: Bearer`` on ``/v1*``.
+- ``probe``: how the correctness probe after every wake asks and judges (prompt, expected
+  answer, token budget, ``reasoning_content``, or ``mode: structure`` for models whose
+  answer cannot be predicted).
+- ``omniStageIds`` (required for ``adapter: vllm-omni``): the pipeline's stages.
+
+``adapter: vllm-omni`` takes ``sleepLevel: 1`` only: vLLM-Omni 0.26 and 0.30 cannot wake
+after a level-2 sleep (501, and the engine stays asleep until restarted).
 """
 
 from __future__ import annotations
@@ -46,11 +59,16 @@ from driver.quantity import parse_quantity
 __all__ = [
     "API_GROUP",
     "API_VERSION",
+    "DEFAULT_PROBE_ANSWER",
+    "DEFAULT_PROBE_MAX_TOKENS",
+    "DEFAULT_PROBE_PROMPT",
     "KIND",
     "SUPPORTED",
     "Adapter",
     "EngineConfig",
     "HttpAdapterConfig",
+    "ProbeConfig",
+    "SecretKeyRef",
     "parse_engine_config",
 ]
 
@@ -67,6 +85,12 @@ _MAX_SHOWN_INPUT = 40
 _MAX_STAGE_IDS = 64
 _PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/?-]{0,255}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+DEFAULT_PROBE_PROMPT = "What is 3 + 4? Answer with a single number."
+DEFAULT_PROBE_ANSWER = "7"
+DEFAULT_PROBE_MAX_TOKENS = 8
 
 
 class _Model(BaseModel):
@@ -104,6 +128,61 @@ class HttpAdapterConfig(_Model):
         return value
 
 
+class SecretKeyRef(_Model):
+    """One key of a Secret in the claim's namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """The Secret's name."""
+    key: str = Field(default="api-key", min_length=1, max_length=253)
+    """The key inside the Secret whose value is the engine's API key."""
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _DNS_SUBDOMAIN.fullmatch(value):
+            raise ValueError("must be a Secret name (a DNS subdomain: lower case, digits, "
+                             "'-' and '.')")
+        return value
+
+    @field_validator("key")
+    @classmethod
+    def _check_key(cls, value: str) -> str:
+        if not _SECRET_KEY.fullmatch(value):
+            raise ValueError("must be a Secret key (letters, digits, '-', '_' and '.')")
+        return value
+
+
+class ProbeConfig(_Model):
+    """How the correctness probe after every wake asks and judges the engine.
+
+    ``mode: answer`` (default) asks ``prompt`` and accepts only ``expect`` (surrounding
+    whitespace and trailing punctuation allowed). ``mode: structure`` accepts any
+    non-empty content and checks only the stream's structure (``[DONE]``, a usage block):
+    for models whose answer cannot be predicted; the controller says so in the Lease and
+    its metrics.
+    """
+
+    mode: Literal["answer", "structure"] = "answer"
+    prompt: str = Field(default=DEFAULT_PROBE_PROMPT, min_length=1, max_length=4096)
+    """The user message of the probe."""
+    expect: str = Field(default=DEFAULT_PROBE_ANSWER, min_length=1, max_length=256)
+    """The answer ``mode: answer`` accepts."""
+    max_tokens: int = Field(default=DEFAULT_PROBE_MAX_TOKENS, ge=1, le=4096, strict=True)
+    """The probe's token budget (a reasoning model may need hundreds)."""
+    reasoning_counts: bool = False
+    """Count the stream's ``reasoning_content`` (``reasoning``) with its ``content``: for
+    reasoning models served with a reasoning parser, whose first tokens are thoughts."""
+    chat_template_kwargs: dict[str, str | int | float | bool] | None = None
+    """Sent as is in the request (e.g. ``{"enable_thinking": false}`` for Qwen3)."""
+
+    @field_validator("prompt", "expect")
+    @classmethod
+    def _check_text(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be blank")
+        return value
+
+
 class EngineConfig(_Model):
     """``gpu.rota.dev/v1alpha1`` ``EngineConfig``: one engine's budgets and controls."""
 
@@ -120,10 +199,14 @@ class EngineConfig(_Model):
     adapter: Adapter = "vllm"
     """How the lease controller drives the engine."""
     omni_stage_ids: tuple[Annotated[int, Field(strict=True, ge=0)], ...] | None = None
-    """vLLM-Omni only: the stages to put to sleep and wake; stages 0 and 1 when absent
-    (vLLM-Omni has no call that lists its stages)."""
+    """vLLM-Omni only, and required there: the stages to put to sleep and wake (vLLM-Omni
+    has no call that lists its stages; Qwen2.5-Omni and Qwen3-Omni have 0, 1 and 2)."""
     http: HttpAdapterConfig | None = None
     """Generic HTTP adapter only: where the sleep controls live; vLLM's paths when absent."""
+    api_key_secret: SecretKeyRef | None = None
+    """The Secret holding the engine's own API key (vLLM's ``--api-key``), sent on ``/v1*``."""
+    probe: ProbeConfig | None = None
+    """How the correctness probe asks and judges; the "3 + 4 = 7" question when absent."""
 
     @field_validator("model")
     @classmethod
@@ -165,6 +248,16 @@ class EngineConfig(_Model):
     def _check_adapter_fields(self) -> EngineConfig:
         if self.omni_stage_ids is not None and self.adapter != "vllm-omni":
             raise ValueError(f"omniStageIds applies only to adapter vllm-omni, not {self.adapter}")
+        if self.adapter == "vllm-omni":
+            if self.sleep_level == 2:
+                raise ValueError(
+                    "sleepLevel 2 is not supported for adapter vllm-omni: vLLM-Omni (0.26, "
+                    "0.30) cannot wake after a level-2 sleep (501 NotImplementedError) and "
+                    "the engine stays asleep until restarted; use sleepLevel 1")
+            if self.omni_stage_ids is None:
+                raise ValueError(
+                    "adapter vllm-omni needs omniStageIds, the pipeline's stages (vLLM-Omni "
+                    "cannot list them; Qwen2.5-Omni and Qwen3-Omni have [0, 1, 2])")
         if self.http is not None and self.adapter != "http":
             raise ValueError(f"http applies only to adapter http, not {self.adapter}")
         return self

@@ -224,7 +224,7 @@ def _spawn(sim: Sim, args: argparse.Namespace, env: dict[str, str], gpu: GpuDevi
                "--weights-bytes", str(sim.weights), "--memory-backend", args.memory_backend,
                "--tokens-per-second", str(args.tokens_per_second),
                "--gpu-uuid", gpu.uuid, "--shutdown-grace-seconds", "0",
-               "--log-level", "warning"]
+               "--dev-mode", "--log-level", "warning"]
     if fake_dir is not None:
         command += ["--fake-nvml-dir", str(fake_dir)]
     child_env = dict(env, ROTA_CLAIM_UID=sim.claim_uid)

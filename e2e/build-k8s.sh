@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the Kubernetes binaries rota's local cluster runs from the Go module proxy, at pinned
 # versions: the control plane (etcd, kube-apiserver, kube-scheduler, kube-controller-manager),
-# and what a real node needs (kubelet; containerd with ctr and the runc shim).
+# what a real node needs (kubelet; containerd with ctr and the runc shim), and kubectl.
 #
 # The binaries land in a cache outside the repository, keyed by version, and are reused
 # when present:   ${ROTA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rota}/k8s/<k8s>-etcd<etcd>/bin
@@ -20,7 +20,7 @@ CONTAINERD_VERSION="${ROTA_CONTAINERD_VERSION:-2.4.2}"
 CACHE_ROOT="${ROTA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rota}"
 OUT="$CACHE_ROOT/k8s/v${K8S_VERSION}-etcd${ETCD_VERSION}-containerd${CONTAINERD_VERSION}"
 BIN="$OUT/bin"
-KUBE=(kube-apiserver kube-scheduler kube-controller-manager kubelet)
+KUBE=(kube-apiserver kube-scheduler kube-controller-manager kubelet kubectl)
 CONTAINERD=(containerd containerd-shim-runc-v2 ctr)
 WANT=(etcd "${KUBE[@]}" "${CONTAINERD[@]}")
 
@@ -94,6 +94,7 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kubectl"
 )
 GO
   log "resolving dependencies"

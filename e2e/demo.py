@@ -1,37 +1,40 @@
 """The embedded demo: ``make demo``.
 
-Brings up rota's local cluster (real etcd, kube-apiserver, kube-scheduler and
-kube-controller-manager), one GPU node with the rota driver on a fake H200 (the answers of
-a real one, recorded), the node agent in the kubelet's place, the lease controller, the
-gateway, and two simulated engines from ``manifests/examples/two-models.yaml``. Then it
-sends requests for both models through the gateway and shows who was awake and what each
-switch cost. Everything it started is stopped when it ends.
+Builds rota's images from this repository, brings up rota's local cluster (real etcd,
+kube-apiserver, kube-scheduler and kube-controller-manager) and one real node (kubelet,
+containerd, runc and bridge CNI in namespaces of its own, with a fake H200: the answers of
+a real one, recorded), applies rota from ``manifests/`` as an admin would (driver and
+lease controller DaemonSets, the gateway Deployment), and deploys two simulated engines
+from ``manifests/examples/two-models.yaml``. It shows ``kubectl get pods``, sends requests
+for both models through the gateway and shows who was awake and what each switch cost.
+Everything it started is stopped when it ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kubernetes import client, config
+from kubernetes import client
 
 from controller import naming
 from driver.logs import configure
-from e2e.cluster import LocalCluster
-from e2e.harness import GpuNode
-from e2e.objects import MANIFESTS, apply_manifest
+from e2e.cluster import LocalCluster, binaries
+from e2e.cluster.realnode import RealNode
+from e2e.deploy import deploy
+from e2e.rota_node import RotaOnNodes, build_rota_images
 from e2e.scenario import stream_chat
 from e2e.waiting import eventually
 
 NAMESPACE = "demo"
 NODE = "gpu-node-1"
 MODELS = ("org/model-a", "org/model-b")
-TOKEN = "rota-demo-token"
 
 
 def say(text: str = "") -> None:
@@ -79,6 +82,14 @@ async def _conversation(api: client.ApiClient, gateway: str, controller: str, to
                     f"{t.get('recovery_to_first_token', 0) * 1e3:.0f} ms)")
 
 
+def _kubectl(kubeconfig: Path, *args: str) -> str:
+    """``kubectl <args>`` as an admin would type it (the binary built with the cluster)."""
+    binary = binaries.locate() / "kubectl"
+    proc = subprocess.run([str(binary), f"--kubeconfig={kubeconfig}", *args],
+                          capture_output=True, text=True, check=False, timeout=60)
+    return (proc.stdout or proc.stderr).rstrip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,42 +99,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     configure(args.log_level)
-    say("rota demo: two simulated engines share one (fake) H200 in turns")
+    say("rota demo: two simulated engines share one (fake) H200 in turns, on a real node")
     started = time.perf_counter()
+    images = build_rota_images()
+    say(f"  images ready in {time.perf_counter() - started:.1f} s "
+        f"(built: {', '.join(images.built) or 'none, all cached'}; "
+        f"{images.size_bytes / 2**20:.0f} MiB of layers)")
     with LocalCluster() as cluster:
-        say(f"  local cluster up in {time.perf_counter() - started:.1f} s "
+        say(f"  local control plane up in {time.perf_counter() - started:.1f} s "
             f"(kubeconfig {cluster.kubeconfig})")
-        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
-        node = GpuNode(cluster=cluster, api=api, name=NODE)
+        api = cluster.api_client()
+        node = RealNode(cluster, NODE, images, bin_dir=binaries.locate())
         try:
-            apply_manifest(api, MANIFESTS / "deviceclass.yaml")
-            client.CoreV1Api(api).create_namespace({"metadata": {"name": NAMESPACE}})
-            node.start_driver()
-            node.start_agent()
-            token: Path = node.dirs.root / "activation-token"
-            token.write_text(TOKEN + "\n")
-            node.start_controller(extra=[f"--token-file={token}"])
-            gateway = node.start_gateway(token_file=token,
-                                         extra=[f"--serving-namespaces={NAMESPACE}"])
-            say(f"  driver, node agent, lease controller and gateway ({gateway}) running")
-            apply_manifest(api, MANIFESTS / "examples" / "two-models.yaml", NAMESPACE)
-            core = client.CoreV1Api(api)
-
-            def engines_ready() -> bool:
-                pods = [core.read_namespaced_pod(n, NAMESPACE) for n in ("model-a", "model-b")]
-                return all(any(c.type == "Ready" and c.status == "True"
-                               for c in p.status.conditions or []) for p in pods)
-
-            eventually(engines_ready, timeout=90, what="both engines running")
+            node.start()
+            say(f"  node {NODE} Ready in {node.times.kubelet_ready:.1f} s: kubelet "
+                "1.37.2, containerd 2.4.2, runc, bridge CNI, in namespaces of its own")
+            begun = time.perf_counter()
+            rota = RotaOnNodes(cluster, [node], deploy(api, nodes=[NODE], gateway_nodes=[NODE],
+                                                       serving_namespaces=[NAMESPACE]))
+            rota.wait_ready()
+            say(f"  rota applied from manifests/: its pods Ready in "
+                f"{time.perf_counter() - begun:.1f} s")
+            rota.deploy_engines(NAMESPACE)
             # Both engines start awake, as vLLM does; the controller puts one to sleep.
-            eventually(lambda: _lease(api)["holder"] != "-", timeout=60,
+            eventually(lambda: _lease(api)["holder"] != "-", timeout=120,
                        what="the controller reconciled the GPU")
-            say(f"  the controller reconciled: {_lease(api)['model']} awake, the other asleep")
+            say("\n$ kubectl get pods -A -o wide")
+            say(_kubectl(cluster.kubeconfig, "get", "pods", "-A", "-o", "wide"))
+            say(f"\n  the controller reconciled: {_lease(api)['model']} awake, the other asleep")
             say("  both engines running on the same GPU; sending requests through the gateway:")
-            asyncio.run(_conversation(api, gateway, node.controller_url(), TOKEN, args.rounds))
+            asyncio.run(_conversation(api, rota.gateway_url(), rota.controller_url(),
+                                      rota.deployment.token, args.rounds))
             say(f"\n  GPU lease now: {_lease(api)}")
+            memory = node.resident_memory_bytes()
+            say(f"  node memory (RSS): {sum(memory.values()) / 2**20:.0f} MiB "
+                f"(kubelet {memory.get('kubelet', 0) / 2**20:.0f}, containerd "
+                f"{memory.get('containerd', 0) / 2**20:.0f}, shims "
+                f"{memory.get('containerd-shim', 0) / 2**20:.0f} MiB)")
             if args.keep:
-                say(f"\n  export KUBECONFIG={cluster.kubeconfig}\n"
+                say(f"\n  export KUBECONFIG={cluster.kubeconfig}   "
+                    f"# kubectl: {binaries.locate() / 'kubectl'}\n"
                     "  kubectl get resourceslices,resourceclaims -A; kubectl -n demo get pods\n"
                     "  press Ctrl-C to stop")
                 try:
@@ -132,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 except KeyboardInterrupt:
                     pass
         finally:
-            node.close()
+            node.stop()
             api.close()
     say("  stopped everything the demo started.")
     return 0

@@ -1,12 +1,15 @@
 """rota deployed from ``manifests/`` as an admin deploys it, onto a cluster with real nodes.
 
-The files are read as they are and applied in the README's order with server-side apply
-(``kubectl apply --server-side``), with two changes an admin would make too: the
-activation token is set in the Secret, and, on nodes without a GPU, the DaemonSet's driver
-is switched to the fake NVML backend (:func:`with_fake_gpu`: the ``ROTA_NVML_BACKEND``
-setting, a recorded H200, and the node's fake device nodes and process registry mounted
-at the same paths as on the node, which the driver's CDI specs then name). Engines come
-from ``manifests/examples`` the same way.
+What the README's "without Helm" steps do, with server-side apply (``kubectl apply
+--server-side``): ``namespace.yaml``, the activation token's Secret (a random token), then
+every other file of ``manifests/`` in name order, and the GPU nodes labelled
+``gpu.rota.dev/enabled=true``. The files are read as they are; what an admin would set is
+changed in memory: the gateway's model binding (which namespaces may serve models), and,
+on nodes without a GPU, the driver DaemonSet switched to the fake NVML backend
+(:func:`with_fake_gpu`: the chart's ``nvml.fakeFixture`` setting, plus the node's fake
+device nodes and process registry mounted at their node paths, which the driver's CDI
+specs then name; the host's NVML library is not mounted). Engines come from
+``manifests/examples`` the same way.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from e2e.objects import MANIFESTS
 from e2e.waiting import eventually
 
 NAMESPACE = "rota-system"
-ORDER = ("namespace.yaml", "rbac.yaml", "secret.yaml", "deviceclass.yaml",
-         "node-daemonset.yaml", "gateway.yaml")
 EXAMPLES = MANIFESTS / "examples"
 FIELD_MANAGER = "rota-e2e"
-DAEMONSET, GATEWAY, SECRET = "rota-node", "rota-gateway", "rota-activation-token"
+DRIVER, CONTROLLER, GATEWAY = "rota-driver", "rota-controller", "rota-gateway"
+SECRET, MODEL_BINDING = "rota-activation-token", "rota-gateway-model-binding"
+NODE_LABEL = ("gpu.rota.dev/enabled", "true")
+"""What an admin labels the nodes rota runs on with (the chart's default selection)."""
 
 
 @dataclass(frozen=True)
@@ -49,11 +53,21 @@ def read(path: Path) -> list[dict[str, Any]]:
 
 
 def read_manifests(directory: Path = MANIFESTS) -> list[dict[str, Any]]:
-    """Every object of rota's install, in the order the README applies them."""
-    docs: list[dict[str, Any]] = []
-    for name in ORDER:
-        docs += read(directory / name)
+    """Every object of ``manifests/`` (not the examples), the Namespace first, then the
+    files in name order, as ``kubectl apply -f manifests/`` takes them."""
+    first = directory / "namespace.yaml"
+    docs = read(first) if first.exists() else []
+    for path in sorted(directory.glob("*.yaml")):
+        if path != first:
+            docs += read(path)
     return docs
+
+
+def secret(token: str) -> dict[str, Any]:
+    """``kubectl -n rota-system create secret generic rota-activation-token``."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": SECRET, "namespace": NAMESPACE},
+            "stringData": {"token": token}}
 
 
 def images_of(docs: Iterable[Mapping[str, Any]]) -> set[str]:
@@ -81,19 +95,34 @@ def _set_env(container: dict[str, Any], values: Mapping[str, str]) -> None:
 
 
 def with_fake_gpu(daemonset: Mapping[str, Any], fake: FakeGpu) -> dict[str, Any]:
-    """The DaemonSet with its driver on the fake NVML backend."""
+    """The driver DaemonSet on the fake NVML backend: what the chart renders with
+    ``nvml.fakeFixture`` (no NVML library mounted), plus the fake GPU's process registry
+    and device nodes."""
     out = copy.deepcopy(dict(daemonset))
     pod = out["spec"]["template"]["spec"]
     driver = next(c for c in pod["containers"] if c["name"] == "driver")
+    library = {m["name"] for m in driver.get("volumeMounts", [])
+               if "libnvidia-ml" in m["mountPath"]}
+    driver["env"] = [e for e in driver.get("env", []) if e["name"] != "LD_LIBRARY_PATH"]
     _set_env(driver, {"ROTA_NVML_BACKEND": "fake", "ROTA_FAKE_NVML_FIXTURE": fake.fixture,
                       "ROTA_FAKE_NVML_PROC_DIR": fake.proc_dir, "ROTA_DEV_ROOT": fake.dev_root})
     mounts = {"fake-nvml": fake.proc_dir, "fake-gpu-dev": fake.dev_root}
+    drop = library | set(mounts)
     driver["volumeMounts"] = [m for m in driver.get("volumeMounts", [])
-                              if m["name"] not in mounts] + [
+                              if m["name"] not in drop] + [
         {"name": name, "mountPath": path} for name, path in mounts.items()]
-    pod["volumes"] = [v for v in pod.get("volumes", []) if v["name"] not in mounts] + [
+    pod["volumes"] = [v for v in pod.get("volumes", []) if v["name"] not in drop] + [
         {"name": name, "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
         for name, path in mounts.items()]
+    return out
+
+
+def with_model_binding(config_map: Mapping[str, Any], namespaces: Sequence[str]
+                       ) -> dict[str, Any]:
+    """The gateway's binding with ``namespaces`` serving any model (``*``: all)."""
+    out = copy.deepcopy(dict(config_map))
+    out["data"] = {"binding.yaml": yaml.safe_dump({"models": {},
+                                                   "namespaces": list(namespaces)})}
     return out
 
 
@@ -104,12 +133,6 @@ def pinned_to(workload: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, An
     pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": [
             {"key": "kubernetes.io/hostname", "operator": "In", "values": list(nodes)}]}]}}}
-    return out
-
-
-def with_token(secret: Mapping[str, Any], token: str) -> dict[str, Any]:
-    out = copy.deepcopy(dict(secret))
-    out["stringData"] = {"token": token}
     return out
 
 
@@ -148,32 +171,38 @@ class RotaDeployment:
     def __post_init__(self) -> None:
         self.applier = Applier(self.api)
 
-    @property
-    def daemonset(self) -> dict[str, Any]:
-        return _named(self.docs, "DaemonSet", DAEMONSET)
+    def daemonset(self, name: str = DRIVER) -> dict[str, Any]:
+        return _named(self.docs, "DaemonSet", name)
 
     def apply(self) -> None:
         self.applier.apply(self.docs)
 
-    def pods(self, selector: str) -> list[client.V1Pod]:
-        return list(client.CoreV1Api(self.api).list_namespaced_pod(
-            NAMESPACE, label_selector=selector, _request_timeout=10).items)
-
-    def node_pods(self, node: str | None = None) -> list[client.V1Pod]:
-        pods = self.pods(f"app.kubernetes.io/name={DAEMONSET}")
+    def pods(self, component: str, node: str | None = None) -> list[client.V1Pod]:
+        """rota's pods of one component (``driver``, ``controller``, ``gateway``)."""
+        pods = client.CoreV1Api(self.api).list_namespaced_pod(
+            NAMESPACE, label_selector=f"app.kubernetes.io/component={component}",
+            _request_timeout=10).items
         return [p for p in pods if node is None or p.spec.node_name == node]
 
+    def driver_pods(self, node: str | None = None) -> list[client.V1Pod]:
+        return self.pods("driver", node)
+
+    def controller_pods(self, node: str | None = None) -> list[client.V1Pod]:
+        return self.pods("controller", node)
+
     def gateway_pods(self) -> list[client.V1Pod]:
-        return self.pods(f"app.kubernetes.io/name={GATEWAY}")
+        return self.pods("gateway")
 
     def wait_ready(self, nodes: Sequence[str], *, timeout: float = 300.0) -> None:
-        """Until a DaemonSet pod is Ready on each node and every gateway replica is."""
+        """Until a driver and a controller pod are Ready on each node and every gateway
+        replica is."""
         replicas = int(_named(self.docs, "Deployment", GATEWAY)["spec"].get("replicas", 1))
 
         def ready() -> bool:
-            node_pods = {p.spec.node_name: p for p in self.node_pods() if is_ready(p)}
+            drivers = {p.spec.node_name for p in self.driver_pods() if is_ready(p)}
+            controllers = {p.spec.node_name for p in self.controller_pods() if is_ready(p)}
             gateways = [p for p in self.gateway_pods() if is_ready(p)]
-            return set(nodes) <= set(node_pods) and len(gateways) >= replicas
+            return set(nodes) <= drivers & controllers and len(gateways) >= replicas
 
         eventually(ready, timeout=timeout, max_interval=2.0, what="rota's pods Ready")
 
@@ -183,26 +212,39 @@ def is_ready(pod: client.V1Pod) -> bool:
         c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
 
 
-def deploy(api: client.ApiClient, *, fake_gpu: FakeGpu | None = FakeGpu(),
-           token: str | None = None, gateway_nodes: Sequence[str] = (),
-           directory: Path = MANIFESTS) -> RotaDeployment:
-    """Apply rota's manifests (with the token set and, by default, the fake GPU).
+def label_nodes(api: client.ApiClient, nodes: Iterable[str]) -> None:
+    """``kubectl label node <node> gpu.rota.dev/enabled=true``."""
+    key, value = NODE_LABEL
+    for node in nodes:
+        client.CoreV1Api(api).patch_node(node, {"metadata": {"labels": {key: value}}},
+                                         _request_timeout=10)
 
+
+def deploy(api: client.ApiClient, *, nodes: Sequence[str] = (),
+           fake_gpu: FakeGpu | None = FakeGpu(), token: str | None = None,
+           serving_namespaces: Sequence[str] = ("*",), gateway_nodes: Sequence[str] = (),
+           directory: Path = MANIFESTS) -> RotaDeployment:
+    """Apply rota's manifests and label ``nodes`` as rota's GPU nodes.
+
+    ``serving_namespaces`` goes into the gateway's model binding (any model from these).
     ``gateway_nodes`` keeps the gateway on those nodes (a test cluster may also have Node
     objects no kubelet serves).
     """
     token = token or secrets.token_hex(16)
     docs = read_manifests(directory)
     for i, doc in enumerate(docs):
-        if doc["kind"] == "Secret" and doc["metadata"]["name"] == SECRET:
-            docs[i] = with_token(doc, token)
-        elif doc["kind"] == "DaemonSet" and doc["metadata"]["name"] == DAEMONSET and fake_gpu:
+        kind, name = doc["kind"], doc["metadata"]["name"]
+        if kind == "DaemonSet" and name == DRIVER and fake_gpu:
             docs[i] = with_fake_gpu(doc, fake_gpu)
-        elif doc["kind"] == "Deployment" and doc["metadata"]["name"] == GATEWAY and \
-                gateway_nodes:
+        elif kind == "ConfigMap" and name == MODEL_BINDING:
+            docs[i] = with_model_binding(doc, serving_namespaces)
+        elif kind == "Deployment" and name == GATEWAY and gateway_nodes:
             docs[i] = pinned_to(doc, gateway_nodes)
+    first = 1 if docs and docs[0]["kind"] == "Namespace" else 0
+    docs.insert(first, secret(token))
     deployment = RotaDeployment(api=api, token=token, docs=docs)
     deployment.apply()
+    label_nodes(api, nodes)
     return deployment
 
 

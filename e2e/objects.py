@@ -16,10 +16,12 @@ MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 
 
 def engine_config(*, model: str, awake: str, sleep_level: int = 1, port: int = 8000,
-                  adapter: str = "vllm") -> dict[str, Any]:
+                  adapter: str = "vllm", extra: Mapping[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """An EngineConfig's parameters; ``extra`` adds fields (``omniStageIds``, ``probe``...)."""
     return {"apiVersion": "gpu.rota.dev/v1alpha1", "kind": "EngineConfig", "model": model,
             "awakeMemory": awake, "sleepLevel": sleep_level, "enginePort": port,
-            "adapter": adapter}
+            "adapter": adapter} | dict(extra or {})
 
 
 def claim_spec(*, memory: str | None, config: Mapping[str, Any] | None = None,
@@ -47,7 +49,9 @@ def engine_pod(name: str, *, node: str, claim_name: str, args: list[str] | None 
         "name": "engine", "image": "rota/engine-simulator:latest",
         "args": list(args or []),
         "env": [{"name": "ROTA_POD_UID",
-                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}],
+                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                # vLLM serves its sleep routes only in development mode.
+                {"name": "VLLM_SERVER_DEV_MODE", "value": "1"}],
         "resources": {"claims": [{"name": "gpu"}]},
     }
     if gated:

@@ -155,19 +155,22 @@ class RotaOnNodes:
         return self.pod_url(pods[0], GATEWAY_PORT)
 
     def controller_url(self, node: str | None = None) -> str:
-        name = self.node(node).name
-        pods = [p for p in self.deployment.node_pods(name) if is_ready(p)]
-        if not pods:
-            raise LookupError(f"no rota-node pod is Ready on {name}")
-        return self.pod_url(pods[0], CONTROLLER_PORT)
+        return self.pod_url(self.controller_pod(node), CONTROLLER_PORT)
 
-    def node_pod(self, node: str | None = None) -> client.V1Pod:
-        """The Ready DaemonSet pod (driver and controller) of a node."""
+    def _one(self, component: str, node: str | None) -> client.V1Pod:
         name = self.node(node).name
-        pods = [p for p in self.deployment.node_pods(name) if is_ready(p)]
+        pods = [p for p in self.deployment.pods(component, name) if is_ready(p)]
         if len(pods) != 1:
-            raise LookupError(f"{len(pods)} Ready rota-node pods on {name}")
+            raise LookupError(f"{len(pods)} Ready rota {component} pods on {name}")
         return pods[0]
+
+    def driver_pod(self, node: str | None = None) -> client.V1Pod:
+        """The Ready driver pod of a node."""
+        return self._one("driver", node)
+
+    def controller_pod(self, node: str | None = None) -> client.V1Pod:
+        """The Ready lease controller pod of a node."""
+        return self._one("controller", node)
 
     def logs(self, pod: client.V1Pod, container: str) -> str:
         """``kubectl logs`` (through the apiserver and the kubelet)."""

@@ -37,6 +37,8 @@ class EngineSpec:
     args: tuple[str, ...] = ()
     gated: bool = False
     """Start through rota's start gate (start-up admission)."""
+    config: tuple[tuple[str, Any], ...] = ()
+    """More EngineConfig fields, e.g. ``(("omniStageIds", [0, 1]),)``."""
 
 
 @dataclass
@@ -68,7 +70,7 @@ def deploy(api: client.ApiClient, namespace: str, node: str, specs: Sequence[Eng
     engines = []
     for spec in specs:
         config = engine_config(model=spec.model, awake=spec.awake, sleep_level=spec.sleep_level,
-                               adapter=spec.adapter)
+                               adapter=spec.adapter, extra=dict(spec.config))
         created = create_claim(api, namespace, claim(spec.name, memory=spec.resident,
                                                      config=config))
         core.create_namespaced_pod(namespace, engine_pod(spec.name, node=node,

@@ -56,6 +56,6 @@ def rota_node(cluster: LocalCluster, kube_api: client.ApiClient, real_node: Real
               ) -> RotaOnNodes:
     """rota deployed from ``manifests/`` on the real node, every pod Ready."""
     rota = RotaOnNodes(cluster, [real_node],
-                       deploy(kube_api, gateway_nodes=[real_node.name]))
+                       deploy(kube_api, nodes=[real_node.name], gateway_nodes=[real_node.name]))
     rota.wait_ready()
     return rota

@@ -9,46 +9,59 @@ config names; every adapter satisfies :class:`EngineAdapter` and raises only
 from __future__ import annotations
 
 from controller.engines.base import (
+    CONTROL_TOKEN_HEADER,
     EngineAdapter,
     EngineEndpoint,
     SleepOutcome,
+    SleepState,
+    SleepStateKind,
     StageAck,
     StepTiming,
     Timeouts,
+    UnfinishedWake,
     WakeOutcome,
 )
 from controller.engines.errors import (
+    EngineDead,
     EngineError,
     EngineLied,
     EngineProtocolError,
     EngineRejected,
+    EngineStateUnknown,
     EngineTimeout,
     EngineUnreachable,
     ProbeFailed,
 )
 from controller.engines.http import HttpAdapter
-from controller.engines.probe import ProbeReason, ProbeResult, Usage, run_probe
+from controller.engines.probe import ProbeMode, ProbeReason, ProbeResult, Usage, run_probe
 from controller.engines.registry import make_adapter
 from controller.engines.vllm import VllmAdapter
 from controller.engines.vllm_omni import VllmOmniAdapter
 
 __all__ = [
+    "CONTROL_TOKEN_HEADER",
     "EngineAdapter",
+    "EngineDead",
     "EngineEndpoint",
     "EngineError",
     "EngineLied",
     "EngineProtocolError",
     "EngineRejected",
+    "EngineStateUnknown",
     "EngineTimeout",
     "EngineUnreachable",
     "HttpAdapter",
     "ProbeFailed",
+    "ProbeMode",
     "ProbeReason",
     "ProbeResult",
     "SleepOutcome",
+    "SleepState",
+    "SleepStateKind",
     "StageAck",
     "StepTiming",
     "Timeouts",
+    "UnfinishedWake",
     "Usage",
     "VllmAdapter",
     "VllmOmniAdapter",

@@ -5,10 +5,22 @@ vLLM-Omni, anything with HTTP sleep controls). This module holds the one interfa
 share, :class:`EngineAdapter`, the values its methods take and return, and the timeouts
 that bound every call. Adapters live in their own modules and are chosen by
 :func:`controller.engines.registry.make_adapter`.
+
+**Credentials.** Two, never mixed up, never logged:
+
+- the engine's **API key** (vLLM's ``--api-key``, from the Secret a claim names in
+  ``apiKeySecret``): sent as ``Authorization: Bearer <key>`` on ``/v1*`` calls (the probe,
+  vLLM-Omni's ``/v1/omni/*``), the only paths vLLM checks it on;
+- rota's **control token** (the controller's ``--engine-token-file``): sent in
+  :data:`CONTROL_TOKEN_HEADER` on the control calls. **vLLM never checks it**: its
+  development routes (``/sleep``, ``/wake_up``, ``/collective_rpc``, ...) are open to
+  anyone who reaches the engine's port, and only the network (the engines' NetworkPolicy)
+  or rota's engine guard (``rota-engine-guard``, which does check it) protects them.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -19,16 +31,24 @@ if TYPE_CHECKING:
     from controller.engines.probe import ProbeResult
 
 __all__ = [
+    "CONTROL_TOKEN_HEADER",
     "SLEEP_LEVELS",
     "EngineAdapter",
     "EngineEndpoint",
     "SleepOutcome",
+    "SleepState",
+    "SleepStateKind",
     "StageAck",
     "StepTiming",
     "Timeouts",
+    "UnfinishedWake",
     "WakeOutcome",
     "check_level",
 ]
+
+CONTROL_TOKEN_HEADER = "X-Rota-Control-Token"
+"""The header carrying rota's control token on control calls (checked by the engine
+guard; vLLM ignores it). ``Authorization`` is left to the engine's own API key."""
 
 SLEEP_LEVELS = (1, 2)
 """Sleep levels the adapters accept: 1 offloads weights to host memory, 2 discards them."""
@@ -50,7 +70,10 @@ class EngineEndpoint:
         model: the served model name (the ``model`` of the probe request).
         claim: the claim reference (``namespace/name``) for logs.
         pod: the engine pod (``namespace/name``) for logs, when known.
-        token: bearer token for the control endpoints; never logged or shown.
+        token: rota's control token, sent in :data:`CONTROL_TOKEN_HEADER` on control
+            calls; only the engine guard checks it (vLLM does not). Never logged or shown.
+        api_key: the engine's own API key (vLLM's ``--api-key``), sent as
+            ``Authorization: Bearer`` on ``/v1*`` calls only. Never logged or shown.
     """
 
     base_url: str
@@ -58,6 +81,7 @@ class EngineEndpoint:
     claim: str
     pod: str | None = None
     token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.base_url)
@@ -149,6 +173,65 @@ class SleepOutcome:
     acks: tuple[StageAck, ...] = ()
 
 
+class SleepStateKind(enum.StrEnum):
+    """What an engine's sleep state is, as far as the engine lets anyone tell."""
+
+    AWAKE = "awake"
+    ASLEEP = "asleep"
+    PARTLY_ASLEEP = "partly_asleep"
+    """A wake stopped partway: some memory is mapped again, some tags still sleep. A new
+    sleep does nothing (vLLM: "Executor is already sleeping"); finish the wake first."""
+    DEAD = "dead"
+    """The engine core is dead (``/health`` 503, 500 ``EngineDeadError``): restart it."""
+    UNKNOWN = "unknown"
+    """The engine cannot be read, or contradicts itself, or may still be about to fall
+    asleep (a sleep whose outcome is unknown): confirm through the device."""
+
+
+@dataclass(frozen=True)
+class SleepState:
+    """An engine's sleep state, from ``/health``, ``/is_sleeping`` and (where the engine
+    exports it) ``vllm:engine_sleep_state``.
+
+    Attributes:
+        kind: the verdict.
+        level: the sleep level ``vllm:engine_sleep_state`` reports (1, 2), or None.
+        tags_asleep: for ``partly_asleep``: the tags the unfinished wake left asleep.
+        is_sleeping: the engine's own ``/is_sleeping`` answer, None when not read.
+        gauge: the ``sleep_state`` label of ``vllm:engine_sleep_state`` at 1
+            (``awake``, ``weights_offloaded``, ``discard_all``); None when the engine has
+            no such gauge (stats logging off, another engine).
+        detail: a short explanation, for logs and the Lease.
+    """
+
+    kind: SleepStateKind
+    level: int | None = None
+    tags_asleep: tuple[str, ...] = ()
+    is_sleeping: bool | None = None
+    gauge: str | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class UnfinishedWake:
+    """A wake that stopped partway (a step failed or timed out), carried by the error the
+    wake raised (``EngineError.unfinished``) and given back to
+    :meth:`EngineAdapter.finish_wake`.
+
+    vLLM cannot undo it: a ``/sleep`` on a half-woken executor does nothing and the memory
+    mapped so far stays. Only finishing the wake (or restarting the engine) frees it.
+
+    Attributes:
+        level: the level the engine was being woken from.
+        next_step: the name of the first step that did not complete.
+        tags_asleep: the tags the engine's executor still lists asleep.
+    """
+
+    level: int
+    next_step: str
+    tags_asleep: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class WakeOutcome:
     """A wake the engine confirmed (``/is_sleeping`` answered false afterwards).
@@ -173,8 +256,12 @@ class EngineAdapter(Protocol):
     and raises only :class:`~controller.engines.errors.EngineError` subclasses (besides
     ``ValueError`` for a level other than 1 or 2, and cancellation).
 
-    No method retries a sleep or a wake: after a failure or a timeout the engine's state
-    is unknown, and the caller decides (read ``is_sleeping``, put it back to sleep).
+    No method retries a sleep or a wake (a control POST is re-sent once, only when the
+    server closed a kept-alive connection before it answered). A sleep is never abandoned
+    silently: one that does not answer in time raises
+    :class:`~controller.engines.errors.EngineStateUnknown` (vLLM keeps it registered and
+    carries it out when the engine next goes idle, even after a later wake). A wake that
+    stops partway raises with ``unfinished`` set; :meth:`finish_wake` continues it.
     """
 
     @property
@@ -193,13 +280,27 @@ class EngineAdapter(Protocol):
         confirm with ``/is_sleeping``. Raises EngineLied when it still says it sleeps."""
         ...
 
+    async def finish_wake(self, unfinished: UnfinishedWake) -> WakeOutcome:
+        """Continue a wake that stopped partway, from ``unfinished.next_step``, and confirm
+        it. The only way out of a half-woken engine short of a restart."""
+        ...
+
     async def is_sleeping(self) -> bool:
-        """The engine's own answer to ``/is_sleeping``."""
+        """The engine's own answer to ``/is_sleeping`` (true while it is paused, too)."""
+        ...
+
+    async def sleep_state(self, unfinished: UnfinishedWake | None = None) -> SleepState:
+        """The engine's sleep state from ``/health``, ``/is_sleeping`` and
+        ``vllm:engine_sleep_state``; never raises an :class:`EngineError` (an engine that
+        cannot be read is ``unknown``, a dead one ``dead``). ``unfinished``: the wake this
+        caller knows stopped partway (the engine cannot say which tags are still asleep)."""
         ...
 
     async def in_flight(self) -> int | None:
         """Requests running plus waiting, from the engine's Prometheus metrics; None when
-        the engine exposes no such metrics."""
+        the engine exposes no such metrics (vLLM started with ``--disable-log-stats``:
+        drain then has nothing to watch). As vLLM reports them at its last engine step:
+        requests held while it sleeps or idles paused are not counted."""
         ...
 
     async def health(self) -> bool:

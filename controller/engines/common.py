@@ -2,10 +2,26 @@
 
 vLLM, vLLM-Omni and the generic HTTP adapter differ in how they put an engine to sleep
 and wake it, not in how they read it: ``/is_sleeping`` answers ``{"is_sleeping": bool}``,
-``/metrics`` carries vLLM's in-flight gauges, ``/health`` answers 2xx, and the probe is the
-same OpenAI request. :class:`HttpEngineAdapter` implements those once, plus the two habits
-every sleep and wake must have: time each step against one budget, and confirm the
-outcome with ``/is_sleeping`` instead of trusting the 200.
+``/metrics`` carries vLLM's in-flight and sleep gauges, ``/health`` answers 2xx (503 once
+the engine core is dead), and the probe is the same OpenAI request.
+:class:`HttpEngineAdapter` implements those once, plus the habits every sleep and wake
+must have:
+
+- time each step against one budget;
+- confirm the outcome with ``/is_sleeping`` instead of trusting the 200, and with
+  ``vllm:engine_sleep_state`` as a second witness where the engine exports it;
+- never abandon a sleep silently: a sleep call that does not answer in time (or whose
+  connection broke after it was sent) raises
+  :class:`~controller.engines.errors.EngineStateUnknown`, because vLLM keeps such a
+  sleep registered and carries it out when the engine next goes idle;
+- a wake that stops partway raises with :attr:`EngineError.unfinished` set, so that the
+  caller can finish it (:meth:`HttpEngineAdapter.finish_wake`): vLLM cannot put a
+  half-woken engine back to sleep.
+
+**Drain needs stats logging.** The in-flight gauges exist only when vLLM logs stats
+(``--disable-log-stats`` removes them, and ``vllm:engine_sleep_state`` with them); they are
+what the engine core reported at its last step, so requests held while it sleeps or idles
+paused do not show.
 """
 
 from __future__ import annotations
@@ -19,18 +35,46 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
-from controller.engines.base import EngineEndpoint, StepTiming, Timeouts
-from controller.engines.errors import EngineError, EngineLied, EngineProtocolError
+from controller.engines.base import (
+    EngineEndpoint,
+    SleepState,
+    SleepStateKind,
+    StepTiming,
+    Timeouts,
+    UnfinishedWake,
+    WakeOutcome,
+)
+from controller.engines.errors import (
+    EngineDead,
+    EngineError,
+    EngineLied,
+    EngineProtocolError,
+    EngineStateUnknown,
+    EngineTimeout,
+    EngineUnreachable,
+)
 from controller.engines.probe import ProbeResult, run_probe
-from controller.engines.prom import sum_samples
+from controller.engines.prom import label_values_at_one, sum_samples
 from controller.engines.transport import Answer, EngineHttp
+from driver.opaque import ProbeConfig
 
-__all__ = ["IN_FLIGHT_METRICS", "HttpEngineAdapter", "Step"]
+__all__ = [
+    "ALL_TAGS",
+    "IN_FLIGHT_METRICS",
+    "SLEEP_STATE_LEVELS",
+    "SLEEP_STATE_METRIC",
+    "HttpEngineAdapter",
+    "Step",
+]
 
 log = logging.getLogger(__name__)
 
 IN_FLIGHT_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 """vLLM's gauges of requests in model execution batches and waiting to be scheduled."""
+SLEEP_STATE_METRIC = "vllm:engine_sleep_state"
+SLEEP_STATE_LEVELS: Mapping[str, int] = {"awake": 0, "weights_offloaded": 1, "discard_all": 2}
+"""``sleep_state`` label values of :data:`SLEEP_STATE_METRIC`, and the level each means."""
+ALL_TAGS = ("weights", "kv_cache")
 
 
 class _IsSleeping(BaseModel):
@@ -41,25 +85,36 @@ class _IsSleeping(BaseModel):
 
 @dataclass(frozen=True)
 class Step:
-    """One HTTP call of a sleep or wake sequence."""
+    """One HTTP call of a sleep or wake sequence.
+
+    Attributes:
+        wakes: the memory tags this step brings back (what is no longer asleep once it
+            completed), for reporting an unfinished wake.
+    """
 
     name: str
     path: str
     params: tuple[tuple[str, str], ...] = ()
     json_body: Mapping[str, Any] | None = None
+    wakes: tuple[str, ...] = ()
 
 
 class HttpEngineAdapter:
-    """Shared part of the adapters; subclasses add ``sleep`` and ``wake``."""
+    """Shared part of the adapters; subclasses add ``sleep`` and the wake steps."""
 
     is_sleeping_path = "/is_sleeping"
     metrics_path = "/metrics"
     health_path = "/health"
+    reads_sleep_gauge = True
+    """Whether ``vllm:engine_sleep_state`` speaks for this engine's sleeps (vLLM's own
+    sleep and wake record it; vLLM-Omni's stage calls do not)."""
 
     def __init__(
-        self, endpoint: EngineEndpoint, session: aiohttp.ClientSession, timeouts: Timeouts
+        self, endpoint: EngineEndpoint, session: aiohttp.ClientSession, timeouts: Timeouts,
+        *, probe: ProbeConfig | None = None,
     ) -> None:
         self._http = EngineHttp(endpoint, session, timeouts)
+        self.probe_config = probe if probe is not None else ProbeConfig()
 
     @property
     def endpoint(self) -> EngineEndpoint:
@@ -68,6 +123,8 @@ class HttpEngineAdapter:
     @property
     def timeouts(self) -> Timeouts:
         return self._http.timeouts
+
+    # -- reads -------------------------------------------------------------------------
 
     async def is_sleeping(self) -> bool:
         answer = await self._http.read("is_sleeping", self.is_sleeping_path, control=True)
@@ -79,13 +136,28 @@ class HttpEngineAdapter:
                 step="is_sleeping", body=answer.body,
             ) from exc
 
-    async def in_flight(self) -> int | None:
-        answer = await self._http.read("metrics", self.metrics_path, control=False,
+    async def _metrics(self) -> str | None:
+        answer = await self._http.read("metrics", self.metrics_path, control=True,
                                        accept=frozenset({404}))
-        if answer.status == 404:
-            return None
-        total = sum_samples(answer.body, IN_FLIGHT_METRICS)
+        return None if answer.status == 404 else answer.body
+
+    async def in_flight(self) -> int | None:
+        text = await self._metrics()
+        total = None if text is None else sum_samples(text, IN_FLIGHT_METRICS)
         return None if total is None else max(0, round(total))
+
+    async def sleep_gauge(self) -> str | None:
+        """The ``sleep_state`` that ``vllm:engine_sleep_state`` reports (the deepest one when
+        several engine cores report), or None when the engine has no such gauge."""
+        if not self.reads_sleep_gauge:
+            return None
+        text = await self._metrics()
+        states = None if text is None else label_values_at_one(
+            text, SLEEP_STATE_METRIC, "sleep_state")
+        if not states:
+            return None
+        known = [s for s in states if s in SLEEP_STATE_LEVELS]
+        return max(known, key=SLEEP_STATE_LEVELS.__getitem__) if known else None
 
     async def health(self) -> bool:
         try:
@@ -97,12 +169,58 @@ class HttpEngineAdapter:
         return True
 
     async def probe(self) -> ProbeResult:
-        return await run_probe(self._http.session, self.endpoint, self.timeouts)
+        return await run_probe(self._http.session, self.endpoint, self.timeouts,
+                               config=self.probe_config)
+
+    async def sleep_state(self, unfinished: UnfinishedWake | None = None) -> SleepState:
+        """See :meth:`~controller.engines.base.EngineAdapter.sleep_state`."""
+        try:
+            health = await self._http.read("health", self.health_path, control=False,
+                                           accept=frozenset({503}))
+            if health.status == 503:
+                return SleepState(SleepStateKind.DEAD,
+                                  detail="/health answered 503: the engine core is dead")
+            sleeping = await self.is_sleeping()
+            gauge = await self.sleep_gauge()
+        except EngineDead as exc:
+            return SleepState(SleepStateKind.DEAD, detail=str(exc))
+        except EngineError as exc:
+            return SleepState(SleepStateKind.UNKNOWN, detail=f"cannot read it: {exc}")
+        level = SLEEP_STATE_LEVELS.get(gauge) if gauge is not None else None
+        state = self._judge(sleeping, gauge, level, unfinished)
+        log.debug("engine sleep state", extra=self.endpoint.log_fields() | {
+            "state": state.kind.value, "is_sleeping": sleeping, "gauge": gauge})
+        return state
+
+    @staticmethod
+    def _judge(sleeping: bool, gauge: str | None, level: int | None,
+               unfinished: UnfinishedWake | None) -> SleepState:
+        seen: dict[str, Any] = {"is_sleeping": sleeping, "gauge": gauge}
+        if not sleeping:
+            if level:
+                return SleepState(SleepStateKind.UNKNOWN, level=level, detail=(
+                    f"/is_sleeping says awake but {SLEEP_STATE_METRIC} says {gauge}"), **seen)
+            return SleepState(SleepStateKind.AWAKE, **seen)
+        if unfinished is not None:
+            return SleepState(SleepStateKind.PARTLY_ASLEEP, level=unfinished.level,
+                              tags_asleep=unfinished.tags_asleep,
+                              detail=f"a wake stopped before {unfinished.next_step}", **seen)
+        if level:
+            return SleepState(SleepStateKind.ASLEEP, level=level, **seen)
+        if gauge is None:
+            return SleepState(SleepStateKind.ASLEEP, detail=(
+                f"unconfirmed: the engine exports no {SLEEP_STATE_METRIC} (stats logging "
+                "off?)"), **seen)
+        return SleepState(SleepStateKind.UNKNOWN, detail=(
+            "/is_sleeping says asleep but no sleep completed since the last wake call: the "
+            "scheduler is paused (a sleep still draining, which may fire later) or a wake "
+            "stopped halfway"), **seen)
 
     # -- for subclasses ----------------------------------------------------------------
 
-    async def _confirm(self, *, sleeping: bool, after: str) -> None:
-        """Read ``/is_sleeping`` and raise :class:`EngineLied` unless it says ``sleeping``."""
+    async def _confirm(self, *, sleeping: bool, after: str, level: int | None = None) -> None:
+        """Raise :class:`EngineLied` unless ``/is_sleeping`` says ``sleeping`` and (where
+        exported) ``vllm:engine_sleep_state`` agrees (``level`` after a sleep)."""
         state = await self.is_sleeping()
         if state != sleeping:
             said = "asleep" if state else "awake"
@@ -112,6 +230,34 @@ class HttpEngineAdapter:
                 f"{after} answered success, but /is_sleeping then said the engine is {said}",
                 step=after,
             )
+        gauge = await self.sleep_gauge()
+        expected = level if sleeping else 0
+        if gauge is not None and expected is not None \
+                and SLEEP_STATE_LEVELS.get(gauge) != expected:
+            log.error("engine's sleep gauge contradicts its success answer", extra=(
+                self.endpoint.log_fields() | {"step": after, "gauge": gauge}))
+            raise EngineLied(f"{after} answered success, but {SLEEP_STATE_METRIC} then said "
+                             f"{gauge}", step=after)
+
+    async def _sleep_call(self, step: Step, *, budget_s: float) -> tuple[float, Answer]:
+        """POST a sleep call; (seconds, answer). A sleep whose outcome is unknown (no answer
+        in time, a connection broken after sending) raises :class:`EngineStateUnknown`."""
+        began = time.monotonic()
+        try:
+            answer = await self._http.request(
+                step.name, "POST", step.path, timeout_s=budget_s, control=True,
+                params=step.params or None, json_body=step.json_body)
+        except (EngineTimeout, EngineUnreachable) as exc:
+            if isinstance(exc, EngineUnreachable) and not exc.request_sent:
+                raise
+            log.error("sleep outcome unknown: it may still take effect later", extra=(
+                self.endpoint.log_fields() | {"step": step.name, "error": str(exc)}))
+            raise EngineStateUnknown(
+                f"{step.name}: {exc}; the engine may still fall asleep later (vLLM carries "
+                "out a pending sleep when it next goes idle, even after a wake): treat it "
+                "as possibly awake and possibly about to sleep until /is_sleeping and the "
+                "device agree", step=step.name) from exc
+        return time.monotonic() - began, answer
 
     async def _run_step(
         self, step: Step, *, deadline: float, budget_s: float, timings: list[StepTiming]
@@ -123,18 +269,72 @@ class HttpEngineAdapter:
             step.name, "POST", step.path, timeout_s=min(remaining, budget_s), control=True,
             params=step.params or None, json_body=step.json_body,
         )
+        self._check_answer(step, answer)
         timings.append(StepTiming(step.name, time.monotonic() - began))
         return answer
 
-    async def _run_steps(
-        self, steps: Sequence[Step], *, budget_s: float
+    def _check_answer(self, step: Step, answer: Answer) -> None:
+        """Raise when a 2xx answer says the step failed (subclasses know their bodies)."""
+
+    async def _run_wake(
+        self, level: int, steps: Sequence[Step], *, start: int = 0, budget_s: float
     ) -> tuple[float, list[StepTiming], list[Answer]]:
-        """Run ``steps`` in order within one budget; (seconds, timings, answers)."""
+        """Run ``steps[start:]`` in order within one budget; (seconds, timings, answers).
+
+        A step that fails raises with ``unfinished`` set; one that does not answer in time
+        (it may still complete inside the engine) raises :class:`EngineStateUnknown`.
+        """
         began = time.monotonic()
         deadline = began + budget_s
         timings: list[StepTiming] = []
         answers: list[Answer] = []
-        for step in steps:
-            answers.append(await self._run_step(step, deadline=deadline, budget_s=budget_s,
-                                                timings=timings))
+        for index in range(start, len(steps)):
+            step = steps[index]
+            try:
+                answers.append(await self._run_step(step, deadline=deadline,
+                                                    budget_s=budget_s, timings=timings))
+            except EngineError as exc:
+                woken = {tag for done in steps[:index] for tag in done.wakes}
+                unfinished = UnfinishedWake(
+                    level=level, next_step=step.name,
+                    tags_asleep=tuple(t for t in ALL_TAGS if t not in woken))
+                if isinstance(exc, EngineTimeout) or (
+                        isinstance(exc, EngineUnreachable) and exc.request_sent):
+                    unknown = EngineStateUnknown(
+                        f"{step.name}: {exc}; the step may still complete inside the engine",
+                        step=step.name)
+                    unknown.unfinished = unfinished
+                    raise unknown from exc
+                if not isinstance(exc, EngineDead):
+                    exc.unfinished = unfinished
+                log.warning("wake stopped partway", extra=self.endpoint.log_fields() | {
+                    "step": step.name, "reason": exc.reason,
+                    "tags_asleep": list(unfinished.tags_asleep)})
+                raise
         return time.monotonic() - began, timings, answers
+
+    def _wake_steps(self, level: int) -> Sequence[Step]:
+        raise NotImplementedError
+
+    async def wake(self, level: int) -> WakeOutcome:
+        return await self._wake_from(level, 0)
+
+    async def finish_wake(self, unfinished: UnfinishedWake) -> WakeOutcome:
+        steps = self._wake_steps(unfinished.level)
+        names = [s.name for s in steps]
+        if unfinished.next_step not in names:
+            raise ValueError(f"no wake step {unfinished.next_step!r} at level "
+                             f"{unfinished.level}; the steps are {names}")
+        log.info("finishing a wake that stopped partway", extra=self.endpoint.log_fields() | {
+            "sleep_level": unfinished.level, "from_step": unfinished.next_step})
+        return await self._wake_from(unfinished.level, names.index(unfinished.next_step))
+
+    async def _wake_from(self, level: int, start: int) -> WakeOutcome:
+        steps = self._wake_steps(level)
+        wake_s, timings, _ = await self._run_wake(level, steps, start=start,
+                                                  budget_s=self.timeouts.wake_s(level))
+        await self._confirm(sleeping=False, after="wake")
+        log.info("engine awake", extra=self.endpoint.log_fields() | {
+            "sleep_level": level, "seconds": round(wake_s, 6),
+            "steps": {t.name: round(t.seconds, 6) for t in timings}})
+        return WakeOutcome(level=level, wake_s=wake_s, steps=tuple(timings))

@@ -16,7 +16,8 @@ as a Prometheus label value as is. The reasons, all distinct:
                      (vLLM's 500 for a wake that found no room on the device).
 ``host_oom``         :class:`EngineRejected`: the answer says host memory ran out (a
                      level-1 sleep pins the weights in host memory).
-``unauthorized``     :class:`EngineRejected`: 401 or 403; the control credential is wrong.
+``unauthorized``     :class:`EngineRejected`: 401 or 403; the engine's API key (on
+                     ``/v1*``) or, behind rota's engine guard, the control token is wrong.
 ``ack_error``        :class:`EngineRejected`: a vLLM-Omni ACK with status ``ERROR`` (or an
                      unknown overall status) inside a 200 answer.
 ``engine_dead``      :class:`EngineDead`: the engine process is alive but its core is dead
@@ -34,13 +35,20 @@ as a Prometheus label value as is. The reasons, all distinct:
 
 Bodies quoted in errors are cut to :data:`MAX_BODY_CHARS` characters so that a large or
 secret-bearing answer never reaches logs whole.
+
+A wake that stopped partway raises with :attr:`EngineError.unfinished` set (what is still
+asleep, where to go on): the engine cannot be put back to sleep until that wake is
+finished (``EngineAdapter.finish_wake``) or the engine restarted.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from controller.engines.base import UnfinishedWake
 
 __all__ = [
     "MAX_BODY_CHARS",
@@ -54,6 +62,7 @@ __all__ = [
     "EngineUnreachable",
     "ProbeFailed",
     "error_message",
+    "is_engine_dead",
     "is_gpu_oom",
     "truncate",
 ]
@@ -79,6 +88,18 @@ def is_gpu_oom(message: str) -> bool:
 def is_host_oom(message: str) -> bool:
     """True when an engine's error message reports host (CPU, pinned) memory exhausted."""
     return bool(_HOST_OOM.search(message))
+
+
+def is_engine_dead(body: str) -> bool:
+    """True when an error answer says the engine core is dead (vLLM's ``EngineDeadError``)."""
+    try:
+        parsed: Any = json.loads(body)
+    except ValueError:
+        return "EngineDeadError" in body
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return parsed["error"].get("type") == "EngineDeadError" or "EngineDeadError" in str(
+            parsed["error"].get("message", ""))
+    return "EngineDeadError" in body
 
 
 def error_message(body: str) -> str:
@@ -110,6 +131,9 @@ class EngineError(Exception):
     """
 
     reason: str = "engine_error"
+    unfinished: UnfinishedWake | None = None
+    """Set on the error of a wake that stopped partway: what is still asleep, and the step
+    :meth:`~controller.engines.base.EngineAdapter.finish_wake` continues from."""
 
     def __init__(self, message: str, *, step: str) -> None:
         super().__init__(message)
@@ -117,9 +141,18 @@ class EngineError(Exception):
 
 
 class EngineUnreachable(EngineError):
-    """No usable connection: refused, reset, DNS failure, connect timeout, dropped answer."""
+    """No usable connection: refused, reset, DNS failure, connect timeout, dropped answer.
+
+    Attributes:
+        request_sent: the request may have reached the engine (the connection broke
+            after it was made); False when no connection could be made at all.
+    """
 
     reason = "unreachable"
+
+    def __init__(self, message: str, *, step: str, request_sent: bool = False) -> None:
+        super().__init__(message, step=step)
+        self.request_sent = request_sent
 
 
 class EngineTimeout(EngineError):

@@ -9,26 +9,23 @@ server), the claim's ``http`` config names three paths on the engine's port:
   ``vllm`` adapter for vLLM at level 2);
 - ``isSleepingPath``: ``GET`` answering ``{"is_sleeping": bool}``.
 
-Every sleep and wake is confirmed through ``isSleepingPath``. In-flight counts come from
-vLLM's gauges on ``/metrics`` when the engine has them (else None), health from
-``/health``. With the defaults the adapter drives a vLLM engine at level 1.
+Every sleep and wake is confirmed through ``isSleepingPath``. A sleep that does not answer
+in time raises :class:`~controller.engines.errors.EngineStateUnknown` (it may still take
+effect). In-flight counts come from vLLM's gauges on ``/metrics`` when the engine has them
+(else None), health from ``/health``. With the defaults the adapter drives a vLLM engine at
+level 1.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import aiohttp
 
-from controller.engines.base import (
-    EngineEndpoint,
-    SleepOutcome,
-    Timeouts,
-    WakeOutcome,
-    check_level,
-)
-from controller.engines.common import HttpEngineAdapter, Step
-from driver.opaque import HttpAdapterConfig
+from controller.engines.base import EngineEndpoint, SleepOutcome, Timeouts, check_level
+from controller.engines.common import ALL_TAGS, HttpEngineAdapter, Step
+from driver.opaque import HttpAdapterConfig, ProbeConfig
 
 __all__ = ["HttpAdapter"]
 
@@ -45,24 +42,23 @@ class HttpAdapter(HttpEngineAdapter):
         timeouts: Timeouts,
         *,
         config: HttpAdapterConfig | None = None,
+        probe: ProbeConfig | None = None,
     ) -> None:
-        super().__init__(endpoint, session, timeouts)
+        super().__init__(endpoint, session, timeouts, probe=probe)
         self.config = config if config is not None else HttpAdapterConfig()
         self.is_sleeping_path = self.config.is_sleeping_path
+
+    reads_sleep_gauge = False  # another engine's sleep need not record vLLM's gauge
 
     async def sleep(self, level: int) -> SleepOutcome:
         step = Step("sleep", self.config.sleep_path,
                     params=(("level", str(check_level(level))), ("mode", "wait")))
-        sleep_s, _, _ = await self._run_steps([step], budget_s=self.timeouts.sleep_s)
+        sleep_s, _ = await self._sleep_call(step, budget_s=self.timeouts.sleep_s)
         await self._confirm(sleeping=True, after="sleep")
         log.info("engine asleep", extra=self.endpoint.log_fields() | {
             "sleep_level": level, "seconds": round(sleep_s, 6)})
         return SleepOutcome(level=level, sleep_s=sleep_s)
 
-    async def wake(self, level: int) -> WakeOutcome:
-        step = Step("wake_up", self.config.wake_path)
-        wake_s, timings, _ = await self._run_steps([step], budget_s=self.timeouts.wake_s(level))
-        await self._confirm(sleeping=False, after="wake")
-        log.info("engine awake", extra=self.endpoint.log_fields() | {
-            "sleep_level": level, "seconds": round(wake_s, 6)})
-        return WakeOutcome(level=level, wake_s=wake_s, steps=tuple(timings))
+    def _wake_steps(self, level: int) -> Sequence[Step]:
+        check_level(level)
+        return (Step("wake_up", self.config.wake_path, wakes=ALL_TAGS),)

@@ -2,25 +2,34 @@
 
 A control call answering 200 proves nothing (an engine can answer a wake and then produce
 garbage from stale weights or a stale prefix cache). So after every wake the controller
-asks the engine the reference experiment's question, streamed, and accepts the engine only
-when all of these hold:
+asks the engine a question, streamed, and accepts the engine only when all of these hold:
 
 - HTTP 200 and no ``data: {"error": ...}`` chunk inside the stream (vLLM reports errors
   after the 200 that way): else ``http_error`` / ``stream_error``;
 - the stream ends with ``data: [DONE]``: else ``no_done``;
-- the streamed content, with surrounding whitespace stripped, is ``7``, optionally followed
-  by whitespace and sentence punctuation (``7.``, ``7!``, ``7。``); anything else,
-  including markdown (``**7**``) or words (``The answer is 7``), is ``wrong_content``: the
-  probe asks for a single number at temperature 0, so a healthy engine says just that;
+- in ``answer`` mode (the default), the streamed content, with surrounding whitespace
+  stripped, is the expected answer (the reference experiment's ``7`` unless the claim's
+  ``probe.expect`` says otherwise), optionally followed by whitespace and sentence
+  punctuation (``7.``, ``7!``, ``7。``); anything else, including markdown (``**7**``) or
+  words (``The answer is 7``), is ``wrong_content``: the probe asks at temperature 0 for
+  just that; in ``structure`` mode (models whose answer cannot be predicted) any
+  non-empty content passes, and :attr:`ProbeResult.mode` says the probe checked only
+  the stream's structure;
 - a usage chunk with integer ``prompt_tokens``, ``completion_tokens`` and ``total_tokens``
   arrived: else ``no_usage``.
+
+The prompt, the expected answer and the token budget come from the claim's ``probe``
+section (:class:`driver.opaque.ProbeConfig`): a reasoning model may put nothing in
+``content`` within 8 tokens, so give it a budget, and with ``reasoningCounts`` its
+``reasoning_content`` (``reasoning``) counts as content.
 
 When several fail, the first in the order ``stream_error``, ``no_done``, ``wrong_content``,
 ``no_usage`` is reported. Time to first content token is measured from sending the
 request; the whole probe is bounded by ``Timeouts.probe_total_s`` and the first token by
 ``Timeouts.probe_first_token_s`` (both give ``timeout``). A connection that cannot be made
-gives ``unreachable``. The probe goes to the OpenAI endpoint, which needs no control
-credential.
+gives ``unreachable``. A sleeping vLLM holds the probe (200 headers, then nothing): that is
+a ``timeout``. The probe carries the engine's API key (``Authorization: Bearer``) when the
+claim names one: vLLM's ``--api-key`` guards ``/v1*``.
 """
 
 from __future__ import annotations
@@ -38,10 +47,18 @@ import aiohttp
 from controller.engines.base import EngineEndpoint, Timeouts
 from controller.engines.errors import ProbeFailed, error_message, truncate
 from controller.engines.sse import SseParser
+from controller.engines.transport import api_key_path
+from driver.opaque import (
+    DEFAULT_PROBE_ANSWER,
+    DEFAULT_PROBE_MAX_TOKENS,
+    DEFAULT_PROBE_PROMPT,
+    ProbeConfig,
+)
 
 __all__ = [
     "PROBE_MAX_TOKENS",
     "PROBE_QUESTION",
+    "ProbeMode",
     "ProbeReason",
     "ProbeResult",
     "Usage",
@@ -52,10 +69,19 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PROBE_QUESTION = "What is 3 + 4? Answer with a single number."
-PROBE_MAX_TOKENS = 8
+PROBE_QUESTION = DEFAULT_PROBE_PROMPT
+PROBE_MAX_TOKENS = DEFAULT_PROBE_MAX_TOKENS
 """Room for ``7``, punctuation and an end-of-sequence token; a long answer is wrong anyway."""
-_CORRECT = re.compile(r"7[\s.,;:!\u3002\uff01]*")  # ASCII and CJK full stop and bang
+_TRAILING = r"[\s.,;:!\u3002\uff01]*"  # ASCII and CJK full stop and bang
+_PROBE_PATH = "/v1/chat/completions"
+_REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+class ProbeMode(enum.StrEnum):
+    """What the probe checked: the answer, or only the stream's structure."""
+
+    ANSWER = "answer"
+    STRUCTURE = "structure"
 
 
 class ProbeReason(enum.StrEnum):
@@ -83,6 +109,8 @@ class ProbeResult:
 
     Attributes:
         ok: the probe passed.
+        mode: ``answer``, or ``structure`` when only the stream's structure was checked
+            (state it next to a success: the engine's answers were not verified).
         reason: why it failed; None when it passed.
         content: the streamed content, concatenated (cut to 256 characters).
         ttft_s: request start to the first non-empty content token; None if none came.
@@ -93,6 +121,7 @@ class ProbeResult:
     """
 
     ok: bool
+    mode: ProbeMode
     reason: ProbeReason | None
     content: str
     ttft_s: float | None
@@ -109,21 +138,26 @@ class ProbeResult:
                               probe_reason=reason.value)
 
 
-def content_is_correct(content: str) -> bool:
-    """True for ``7`` with only whitespace and punctuation around it."""
-    return _CORRECT.fullmatch(content.strip()) is not None
+def content_is_correct(content: str, expect: str = DEFAULT_PROBE_ANSWER) -> bool:
+    """True for ``expect`` with only whitespace around it and punctuation after it."""
+    return re.fullmatch(re.escape(expect) + _TRAILING, content.strip()) is not None
 
 
-def probe_payload(model: str, *, max_tokens: int = PROBE_MAX_TOKENS) -> dict[str, Any]:
+def probe_payload(model: str, *, max_tokens: int | None = None,
+                  config: ProbeConfig | None = None) -> dict[str, Any]:
     """The probe's request body."""
-    return {
+    probe = config if config is not None else ProbeConfig()
+    body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "user", "content": PROBE_QUESTION}],
+        "messages": [{"role": "user", "content": probe.prompt}],
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0,
-        "max_tokens": max_tokens,
+        "max_tokens": max_tokens if max_tokens is not None else probe.max_tokens,
     }
+    if probe.chat_template_kwargs is not None:
+        body["chat_template_kwargs"] = dict(probe.chat_template_kwargs)
+    return body
 
 
 def _count(value: object) -> int | None:
@@ -145,8 +179,11 @@ def _usage(raw: object) -> Usage | None:
 class _Stream:
     """What the probe has read so far."""
 
-    def __init__(self, started: float) -> None:
+    def __init__(self, started: float, config: ProbeConfig) -> None:
         self.started = started
+        self.config = config
+        self.fields = ("content", *_REASONING_FIELDS) if (
+            config.reasoning_counts or config.mode == "structure") else ("content",)
         self.parts: list[str] = []
         self.ttft_s: float | None = None
         self.usage: Usage | None = None
@@ -177,11 +214,14 @@ class _Stream:
             return True
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") if isinstance(choice, dict) else None
-            text = delta.get("content") if isinstance(delta, dict) else None
-            if isinstance(text, str) and text:
-                if self.ttft_s is None:
-                    self.ttft_s = now - self.started
-                self.parts.append(text)
+            if not isinstance(delta, dict):
+                continue
+            for name in self.fields:
+                text = delta.get(name)
+                if isinstance(text, str) and text:
+                    if self.ttft_s is None:
+                        self.ttft_s = now - self.started
+                    self.parts.append(text)
         if chunk.get("usage") is not None:
             usage = _usage(chunk["usage"])
             if usage is None:
@@ -199,8 +239,13 @@ class _Stream:
             return ProbeReason.STREAM_ERROR, self.error
         if not self.done:
             return ProbeReason.NO_DONE, "the stream ended without data: [DONE]"
-        if not content_is_correct(self.content):
-            return ProbeReason.WRONG_CONTENT, f"expected 7, got {truncate(self.content, 80)!r}"
+        if self.config.mode == "structure":
+            if not self.content.strip():
+                return ProbeReason.WRONG_CONTENT, "the stream carried no content at all"
+        elif not content_is_correct(self.content, self.config.expect):
+            return ProbeReason.WRONG_CONTENT, (
+                f"expected {truncate(self.config.expect, 40)!r}, got "
+                f"{truncate(self.content, 80)!r}")
         if self.usage is None:
             what = "an invalid usage block" if self.bad_usage else "no usage block"
             return ProbeReason.NO_USAGE, f"the stream carried {what}"
@@ -212,24 +257,35 @@ async def run_probe(
     endpoint: EngineEndpoint,
     timeouts: Timeouts,
     *,
-    max_tokens: int = PROBE_MAX_TOKENS,
+    config: ProbeConfig | None = None,
+    max_tokens: int | None = None,
 ) -> ProbeResult:
     """Send the correctness request to ``endpoint`` and judge the stream. Never raises for
-    a failed probe (only on cancellation); see :meth:`ProbeResult.raise_for_failure`."""
+    a failed probe (only on cancellation); see :meth:`ProbeResult.raise_for_failure`.
+
+    Args:
+        config: the claim's probe section; the reference question when None.
+        max_tokens: overrides the token budget of ``config``.
+    """
+    probe = config if config is not None else ProbeConfig()
+    mode = ProbeMode(probe.mode)
     loop = asyncio.get_running_loop()
     started = loop.time()
     first_deadline = started + min(timeouts.probe_first_token_s, timeouts.probe_total_s)
     total_deadline = started + timeouts.probe_total_s
-    stream = _Stream(started)
+    stream = _Stream(started, probe)
+    headers = {"Accept": "text/event-stream"}
+    if endpoint.api_key and api_key_path(_PROBE_PATH):
+        headers["Authorization"] = f"Bearer {endpoint.api_key}"
     status: int | None = None
     reason: ProbeReason | None
     detail = ""
     try:
         async with asyncio.timeout_at(first_deadline) as deadline:
             async with session.post(
-                endpoint.url("/v1/chat/completions"), json=probe_payload(endpoint.model,
-                                                                         max_tokens=max_tokens),
-                headers={"Accept": "text/event-stream"},
+                endpoint.url(_PROBE_PATH),
+                json=probe_payload(endpoint.model, max_tokens=max_tokens, config=probe),
+                headers=headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s),
                 allow_redirects=False,
             ) as resp:
@@ -266,12 +322,13 @@ async def run_probe(
         else:
             reason, detail = ProbeReason.NO_DONE, f"the stream broke off: {exc}"
     result = ProbeResult(
-        ok=reason is None, reason=reason, content=truncate(stream.content),
+        ok=reason is None, mode=mode, reason=reason, content=truncate(stream.content),
         ttft_s=stream.ttft_s, total_s=loop.time() - started, usage=stream.usage,
         status=status, detail=detail,
     )
     fields = endpoint.log_fields() | {
-        "ok": result.ok, "reason": str(reason) if reason else None, "detail": detail,
+        "ok": result.ok, "mode": mode.value, "reason": str(reason) if reason else None,
+        "detail": detail,
         "ttft_s": result.ttft_s, "total_s": round(result.total_s, 6), "status": status}
     if result.ok:
         log.info("correctness probe passed", extra=fields)

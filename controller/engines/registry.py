@@ -1,8 +1,10 @@
 """Adapter name to adapter: the one place that knows which engines rota can drive.
 
-The claim's opaque config names its adapter (``vllm``, ``vllm-omni``, ``http``) and the
-adapter-specific settings (``omniStageIds``, ``http``); :func:`make_adapter` turns that
-into an :class:`~controller.engines.base.EngineAdapter` on the controller's session.
+The claim's opaque config names its adapter (``vllm``, ``vllm-omni``, ``http``), the
+adapter-specific settings (``omniStageIds``, ``http``) and the probe (``probe``);
+:func:`make_adapter` turns that into an :class:`~controller.engines.base.EngineAdapter` on
+the controller's session. The engine's API key travels in the endpoint
+(``EngineEndpoint.api_key``), read by the caller from the Secret ``apiKeySecret`` names.
 """
 
 from __future__ import annotations
@@ -28,21 +30,24 @@ def _vllm(
     config: EngineConfig, endpoint: EngineEndpoint, session: aiohttp.ClientSession,
     timeouts: Timeouts,
 ) -> EngineAdapter:
-    return VllmAdapter(endpoint, session, timeouts)
+    return VllmAdapter(endpoint, session, timeouts, probe=config.probe)
 
 
 def _vllm_omni(
     config: EngineConfig, endpoint: EngineEndpoint, session: aiohttp.ClientSession,
     timeouts: Timeouts,
 ) -> EngineAdapter:
-    return VllmOmniAdapter(endpoint, session, timeouts, stage_ids=config.omni_stage_ids)
+    if config.omni_stage_ids is None:
+        raise ValueError("adapter vllm-omni needs omniStageIds in the claim's config")
+    return VllmOmniAdapter(endpoint, session, timeouts, stage_ids=config.omni_stage_ids,
+                           probe=config.probe)
 
 
 def _http(
     config: EngineConfig, endpoint: EngineEndpoint, session: aiohttp.ClientSession,
     timeouts: Timeouts,
 ) -> EngineAdapter:
-    return HttpAdapter(endpoint, session, timeouts, config=config.http)
+    return HttpAdapter(endpoint, session, timeouts, config=config.http, probe=config.probe)
 
 
 ADAPTERS: Mapping[str, AdapterFactory] = {

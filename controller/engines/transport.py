@@ -1,15 +1,29 @@
 """The one place engine adapters make HTTP calls: timeouts, credentials, error mapping.
 
 Every call runs on the controller's single ``aiohttp.ClientSession`` (owned by the caller)
-under a total timeout and a connect timeout, sends the control credential only to control
-endpoints, reads at most :data:`MAX_ANSWER_BYTES` of the answer, and turns every failure
-into an :class:`~controller.engines.errors.EngineError`. Only idempotent reads are retried,
-a bounded number of times, and only when no connection could be made.
+under a total timeout and a connect timeout, reads at most :data:`MAX_ANSWER_BYTES` of the
+answer, and turns every failure into an :class:`~controller.engines.errors.EngineError`.
+
+Credentials go where the engine (or rota's engine guard) reads them, and nowhere else:
+the engine's API key as ``Authorization: Bearer`` on ``/v1*`` paths only (vLLM checks
+``--api-key`` there and nowhere else), rota's control token in
+:data:`~controller.engines.base.CONTROL_TOKEN_HEADER` on control calls (vLLM ignores it;
+the engine guard checks it).
+
+Retries, all through :func:`driver.aio.retry` (bounded, jittered):
+
+- an idempotent read is tried again when no connection could be made, or when the
+  server closed a kept-alive connection before answering;
+- any other call (a control POST) is re-sent **once**, and only when the server closed
+  the connection before answering anything: vLLM's uvicorn closes connections idle for
+  5 s, and a pooled connection reused at that moment fails that way without the request
+  having been read.
+
+A 500 ``EngineDeadError`` becomes :class:`~controller.engines.errors.EngineDead`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -19,18 +33,21 @@ from typing import Any
 
 import aiohttp
 
-from controller.engines.base import EngineEndpoint, Timeouts
+from controller.engines.base import CONTROL_TOKEN_HEADER, EngineEndpoint, Timeouts
 from controller.engines.errors import (
+    EngineDead,
     EngineError,
     EngineProtocolError,
     EngineRejected,
     EngineTimeout,
     EngineUnreachable,
     error_message,
+    is_engine_dead,
     truncate,
 )
+from driver.aio import Backoff, retry
 
-__all__ = ["MAX_ANSWER_BYTES", "Answer", "EngineHttp", "map_client_error"]
+__all__ = ["MAX_ANSWER_BYTES", "Answer", "EngineHttp", "api_key_path", "map_client_error"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +57,20 @@ READ_ATTEMPTS = 3
 """Tries of an idempotent read that could not connect."""
 READ_BACKOFF_S = 0.1
 """Pause before the second try of such a read; doubled before each later one."""
+RESEND_PAUSE_S = 0.02
+"""Pause before re-sending a control call whose kept-alive connection was closed."""
+_API_KEY_PREFIXES = ("/v1", "/v2", "/inference")
+DEV_ROUTES = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/collective_rpc",
+                        "/reset_prefix_cache", "/pause", "/resume", "/is_paused"})
+"""vLLM's development routes: served only with ``VLLM_SERVER_DEV_MODE=1`` (404 without)."""
+
+_NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+"""No connection was made: the request never left."""
+
+
+def api_key_path(path: str) -> bool:
+    """True for the paths vLLM's ``--api-key`` guards (``/v1*``, ``/v2*``, ``/inference*``)."""
+    return path.startswith(_API_KEY_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -68,8 +99,11 @@ def map_client_error(exc: Exception, *, step: str, timeout_s: float) -> EngineEr
         return EngineTimeout(f"{step}: no answer within {timeout_s:g} s", step=step,
                              timeout_s=timeout_s)
     if isinstance(exc, aiohttp.ClientPayloadError):
-        return EngineUnreachable(f"{step}: connection lost mid-answer ({exc})", step=step)
-    return EngineUnreachable(f"{step}: {type(exc).__name__}: {exc}", step=step)
+        return EngineUnreachable(f"{step}: connection lost mid-answer ({exc})", step=step,
+                                 request_sent=True)
+    sent = not isinstance(exc, aiohttp.ClientConnectorError)
+    return EngineUnreachable(f"{step}: {type(exc).__name__}: {exc}", step=step,
+                             request_sent=sent)
 
 
 async def _read_limited(resp: aiohttp.ClientResponse) -> bytes:
@@ -93,10 +127,30 @@ class EngineHttp:
         self.session = session
         self.timeouts = timeouts
 
-    def _headers(self, control: bool) -> dict[str, str]:
+    def headers(self, path: str, *, control: bool) -> dict[str, str]:
+        """The credentials a call to ``path`` carries (see the module docstring)."""
+        headers: dict[str, str] = {}
+        if api_key_path(path) and self.endpoint.api_key:
+            headers["Authorization"] = f"Bearer {self.endpoint.api_key}"
         if control and self.endpoint.token:
-            return {"Authorization": f"Bearer {self.endpoint.token}"}
-        return {}
+            headers[CONTROL_TOKEN_HEADER] = self.endpoint.token
+        return headers
+
+    async def _send(
+        self, method: str, path: str, *, deadline: float, control: bool,
+        params: Mapping[str, str] | Sequence[tuple[str, str]] | None, json_body: Any,
+    ) -> tuple[int, bytes]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        timeout = aiohttp.ClientTimeout(
+            total=remaining, sock_connect=min(self.timeouts.connect_s, remaining))
+        async with self.session.request(
+            method, self.endpoint.url(path), params=params, json=json_body,
+            headers=self.headers(path, control=control), timeout=timeout,
+            allow_redirects=False,
+        ) as resp:
+            return resp.status, await _read_limited(resp)
 
     async def request(
         self,
@@ -109,30 +163,42 @@ class EngineHttp:
         params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
         json_body: Any = None,
         accept: frozenset[int] = frozenset(),
+        retry_unconnected: bool = False,
     ) -> Answer:
         """One call; 2xx (or a status in ``accept``) comes back, anything else raises.
 
         Args:
             step: the name of this call in errors, logs and timings.
-            timeout_s: the whole call, connect to last byte.
-            control: a control endpoint: send the bearer token, if any.
+            timeout_s: the whole call, connect to last byte, re-sends included.
+            control: a control call: send rota's control token, if any.
             params: query parameters.
             json_body: a JSON body; None sends none.
             accept: non-2xx statuses to return instead of raising.
+            retry_unconnected: also retry (bounded) when no connection could be made (only
+                for idempotent reads).
         """
         if timeout_s <= 0:
             raise EngineTimeout(f"{step}: no time left in the budget", step=step, timeout_s=0.0)
-        timeout = aiohttp.ClientTimeout(
-            total=timeout_s, sock_connect=min(self.timeouts.connect_s, timeout_s)
-        )
         began = time.monotonic()
+        deadline = began + timeout_s
+        retry_on: tuple[type[BaseException], ...] = (aiohttp.ServerDisconnectedError,)
+        backoff = Backoff(first_s=RESEND_PAUSE_S, max_s=RESEND_PAUSE_S, attempts=1)
+        if retry_unconnected:
+            retry_on += _NOT_CONNECTED
+            backoff = Backoff(first_s=READ_BACKOFF_S, max_s=4 * READ_BACKOFF_S,
+                              attempts=READ_ATTEMPTS - 1)
+
+        def resent(exc: BaseException, pause_s: float) -> None:
+            log.info("engine call sent again", extra=self.endpoint.log_fields() | {
+                "step": step, "path": path, "error": repr(exc)[:200],
+                "pause_s": round(pause_s, 3)})
+
         try:
-            async with self.session.request(
-                method, self.endpoint.url(path), params=params, json=json_body,
-                headers=self._headers(control), timeout=timeout, allow_redirects=False,
-            ) as resp:
-                raw = await _read_limited(resp)
-                status = resp.status
+            status, raw = await retry(
+                lambda: self._send(method, path, deadline=deadline, control=control,
+                                   params=params, json_body=json_body),
+                retry_on=retry_on, backoff=backoff, on_retry=resent,
+                transient=lambda _exc: deadline - time.monotonic() > 0)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             error = map_client_error(exc, step=step, timeout_s=timeout_s)
             log.info("engine call failed", extra=self.endpoint.log_fields() | {
@@ -146,6 +212,14 @@ class EngineHttp:
         if 200 <= status < 300 or status in accept:
             return Answer(status, body)
         message = truncate(error_message(body))
+        if status == 404 and path in DEV_ROUTES:
+            message = (f"{message} ({path} is one of vLLM's development routes: start the "
+                       "engine with VLLM_SERVER_DEV_MODE=1)")
+        if status == 500 and is_engine_dead(body):
+            log.error("engine core is dead", extra=self.endpoint.log_fields() | {
+                "step": step, "path": path, "detail": message})
+            raise EngineDead(f"{step}: the engine core is dead (500 EngineDeadError): "
+                             f"{message}; only a restart of its pod helps", step=step)
         rejected = EngineRejected(f"{step}: the engine answered {status}: {message}",
                                   step=step, status=status, body=body)
         log.info("engine refused a call", extra=self.endpoint.log_fields() | {
@@ -157,15 +231,6 @@ class EngineHttp:
         self, step: str, path: str, *, control: bool, accept: frozenset[int] = frozenset()
     ) -> Answer:
         """An idempotent GET under the status timeout, retried (bounded, with backoff) only
-        when no connection could be made."""
-        delay = READ_BACKOFF_S
-        for attempt in range(1, READ_ATTEMPTS + 1):
-            try:
-                return await self.request(step, "GET", path, timeout_s=self.timeouts.status_s,
-                                          control=control, accept=accept)
-            except EngineUnreachable:
-                if attempt == READ_ATTEMPTS:
-                    raise
-            await asyncio.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")  # pragma: no cover
+        when no connection could be made or a kept-alive one was closed."""
+        return await self.request(step, "GET", path, timeout_s=self.timeouts.status_s,
+                                  control=control, accept=accept, retry_unconnected=True)

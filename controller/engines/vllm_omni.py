@@ -1,24 +1,27 @@
-"""The adapter for vLLM-Omni, whose stages sleep and wake through stage-aware calls.
+"""The adapter for vLLM-Omni, whose stages sleep and wake through stage-aware calls, as
+vLLM-Omni 0.26 (and 0.30) behave.
 
-- Sleep: ``POST /v1/omni/sleep`` ``{"stage_ids": [...], "level": N}``; wake:
-  ``POST /v1/omni/wakeup`` ``{"stage_ids": [...]}`` (Omni reloads level-2 weights itself).
-  Both answer ``{"status": "SUCCESS"|"SKIPPED", "acks": [...]}``, one ACK per stage and
-  rank with the bytes it freed. Any ACK with status ``ERROR`` fails the call
+- Sleep: ``POST /v1/omni/sleep`` ``{"stage_ids": [...], "level": 1}``; wake:
+  ``POST /v1/omni/wakeup`` ``{"stage_ids": [...]}``. Both answer ``{"status":
+  "SUCCESS"|"SKIPPED", "acks": [...]}``, one ACK per stage (rank 0) with the bytes it
+  freed; ``metadata.total_freed_gib`` and ``rank_residual_gib`` are strings (``"12.34"``).
+  Any ACK with status ``ERROR`` fails the call
   (:class:`~controller.engines.errors.EngineRejected`, reason ``ack_error``, or
   ``gpu_oom`` when its message says the device ran out of memory).
-- Omni implements only the ``abort`` pause mode (``wait`` sets a flag and drains nothing),
-  and its sleep call takes no mode: the controller's drain at the gateway is the only
-  protection of in-flight requests.
-- Omni keeps stale prefix-cache block hashes over a woken KV cache (vllm-omni#6442), so
-  every wake is followed by ``POST /reset_prefix_cache`` (a vLLM development-mode route).
-- State is read and confirmed through the whole-engine ``GET /is_sleeping``.
-
-Stage ids come from the claim's ``omniStageIds``. Omni offers no call that lists stages, so
-when it is absent the adapter uses :data:`DEFAULT_STAGE_IDS` ``(0, 1)``, the two-stage
-layout of Omni's usual pipelines (and the simulator's default). An engine with one stage
-refuses stage 1, which fails loudly; an engine with more stages would keep the others
-awake, which the controller's device check before any wake catches. Set ``omniStageIds``
-for any other layout.
+- **Level 1 only.** A wakeup after a level-2 sleep is not implemented (501) and leaves the
+  engine unwakeable until restarted: the driver refuses ``sleepLevel: 2`` for this adapter
+  at prepare, and the adapter refuses it too.
+- **Omni's sleep does not drain**: a request running on a stage loses its memory under it.
+  So the adapter first waits (within ``Timeouts.sleep_s``) until the engine's own gauges
+  say nothing runs or waits, and does not sleep an engine that is still busy. Without
+  those gauges (stats logging off) it cannot wait, and says so in its log.
+- ``/v1/omni/*`` lies under ``/v1``: with ``--api-key`` it needs the engine's API key,
+  which the adapter sends there (and rota's control token, for the engine guard).
+- **It needs** ``VLLM_SERVER_DEV_MODE=1`` **too**: ``GET /is_sleeping`` (one global flag,
+  through which every sleep and wake is confirmed) and ``POST /reset_prefix_cache`` (sent
+  after every wake, vllm-omni#6442; a no-op in 0.26) are vLLM's development routes.
+- Stage ids come from the claim's ``omniStageIds`` (required: Omni has no call that lists
+  them, and Qwen2.5-Omni and Qwen3-Omni pipelines have three stages).
 """
 
 from __future__ import annotations
@@ -35,22 +38,47 @@ from controller.engines.base import (
     EngineEndpoint,
     SleepOutcome,
     StageAck,
-    StepTiming,
     Timeouts,
     WakeOutcome,
     check_level,
 )
-from controller.engines.common import HttpEngineAdapter, Step
-from controller.engines.errors import EngineProtocolError, EngineRejected, is_gpu_oom, truncate
+from controller.engines.common import ALL_TAGS, HttpEngineAdapter, Step
+from controller.engines.errors import (
+    EngineProtocolError,
+    EngineRejected,
+    EngineTimeout,
+    is_gpu_oom,
+    truncate,
+)
 from controller.engines.transport import Answer
+from controller.engines.vllm import RESET_PREFIX_CACHE, check_reset_answer
+from driver.aio import Backoff
+from driver.opaque import ProbeConfig
 
-__all__ = ["DEFAULT_STAGE_IDS", "OmniAck", "OmniAnswer", "VllmOmniAdapter", "parse_acks"]
+__all__ = ["OMNI_LEVELS", "OmniAck", "OmniAnswer", "VllmOmniAdapter", "parse_acks"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STAGE_IDS: tuple[int, ...] = (0, 1)
-_RESET_PREFIX_CACHE = Step("reset_prefix_cache", "/reset_prefix_cache")
+OMNI_LEVELS = (1,)
+"""Sleep levels vLLM-Omni can wake from (0.26 and 0.30 cannot wake after level 2)."""
 _OK_STATUSES = frozenset({"SUCCESS", "SKIPPED"})
+DRAIN_POLL_FIRST_S = 0.02
+DRAIN_POLL_MAX_S = 0.5
+"""How often the drain before an Omni sleep reads the gauges (growing, jittered)."""
+
+
+def _gib(value: object) -> float | None:
+    """A GiB figure of an ACK's metadata: a number, or a numeric string as Omni sends."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 class OmniAck(BaseModel):
@@ -67,21 +95,17 @@ class OmniAck(BaseModel):
     error_msg: str | None = None
 
     def to_stage_ack(self) -> StageAck:
-        def gib(key: str) -> float | None:
-            value = self.metadata.get(key)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                return None
-            return float(value)
-
         return StageAck(
             task_id=self.task_id, status=self.status, stage_id=self.stage_id, rank=self.rank,
-            freed_bytes=self.freed_bytes, total_freed_gib=gib("total_freed_gib"),
-            rank_residual_gib=gib("rank_residual_gib"), error_msg=self.error_msg,
+            freed_bytes=self.freed_bytes,
+            total_freed_gib=_gib(self.metadata.get("total_freed_gib")),
+            rank_residual_gib=_gib(self.metadata.get("rank_residual_gib")),
+            error_msg=self.error_msg,
         )
 
 
 class OmniAnswer(BaseModel):
-    """The body of ``/v1/omni/sleep`` and ``/v1/omni/wakeup``."""
+    """The body of ``/v1/omni/sleep`` and ``/v1/omni/wakeup`` (SKIPPED has no ``acks``)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -112,8 +136,17 @@ def parse_acks(answer: Answer, *, step: str) -> tuple[StageAck, ...]:
     return tuple(ack.to_stage_ack() for ack in parsed.acks)
 
 
+def _check_omni_level(level: int) -> int:
+    if check_level(level) not in OMNI_LEVELS:
+        raise ValueError("vLLM-Omni cannot wake after a level-2 sleep (501, the engine stays "
+                         "asleep until restarted): use sleep level 1")
+    return level
+
+
 class VllmOmniAdapter(HttpEngineAdapter):
-    """Drives a vLLM-Omni engine through its stage-aware sleep and wakeup."""
+    """Drives a vLLM-Omni engine through its stage-aware sleep and wakeup (level 1)."""
+
+    reads_sleep_gauge = False  # Omni's stage calls do not record vllm:engine_sleep_state
 
     def __init__(
         self,
@@ -121,20 +154,48 @@ class VllmOmniAdapter(HttpEngineAdapter):
         session: aiohttp.ClientSession,
         timeouts: Timeouts,
         *,
-        stage_ids: Sequence[int] | None = None,
+        stage_ids: Sequence[int],
+        probe: ProbeConfig | None = None,
     ) -> None:
-        super().__init__(endpoint, session, timeouts)
-        chosen = tuple(stage_ids) if stage_ids is not None else DEFAULT_STAGE_IDS
+        super().__init__(endpoint, session, timeouts, probe=probe)
+        chosen = tuple(stage_ids)
         if not chosen or any(type(s) is not int or s < 0 for s in chosen):
             raise ValueError(f"stage ids must be non-negative integers, not {chosen!r}")
         self.stage_ids = chosen
         self._wakeup = Step("omni_wakeup", "/v1/omni/wakeup",
-                            json_body={"stage_ids": list(chosen)})
+                            json_body={"stage_ids": list(chosen)}, wakes=ALL_TAGS)
+        self._reset = Step(RESET_PREFIX_CACHE, "/reset_prefix_cache")
+
+    async def drain(self, *, deadline: float) -> bool:
+        """Wait until the engine's gauges say no request runs or waits; True when drained,
+        False when the engine has no such gauges. :class:`EngineTimeout` at ``deadline``."""
+        backoff = Backoff(first_s=DRAIN_POLL_FIRST_S, max_s=DRAIN_POLL_MAX_S)
+        while True:
+            busy = await self.in_flight()
+            if busy is None:
+                log.warning("cannot drain before an Omni sleep: the engine exports no "
+                            "in-flight gauges (stats logging off?)", extra=(
+                                self.endpoint.log_fields()))
+                return False
+            if busy == 0:
+                return True
+            pause = backoff.next_delay()
+            if time.monotonic() + pause >= deadline:
+                raise EngineTimeout(
+                    f"omni_drain: {busy} request(s) still in flight; vLLM-Omni's sleep would "
+                    "unmap their memory under them, so the engine is not put to sleep",
+                    step="omni_drain", timeout_s=self.timeouts.sleep_s)
+            await backoff.sleep()
 
     async def sleep(self, level: int) -> SleepOutcome:
+        _check_omni_level(level)
+        budget_s = self.timeouts.sleep_s
+        began = time.monotonic()
+        await self.drain(deadline=began + budget_s)
         step = Step("omni_sleep", "/v1/omni/sleep",
-                    json_body={"stage_ids": list(self.stage_ids), "level": check_level(level)})
-        sleep_s, _, [answer] = await self._run_steps([step], budget_s=self.timeouts.sleep_s)
+                    json_body={"stage_ids": list(self.stage_ids), "level": level})
+        remaining = budget_s - (time.monotonic() - began)
+        sleep_s, answer = await self._sleep_call(step, budget_s=remaining)
         acks = parse_acks(answer, step=step.name)
         await self._confirm(sleeping=True, after="omni_sleep")
         freed = sum(ack.freed_bytes for ack in acks)
@@ -143,17 +204,21 @@ class VllmOmniAdapter(HttpEngineAdapter):
             "freed_bytes": freed})
         return SleepOutcome(level=level, sleep_s=sleep_s, freed_bytes=freed, acks=acks)
 
-    async def wake(self, level: int) -> WakeOutcome:
-        budget_s = self.timeouts.wake_s(level)
-        began = time.monotonic()
-        deadline = began + budget_s
-        timings: list[StepTiming] = []
-        answer = await self._run_step(self._wakeup, deadline=deadline, budget_s=budget_s,
-                                      timings=timings)
-        acks = parse_acks(answer, step=self._wakeup.name)
-        await self._run_step(_RESET_PREFIX_CACHE, deadline=deadline, budget_s=budget_s,
-                             timings=timings)
-        wake_s = time.monotonic() - began
+    def _wake_steps(self, level: int) -> Sequence[Step]:
+        _check_omni_level(level)
+        return (self._wakeup, self._reset)
+
+    def _check_answer(self, step: Step, answer: Answer) -> None:
+        if step.name == RESET_PREFIX_CACHE:
+            check_reset_answer(step.name, answer)
+        elif step.name == self._wakeup.name:
+            parse_acks(answer, step=step.name)
+
+    async def _wake_from(self, level: int, start: int) -> WakeOutcome:
+        steps = self._wake_steps(level)
+        wake_s, timings, answers = await self._run_wake(level, steps, start=start,
+                                                        budget_s=self.timeouts.wake_s(level))
+        acks = parse_acks(answers[0], step=self._wakeup.name) if start == 0 else ()
         await self._confirm(sleeping=False, after="omni_wakeup")
         log.info("engine awake", extra=self.endpoint.log_fields() | {
             "sleep_level": level, "seconds": round(wake_s, 6), "stage_ids": self.stage_ids,

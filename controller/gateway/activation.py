@@ -37,7 +37,7 @@ from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.proxy import read_bounded
 from driver.aio import Backoff
 
-__all__ = ["Activation", "ActivationFailed", "Activator"]
+__all__ = ["KNOWN_OUTCOMES", "Activation", "ActivationFailed", "Activator"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,30 @@ _MAX_ANSWER = 64 * 1024
 _BACKOFF_S = 0.2
 _BACKOFF_MAX_S = 2.0
 _UNSAFE = re.compile(r"[^a-z0-9_]")
+
+_PROBE_REASONS = ("wrong_content", "no_done", "no_usage", "stream_error", "timeout",
+                  "http_error", "unreachable", "failed")
+KNOWN_OUTCOMES = frozenset({
+    # Answers of the gateway itself.
+    "switched", "already_awake", "error", "controller_unreachable", "bad_activation_request",
+    "bad_activation_answer", "activation_unauthorized", "activation_http_4xx",
+    "activation_http_5xx", "activation_http_other",
+    # The activation API's own errors (controller.activation).
+    "invalid_request", "unauthorized", "unknown_model", "not_leader", "switch_failed",
+    "min_residency",
+    # Switch failure reasons: the engine errors (controller.engines.errors), the NVML check
+    # before a wake (controller.device) and the switch itself (controller.switch).
+    "unreachable", "timeout", "rejected", "gpu_oom", "host_oom", "ack_error", "engine_error",
+    "engine_dead", "state_unknown", "lied", "bad_response",
+    *(f"probe_{reason}" for reason in _PROBE_REASONS),
+    "memory_not_returned", "unknown_process", "insufficient_memory", "inspect_failed",
+    "controller_crash", "fenced", "not_serving",
+    # Everything else a controller may say.
+    "other",
+})
+"""Every value an activation's outcome (a metric label and the client's error code) takes:
+a controller's answer names its reason freely, so anything not listed here is ``other``
+(the reason itself stays in the error message)."""
 
 
 @dataclass(frozen=True)
@@ -79,9 +103,15 @@ def _retry_after(value: str | None, default: float) -> float:
 
 
 def _label(value: str) -> str:
-    """A reason from the controller, made safe as a metric label and error code."""
+    """A reason from the controller as a metric label and error code: one of
+    :data:`KNOWN_OUTCOMES`."""
     cleaned = _UNSAFE.sub("_", value.lower())[:48].strip("_")
-    return cleaned or "unknown"
+    return cleaned if cleaned in KNOWN_OUTCOMES else "other"
+
+
+def _http_label(status: int) -> str:
+    return f"activation_http_{status // 100}xx" if 400 <= status <= 599 else \
+        "activation_http_other"
 
 
 def _error_of(payload: Any) -> tuple[str | None, str | None]:
@@ -221,8 +251,9 @@ class Activator:
                       extra={"model": model, "claim": claim, "upstream": url,
                              "status": status})
             kind = "activation_unauthorized"
-        reason = _label(kind) if kind else f"activation_http_{status}"
+        reason = _label(kind) if kind else _http_label(status)
         detail = message or raw[:200].decode(errors="replace") or f"HTTP {status}"
-        raise ActivationFailed(f"Model '{model}' could not be woken: {reason}: {detail}",
+        said = f" ({_UNSAFE.sub('_', kind.lower())[:48]})" if kind and reason == "other" else ""
+        raise ActivationFailed(f"Model '{model}' could not be woken: {reason}{said}: {detail}",
                                code=reason, refused=status == 409,
                                retry_after=_retry_after(retry_after, self._retry_after))

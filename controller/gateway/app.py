@@ -64,7 +64,13 @@ def _secrets(token: SecretFile | None, client_keys: SecretFile | None,
                 raise StartupError(f"cannot read secret file {secret.path}: {exc}") from exc
         if token is None:
             log.warning("no activation token file: activation calls carry no credential")
-        reloader = asyncio.create_task(reload_forever(files, every_s), name="secret-reload")
+        counter = app[keys.METRICS].secret_reload_failures
+
+        def failed(secret: SecretFile, exc: OSError) -> None:
+            counter.labels("activation_token" if secret is token else "api_keys").inc()
+
+        reloader = asyncio.create_task(reload_forever(files, every_s, failed=failed),
+                                       name="secret-reload")
         try:
             yield
         finally:

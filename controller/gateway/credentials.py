@@ -2,8 +2,9 @@
 
 Both come from mounted Kubernetes Secrets, never from flags or environment values, so they
 do not show up in process listings or pod specs. The files are re-read periodically (a
-Secret update reaches a mounted volume without a restart); a failed re-read keeps the last
-good value. Key checks compare in constant time.
+Secret update reaches a mounted volume without a restart); a failed re-read (a missing
+file, a published placeholder, bytes that are not UTF-8 text) keeps the last good value,
+is logged and counted, and the re-reads go on. Key checks compare in constant time.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["PLACEHOLDERS", "ApiKeys", "PlaceholderSecret", "SecretFile", "bearer",
-           "reload_forever"]
+__all__ = ["PLACEHOLDERS", "ApiKeys", "PlaceholderSecret", "SecretFile", "UnreadableSecret",
+           "bearer", "reload_forever"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,11 @@ PLACEHOLDERS = frozenset({"change-me-before-applying", "change-me", "changeme", 
 class PlaceholderSecret(OSError):
     """The file holds a published placeholder. An ``OSError``, so it stops a component at
     start like an unreadable file, and a periodic re-read keeps the last good value."""
+
+
+class UnreadableSecret(OSError):
+    """The file is not UTF-8 text. An ``OSError`` for the same reasons as
+    :class:`PlaceholderSecret`."""
 
 
 class SecretFile:
@@ -43,10 +49,16 @@ class SecretFile:
         """Read the file now.
 
         Raises:
-            OSError: it cannot be read, or holds a placeholder (:class:`PlaceholderSecret`);
-                the caller decides whether that is fatal.
+            OSError: it cannot be read, is not UTF-8 text (:class:`UnreadableSecret`) or
+                holds a placeholder (:class:`PlaceholderSecret`); the caller decides
+                whether that is fatal.
         """
-        text = await asyncio.to_thread(self.path.read_text, encoding="utf-8")
+        raw = await asyncio.to_thread(self.path.read_bytes)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UnreadableSecret(f"{self.path} is not UTF-8 text (byte {exc.start} of "
+                                   f"{len(raw)})") from None
         lines = tuple(line.strip() for line in text.splitlines()
                       if line.strip() and not line.strip().startswith("#"))
         if PLACEHOLDERS.intersection(lines):
@@ -87,8 +99,10 @@ class ApiKeys:
         return found
 
 
-async def reload_forever(files: Sequence[SecretFile], every_s: float) -> None:
-    """Re-read ``files`` every ``every_s`` seconds until cancelled."""
+async def reload_forever(files: Sequence[SecretFile], every_s: float, *,
+                         failed: Callable[[SecretFile, OSError], None] | None = None) -> None:
+    """Re-read ``files`` every ``every_s`` seconds until cancelled. A file that cannot be
+    read keeps its last value; ``failed`` is told (to count it)."""
     while True:
         await asyncio.sleep(every_s)
         for secret in files:
@@ -97,3 +111,5 @@ async def reload_forever(files: Sequence[SecretFile], every_s: float) -> None:
             except OSError as exc:
                 log.warning("could not re-read a secret file; keeping the last value",
                             extra={"path": str(secret.path), "error": str(exc)})
+                if failed is not None:
+                    failed(secret, exc)

@@ -71,7 +71,8 @@ class GatewayMetrics:
             buckets=_FIRST_BYTE_BUCKETS, registry=self.registry)
         self.activations = Counter(
             "rota_gateway_activations_total", "Activation calls this replica made, by model and "
-            "outcome (switched, already_awake, or the failure reason).", ["model", "outcome"],
+            "outcome (switched, already_awake, or the failure reason: one of a fixed set, "
+            "anything else a controller says is other).", ["model", "outcome"],
             registry=self.registry)
         self.activation_seconds = Histogram(
             "rota_gateway_activation_seconds", "Duration of activation calls (a switch when "
@@ -89,6 +90,12 @@ class GatewayMetrics:
         self.watch_restarts = Counter(
             "rota_gateway_watch_restarts_total", "Kubernetes watches re-opened after an "
             "error, by resource.", ["resource"], registry=self.registry)
+        self.secret_reload_failures = Counter(
+            "rota_gateway_secret_reload_failures_total", "Re-reads of a mounted secret file "
+            "that failed (missing, not UTF-8, a placeholder); the last good value stays in "
+            "use. By file (activation_token, api_keys).", ["file"], registry=self.registry)
+        for file in ("activation_token", "api_keys"):
+            self.secret_reload_failures.labels(file)
         self.ignored_claimants = Gauge(
             "rota_gateway_ignored_claimants", "Claimants never routed to because the model "
             "binding does not bind their namespace to their model.", registry=self.registry)

@@ -21,7 +21,17 @@ namespaced record is mapped to that pid through ``/proc/<pid>/status`` (``NSpid`
 
 Used memory on a GPU is the fixture's baseline (what the driver holds with no process)
 plus every live registered process on that GPU; free is total minus used, never below
-zero. The directory is read on every call: callers poll, as they would poll NVML.
+zero. The directory is read on every call: callers poll, as they would poll NVML. Only
+``<pid>.json`` and ``<namespace>-<pid>.json`` names are processes.
+
+**Capacity.** A real GPU runs out: an allocation that does not fit fails. So that
+simulated engines fail the same way, :meth:`FakeNvml.init` publishes the fixture's GPUs
+(uuid, total, baseline) into the registry as ``gpus.json``, and a writer that asks for it
+(``register_process(..., enforce_capacity=True)``) gets :class:`GpuMemoryExhausted` instead
+of a record when its new size would not fit beside every other live process on that GPU.
+The check and the write happen under one exclusive lock on ``<dir>/.lock``
+(:func:`registry_lock`), so two simulators can never both take the last free bytes. A
+record of a pid namespace the writer cannot see into is counted as alive (the safe side).
 
 Tests and e2e runs can inject NVML errors (:meth:`FakeNvml.fail`, or ``failures`` in the
 fixture) and health events: in the process (:meth:`FakeNvml.inject_health_event`), or from
@@ -32,13 +42,17 @@ written.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import queue
+import re
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -54,6 +68,11 @@ PROC_DIR_ENV = "ROTA_FAKE_NVML_PROC_DIR"
 """The environment variable that names the process registry directory."""
 INITIAL_PID_NAMESPACE = 0xEFFFFFFC
 """The inode of the machine's own pid namespace (``PROC_PID_INIT_INO`` in Linux)."""
+GPUS_FILE = "gpus.json"
+"""The registry file where :meth:`FakeNvml.init` publishes each GPU's capacity."""
+LOCK_FILE = ".lock"
+"""The registry's lock: held exclusively while a capacity check and its write happen."""
+_PROCESS_FILE = re.compile(r"(?:[0-9]+-)?[0-9]+\.json")
 
 CALLS = frozenset(
     {
@@ -154,6 +173,44 @@ def own_pid_namespace() -> int | None:
     return None if inode == INITIAL_PID_NAMESPACE else inode
 
 
+class GpuCapacity(BaseModel):
+    """What a registry publishes about one GPU: its total and its baseline use."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uuid: str = Field(min_length=1)
+    memory_total: int = Field(gt=0)
+    memory_used: NonNegative = Field(description="used bytes with no compute process")
+
+
+class _Gpus(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpus: list[GpuCapacity]
+
+
+class GpuMemoryExhausted(Exception):
+    """The GPU has no room for what a process asked for (CUDA would fail the allocation).
+
+    Attributes:
+        gpu_uuid: the GPU.
+        requested_bytes: how much more the process asked for.
+        free_bytes: what the fake NVML shows free on that GPU (this process included).
+        total_bytes: the GPU's total memory.
+    """
+
+    def __init__(self, *, gpu_uuid: str, requested_bytes: int, free_bytes: int,
+                 total_bytes: int) -> None:
+        super().__init__(
+            f"GPU {gpu_uuid}: tried to allocate {requested_bytes} bytes with {free_bytes} "
+            f"bytes free of {total_bytes}"
+        )
+        self.gpu_uuid = gpu_uuid
+        self.requested_bytes = requested_bytes
+        self.free_bytes = free_bytes
+        self.total_bytes = total_bytes
+
+
 def load_fixture(path: str | os.PathLike[str]) -> NvmlFixture:
     """Read and validate a fixture file; :class:`ConfigError` says what is wrong."""
     try:
@@ -166,20 +223,12 @@ def load_fixture(path: str | os.PathLike[str]) -> NvmlFixture:
         raise ConfigError(f"invalid NVML fixture {path}: {err}") from err
 
 
-def register_process(
-    directory: str | os.PathLike[str], pid: int, gpu_uuid: str, used_bytes: int
-) -> Path:
-    """Record (or update) that ``pid`` (of this process's pid namespace) holds
-    ``used_bytes`` on ``gpu_uuid``; atomic."""
-    record = _ProcessRecord(pid=pid, gpu_uuid=gpu_uuid, used_bytes=used_bytes,
-                            pid_namespace=own_pid_namespace())
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"{record.file_stem}.json"
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{pid}.", suffix=".tmp")
+def _write_atomically(folder: Path, name: str, text: str) -> Path:
+    target = folder / name
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(record.model_dump_json(exclude_none=True))
+            out.write(text)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, target)
@@ -187,6 +236,112 @@ def register_process(
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+@contextlib.contextmanager
+def registry_lock(directory: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold the registry's exclusive lock (blocking: call it from a worker thread)."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def publish_gpus(directory: str | os.PathLike[str], fixture: NvmlFixture) -> Path:
+    """Write every GPU's capacity into the registry (``gpus.json``, atomically)."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    gpus = _Gpus(gpus=[GpuCapacity(uuid=g.uuid, memory_total=g.memory_total,
+                                   memory_used=g.memory_used) for g in fixture.devices])
+    return _write_atomically(folder, GPUS_FILE, gpus.model_dump_json())
+
+
+def read_capacity(directory: str | os.PathLike[str], gpu_uuid: str) -> GpuCapacity | None:
+    """The published capacity of ``gpu_uuid``; None when nothing (valid) is published."""
+    try:
+        raw = (Path(directory) / GPUS_FILE).read_bytes()
+        gpus = _Gpus.model_validate_json(raw)
+    except (OSError, ValueError):
+        return None
+    return next((gpu for gpu in gpus.gpus if gpu.uuid == gpu_uuid), None)
+
+
+def _counted_records(folder: Path) -> list[_ProcessRecord]:
+    """Every valid record that holds memory: live processes, and processes of pid
+    namespaces this process cannot see into (counted, to stay on the safe side)."""
+    records: list[_ProcessRecord] = []
+    try:
+        entries = list(folder.iterdir())
+    except FileNotFoundError:
+        return records
+    host_pids = _HostPids()
+    for path in entries:
+        if not _PROCESS_FILE.fullmatch(path.name):
+            continue
+        try:
+            record = _ProcessRecord.model_validate_json(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        if path.stem != record.file_stem:
+            continue
+        pid = host_pids.resolve(record.pid_namespace, record.pid)
+        if pid is None or pid_alive(pid):
+            records.append(record)
+    return records
+
+
+def _check_room(folder: Path, record: _ProcessRecord, total_bytes: int | None) -> None:
+    capacity = read_capacity(folder, record.gpu_uuid)
+    total = total_bytes if total_bytes is not None else (
+        capacity.memory_total if capacity is not None else None)
+    if total is None:
+        return  # a GPU nobody described: no limit is known
+    baseline = capacity.memory_used if capacity is not None else 0
+    on_gpu = [r for r in _counted_records(folder) if r.gpu_uuid == record.gpu_uuid]
+    mine = sum(r.used_bytes for r in on_gpu if r.file_stem == record.file_stem)
+    others = sum(r.used_bytes for r in on_gpu if r.file_stem != record.file_stem)
+    if record.used_bytes <= mine:
+        return  # shrinking (or not growing) always fits
+    if baseline + others + record.used_bytes > total:
+        raise GpuMemoryExhausted(
+            gpu_uuid=record.gpu_uuid, requested_bytes=record.used_bytes - mine,
+            free_bytes=max(0, total - baseline - others - mine), total_bytes=total,
+        )
+
+
+def register_process(
+    directory: str | os.PathLike[str],
+    pid: int,
+    gpu_uuid: str,
+    used_bytes: int,
+    *,
+    enforce_capacity: bool = False,
+    total_bytes: int | None = None,
+) -> Path:
+    """Record (or update) that ``pid`` (of this process's pid namespace) holds
+    ``used_bytes`` on ``gpu_uuid``; atomic.
+
+    Args:
+        enforce_capacity: check, under :func:`registry_lock`, that the new size fits on the
+            GPU beside every other live process (the published baseline included), and
+            raise :class:`GpuMemoryExhausted` (writing nothing) when it does not. A
+            shrinking record always fits. A GPU with no published capacity and no
+            ``total_bytes`` has no limit.
+        total_bytes: the GPU's total memory, overriding what the registry publishes.
+    """
+    record = _ProcessRecord(pid=pid, gpu_uuid=gpu_uuid, used_bytes=used_bytes,
+                            pid_namespace=own_pid_namespace())
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    with registry_lock(folder):
+        if enforce_capacity:
+            _check_room(folder, record, total_bytes)
+        return _write_atomically(folder, f"{record.file_stem}.json",
+                                 record.model_dump_json(exclude_none=True))
 
 
 class _EventRecord(BaseModel):
@@ -221,7 +376,11 @@ def write_health_event(directory: str | os.PathLike[str], event: HealthEvent) ->
 
 def unregister_process(directory: str | os.PathLike[str], pid: int) -> None:
     """Forget ``pid`` (of this process's pid namespace); a missing entry is fine."""
-    (Path(directory) / f"{_file_stem(pid, own_pid_namespace())}.json").unlink(missing_ok=True)
+    folder = Path(directory)
+    if not folder.is_dir():
+        return
+    with registry_lock(folder):
+        (folder / f"{_file_stem(pid, own_pid_namespace())}.json").unlink(missing_ok=True)
 
 
 def _nspids(pid: int | str) -> list[int]:
@@ -362,6 +521,8 @@ class FakeNvml:
 
     def init(self) -> None:
         self._check("init")
+        if self._proc_dir is not None:
+            publish_gpus(self._proc_dir, self._fixture)
         self._initialised = True
 
     def shutdown(self) -> None:
@@ -472,8 +633,7 @@ class FakeNvml:
             return []
         try:
             entries = sorted(
-                p for p in self._proc_dir.iterdir()
-                if p.suffix == ".json" and not p.name.startswith(".")
+                p for p in self._proc_dir.iterdir() if _PROCESS_FILE.fullmatch(p.name)
             )
         except FileNotFoundError:
             return []

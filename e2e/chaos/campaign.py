@@ -72,12 +72,16 @@ class _Faults:
             fault = self.rng.choices(self.options.faults, weights)[0]
             node = self.rng.choice(self.rig.nodes)
             try:
-                undo = await fault.inject(self.rig, node, self.rng, self.session)
+                injected = await fault.inject(self.rig, node, self.rng, self.session)
             except Exception as exc:
                 log.warning("fault injection failed", extra={"fault": fault.name,
                                                              "error": repr(exc)[:200]})
                 continue
+            if not injected.took_effect:
+                self.tally.faults_missed[fault.name] += 1
+                continue
             self.tally.faults[fault.name] += 1
+            undo = injected.undo
             if undo is not None:
                 hold = self.rng.uniform(*self.options.fault_hold_s)
                 task = asyncio.create_task(self._later(hold, undo), name=f"undo {fault.name}")

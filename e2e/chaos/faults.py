@@ -5,7 +5,9 @@ process faults by signal (SIGKILL and SIGTERM of a lease controller mid-step, a 
 instance of one identity), API faults through the relay (stalls, resets) and by writing
 the Lease as another writer would, and engine starts during switches.
 
-Each fault returns the coroutine that undoes it (None when nothing is left to undo).
+Each fault says whether it took effect (an engine that could not be reached, a Lease that
+was not there: it did not, and it is not counted) and returns the coroutine that undoes it
+(None when nothing is left to undo).
 """
 
 from __future__ import annotations
@@ -25,10 +27,19 @@ from driver.aio import Backoff
 from e2e.chaos.rig import NodeRig, Rig
 from e2e.scenario import Engine, set_faults
 
-__all__ = ["CATALOGUE", "Fault"]
+__all__ = ["CATALOGUE", "Fault", "Injected"]
 
 Undo = Callable[[], Awaitable[None]] | None
-Inject = Callable[[Rig, NodeRig, random.Random, aiohttp.ClientSession], Awaitable[Undo]]
+
+
+@dataclass(frozen=True)
+class Injected:
+    took_effect: bool
+    undo: Undo = None
+
+
+NOT_INJECTED = Injected(False)
+Inject = Callable[[Rig, NodeRig, random.Random, aiohttp.ClientSession], Awaitable[Injected]]
 
 
 @dataclass(frozen=True)
@@ -44,83 +55,93 @@ def _engine(node: NodeRig, rng: random.Random) -> Engine:
 
 def _sim_fault(name: str) -> Inject:
     async def inject(rig: Rig, node: NodeRig, rng: random.Random,
-                     session: aiohttp.ClientSession) -> Undo:
+                     session: aiohttp.ClientSession) -> Injected:
         engine = _engine(node, rng)
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        try:
             await set_faults(session, engine, **{name: True})
+        except (aiohttp.ClientError, TimeoutError):
+            return NOT_INJECTED
 
         async def undo() -> None:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 await set_faults(session, engine, **{name: False})
-        return undo
+        return Injected(True, undo)
     return inject
 
 
 async def _engine_crash(rig: Rig, node: NodeRig, rng: random.Random,
-                        session: aiohttp.ClientSession) -> Undo:
+                        session: aiohttp.ClientSession) -> Injected:
     """The engine process dies; the node restarts it (restartPolicy Always)."""
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+    try:
         await set_faults(session, _engine(node, rng), crash_now=True)
-    return None
+    except aiohttp.ServerDisconnectedError:
+        return Injected(True)  # it died answering
+    except (aiohttp.ClientError, TimeoutError):
+        return NOT_INJECTED
+    return Injected(True)
 
 
 async def _abandoned_sleep(rig: Rig, node: NodeRig, rng: random.Random,
-                           session: aiohttp.ClientSession) -> Undo:
+                           session: aiohttp.ClientSession) -> Injected:
     """A client asks an engine to sleep and gives up at once (vLLM keeps the sleep
     registered and fires it when the engine next goes idle)."""
     engine = _engine(node, rng)
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+    try:
         async with session.post(f"{engine.url}/sleep?level=1&mode=wait",
                                 timeout=aiohttp.ClientTimeout(total=0.02)):
-            pass
-    return None
+            return Injected(True)  # answered at once: a plain sleep, not an abandoned one
+    except TimeoutError:
+        return Injected(True)  # sent, and given up on
+    except aiohttp.ClientError:
+        return NOT_INJECTED
 
 
 def _controller_signal(sig: signal.Signals) -> Inject:
     async def inject(rig: Rig, node: NodeRig, rng: random.Random,
-                     session: aiohttp.ClientSession) -> Undo:
-        node.signal_controller(sig)
+                     session: aiohttp.ClientSession) -> Injected:
+        if not node.signal_controller(sig):
+            return NOT_INJECTED
 
         async def undo() -> None:
             node.reap()
             if not node.controllers:
                 node.start_controller(rig.options)
-        return undo
+        return Injected(True, undo)
     return inject
 
 
 async def _second_instance(rig: Rig, node: NodeRig, rng: random.Random,
-                           session: aiohttp.ClientSession) -> Undo:
+                           session: aiohttp.ClientSession) -> Injected:
     """Another process with the same identity (a restart racing the old one)."""
     twin = node.start_controller(rig.options)
 
     async def undo() -> None:
         twin.stop()
         node.reap()
-    return undo
+    return Injected(True, undo)
 
 
 async def _api_stall(rig: Rig, node: NodeRig, rng: random.Random,
-                     session: aiohttp.ClientSession) -> Undo:
+                     session: aiohttp.ClientSession) -> Injected:
     node.relay.stall_s = rng.choice([0.5, 2.0, 12.0])
 
     async def undo() -> None:
         node.relay.stall_s = 0.0
-    return undo
+    return Injected(True, undo)
 
 
 async def _api_reset(rig: Rig, node: NodeRig, rng: random.Random,
-                     session: aiohttp.ClientSession) -> Undo:
-    node.relay.cut()
-    return None
+                     session: aiohttp.ClientSession) -> Injected:
+    return Injected(node.relay.cut() > 0)
 
 
 async def _lease_moved(rig: Rig, node: NodeRig, rng: random.Random,
-                       session: aiohttp.ClientSession) -> Undo:
+                       session: aiohttp.ClientSession) -> Injected:
     """Another writer raises the GPU Lease's fencing number under the controller."""
     coordination = client.CoordinationV1Api(rig.api)
 
-    def move() -> None:
+    def move() -> int:
+        moved = 0
         leases = coordination.list_namespaced_lease(
             "rota-system", label_selector=f"{naming.LABEL_KIND}={naming.KIND_GPU},"
             f"{naming.LABEL_NODE}={naming.label_value(node.node.name)}")
@@ -129,13 +150,14 @@ async def _lease_moved(rig: Rig, node: NodeRig, rng: random.Random,
             with contextlib.suppress(client.ApiException):
                 coordination.replace_namespaced_lease(lease.metadata.name, "rota-system",
                                                       lease)
+                moved += 1
+        return moved
 
-    await asyncio.to_thread(move)
-    return None
+    return Injected(await asyncio.to_thread(move) > 0)
 
 
 async def _engine_restart(rig: Rig, node: NodeRig, rng: random.Random,
-                          session: aiohttp.ClientSession) -> Undo:
+                          session: aiohttp.ClientSession) -> Injected:
     """An engine's container restarts while its GPU is switching: the new start must wait
     its turn like any other (it is crashed once the node's GPU Lease says ``switching``,
     or after 2 s)."""
@@ -152,9 +174,9 @@ async def _engine_restart(rig: Rig, node: NodeRig, rng: random.Random,
     for pause in Backoff(first_s=0.02, max_s=0.1, attempts=25).delays():
         with contextlib.suppress(client.ApiException):
             if await asyncio.to_thread(switching):
-                break
+                return await _engine_crash(rig, node, rng, session)
         await asyncio.sleep(pause)
-    return await _engine_crash(rig, node, rng, session)
+    return NOT_INJECTED  # no switch to start into
 
 
 CATALOGUE: tuple[Fault, ...] = (

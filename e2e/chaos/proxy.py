@@ -41,12 +41,14 @@ class FlakyRelay:
         if self._server is not None:
             await self._server.wait_closed()
 
-    def cut(self) -> None:
-        """Reset every connection now (both sides see it closed)."""
-        for writer in list(self._writers):
+    def cut(self) -> int:
+        """Reset every connection now (both sides see it closed); how many there were."""
+        writers = list(self._writers)
+        for writer in writers:
             with contextlib.suppress(Exception):
                 writer.transport.abort()
         self._writers.clear()
+        return len(writers)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         handler = asyncio.current_task()

@@ -30,6 +30,9 @@ class Tally:
     answers: Counter[str] = field(default_factory=Counter)
     unanswered_samples: list[str] = field(default_factory=list)
     faults: Counter[str] = field(default_factory=Counter)
+    """Faults that took effect, by name."""
+    faults_missed: Counter[str] = field(default_factory=Counter)
+    """Faults tried that did not take effect (nothing to inject into then)."""
     double_awake: int = 0
     """Samples in which two engines of one GPU held more than their resident memory."""
     double_awake_samples: list[str] = field(default_factory=list)
@@ -56,7 +59,9 @@ class Tally:
             "requests": dict(self.answers),
             "requests_without_answer": self.answers[Answer.UNANSWERED],
             "gpus_without_owner": len(self.unowned_gpus),
-            "faults_injected": dict(self.faults.most_common()), "seconds": round(self.seconds, 1),
+            "faults_injected": dict(self.faults.most_common()),
+            "faults_without_effect": dict(self.faults_missed.most_common()),
+            "seconds": round(self.seconds, 1),
             "samples": {"unanswered": self.unanswered_samples,
                         "double_awake": self.double_awake_samples[:20],
                         "unowned": self.unowned_gpus},

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from driver.logs import configure
 from e2e.cluster import binaries
@@ -30,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rota-cluster",
         description="Run a local Kubernetes control plane (etcd, kube-apiserver, "
-                    "kube-scheduler, kube-controller-manager) built from source, on loopback.",
+                    "kube-scheduler, kube-controller-manager) built from source, on loopback, "
+                    "with real nodes (kubelet, containerd, runc, bridge CNI in namespaces of "
+                    "their own; root) or static Node objects.",
     )
     parser.add_argument("--log-level", default="warning")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,7 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--feature-gates", type=_parse_gates, default={},
                     help="e.g. DRAConsumableCapacity=false; applied to every component")
     up.add_argument("--node", action="append", default=[],
-                    help="create a schedulable Node of this name (repeatable)")
+                    help="create a static, schedulable Node object of this name (no kubelet; "
+                         "repeatable)")
+    up.add_argument("--real-node", action="append", default=[], metavar="NAME",
+                    help="start a real node of this name with a fake GPU: kubelet, "
+                         "containerd, runc, CNI, rota's images imported (repeatable; root)")
+    up.add_argument("--rota", action="store_true",
+                    help="deploy rota from manifests/ on the real nodes and wait until its "
+                         "pods are Ready")
     down = sub.add_parser("down", help="stop the processes a previous 'up' started, by pid")
     down.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     status = sub.add_parser("status", help="print the recorded state of a running cluster")
@@ -73,18 +83,47 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     cluster = LocalCluster(args.dir.resolve(), ClusterOptions(feature_gates=args.feature_gates))
     cluster.start(die_with_parent=False)
-    if args.node:
-        from kubernetes import config
-
-        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
-        for name in args.node:
-            create_node(api, name)
-    print(json.dumps({"server": cluster.server, "kubeconfig": str(cluster.kubeconfig),
-                      "logs": str(cluster.log_dir),
-                      "seconds": round(time.monotonic() - started, 1)}, indent=2))
+    api = cluster.api_client()
+    for name in args.node:
+        create_node(api, name)
+    summary: dict[str, object] = {"server": cluster.server,
+                                  "kubeconfig": str(cluster.kubeconfig),
+                                  "logs": str(cluster.log_dir),
+                                  "control_plane_s": round(time.monotonic() - started, 1)}
+    if args.real_node:
+        summary.update(_real_nodes(cluster, api, args.real_node, deploy_rota=args.rota))
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    api.close()
+    print(json.dumps(summary, indent=2))
     print(f"\n  export KUBECONFIG={cluster.kubeconfig}\n  kubectl get nodes,resourceslices\n"
           f"  rota-cluster down --dir {args.dir}")
     return 0
+
+
+def _real_nodes(cluster: LocalCluster, api: Any, names: list[str], *,
+                deploy_rota: bool) -> dict[str, object]:
+    from e2e.cluster.realnode import RealNode
+    from e2e.deploy import deploy
+    from e2e.rota_node import RotaOnNodes, build_rota_images
+
+    started = time.monotonic()
+    images = build_rota_images()
+    out: dict[str, object] = {"images_s": round(time.monotonic() - started, 1)}
+    nodes = []
+    for name in names:
+        node = RealNode(cluster, name, images, bin_dir=binaries.locate())
+        node.start(die_with_parent=False)
+        cluster.record_real_node(node.id)
+        nodes.append(node)
+    out["nodes"] = {n.name: {"ready_s": round(n.times.kubelet_ready, 1), "logs": str(n.logs),
+                             "node_ip": n.node_ip} for n in nodes}
+    if deploy_rota:
+        begun = time.monotonic()
+        rota = RotaOnNodes(cluster, nodes, deploy(api, nodes=names, gateway_nodes=names))
+        rota.wait_ready()
+        out["rota_ready_s"] = round(time.monotonic() - begun, 1)
+        out["gateway"] = rota.gateway_url()
+    return out
 
 
 if __name__ == "__main__":

@@ -91,6 +91,14 @@ def remove(record: NodeRecord) -> None:
     record.drop()
 
 
+def load(record_id: str) -> NodeRecord | None:
+    path = registry_dir() / f"{record_id}.json"
+    try:
+        return NodeRecord.model_validate_json(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def remove_leftovers() -> list[str]:
     """Remove every leftover node on this machine; the names of those removed."""
     removed: list[str] = []

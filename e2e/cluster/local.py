@@ -93,6 +93,7 @@ class LocalCluster:
         self.ports: dict[str, int] = {}
         self._pki: pki.Pki | None = None
         self._node_indexes = 0
+        self._real_nodes: list[str] = []
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -310,8 +311,14 @@ class LocalCluster:
 
     # -- state file for the CLI ----------------------------------------------------
 
+    def record_real_node(self, record_id: str) -> None:
+        """Note a real node in the state file, so ``rota-cluster down`` stops it too."""
+        self._real_nodes.append(record_id)
+        self._write_state()
+
     def _write_state(self) -> None:
         state: dict[str, Any] = {
+            "real_nodes": list(self._real_nodes),
             "server": self.server,
             "kubeconfig": str(self.kubeconfig),
             "logs": str(self.log_dir),
@@ -336,10 +343,18 @@ class LocalCluster:
 
 
 def stop_from_state(workdir: Path) -> list[str]:
-    """Stop a cluster that ``rota-cluster up`` left running, by the pids it recorded."""
+    """Stop a cluster that ``rota-cluster up`` left running, by the pids it recorded: its
+    real nodes first (every process in their cgroups), then the control plane."""
+    from e2e.cluster import leftovers
+
     path = workdir / STATE_FILE
     state = json.loads(path.read_text())
     stopped = []
+    for record_id in state.get("real_nodes", []):
+        record = leftovers.load(record_id)
+        if record is not None:
+            leftovers.remove(record)
+            stopped.append(f"node {record.name}")
     order = ["kube-controller-manager", "kube-scheduler", "kube-apiserver", "etcd"]
     procs: dict[str, dict[str, Any]] = state.get("processes", {})
     for name in sorted(procs, key=lambda n: order.index(n) if n in order else -1):

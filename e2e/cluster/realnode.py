@@ -22,6 +22,7 @@ import os
 import shutil
 import stat
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -90,7 +91,7 @@ class RealNode:
         self.options = options or RealNodeOptions()
         self.index = index if index is not None else cluster.allocate_node_index()
         self.id = f"{name}-{uuid.uuid4().hex[:8]}"
-        self.dir = cluster.workdir / "nodes" / self.id
+        self.dir = cluster.workdir / "nodes" / str(self.index)  # short: socket paths
         self.node_ip = f"10.250.{self.index}.2"
         self.pod_cidr = f"10.88.{self.index}.0/24"
         self.kubelet_port = 0
@@ -102,6 +103,7 @@ class RealNode:
         self.record: NodeRecord | None = None
         self.times = StartTimes()
         self._die_with_parent = True
+        self._links = Path(tempfile.gettempdir()) / f"rota-{self.id}"
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -154,6 +156,7 @@ class RealNode:
             self.namespace.stop()
         self.cgroups.remove()
         shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self._links, ignore_errors=True)
         if self.record is not None:
             self.record.drop()
             self.record = None
@@ -331,6 +334,17 @@ class RealNode:
             if inside.startswith(prefix):
                 return self.dir / local / inside[len(prefix):]
         return self.ns.path(inside)
+
+    def socket(self, inside: str) -> Path:
+        """The host path of a unix socket inside the node, short enough to connect to
+        (a symlink in a short directory when the real path is over the 107-byte limit)."""
+        path = self.path(inside)
+        if len(os.fsencode(path)) <= 107:
+            return path
+        self._links.mkdir(parents=True, exist_ok=True)
+        link = self._links / f"{len(list(self._links.iterdir()))}.sock"
+        link.symlink_to(path)
+        return link
 
     def forward(self, address: str, port: int) -> str:
         """A URL on the host's loopback that reaches ``address:port`` inside the node."""

@@ -13,11 +13,15 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from e2e.engine_simulator.auth import control_auth_middleware
-from e2e.engine_simulator.control_api import control_routes
+from e2e.engine_simulator.control_api import control_routes, health_routes
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.errors import error_middleware
 from e2e.engine_simulator.extra_api import extra_routes
+from e2e.engine_simulator.http_guards import (
+    api_key_middleware,
+    dead_engine_middleware,
+    reused_connection_middleware,
+)
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.memory import MemoryHolder, make_memory
 from e2e.engine_simulator.metrics_api import metrics_routes
@@ -51,7 +55,8 @@ def create_app(
     memory: MemoryHolder | None = None,
     exit_process: Callable[[int], object] = os._exit,
 ) -> web.Application:
-    """The simulator as an aiohttp application.
+    """The simulator as an aiohttp application (vLLM's development routes only with
+    ``settings.dev_mode``, as with ``VLLM_SERVER_DEV_MODE=1``).
 
     Args:
         settings: the knobs.
@@ -60,12 +65,17 @@ def create_app(
     """
     pid = settings.nvml_pid or os.getpid()
     holder = memory if memory is not None else make_memory(settings, pid=pid)
-    middlewares: list[Middleware] = [error_middleware]
-    if settings.control_token is not None:
-        middlewares.insert(0, control_auth_middleware(settings.control_token.get_secret_value()))
-    app = web.Application(middlewares=middlewares)
+    middlewares: list[Middleware] = [reused_connection_middleware()]
+    if settings.api_key is not None:
+        middlewares.append(api_key_middleware(settings.api_key.get_secret_value()))
+    middlewares += [dead_engine_middleware, error_middleware]
+    # uvicorn's keep-alive: idle connections are closed after keep_alive_seconds.
+    app = web.Application(middlewares=middlewares,
+                          handler_args={"keepalive_timeout": settings.keep_alive_seconds})
     app[ENGINE_KEY] = Engine(settings, holder, pid=pid, exit_process=exit_process)
-    app.add_routes(control_routes())
+    app.add_routes(health_routes())
+    if settings.dev_mode:  # VLLM_SERVER_DEV_MODE=1
+        app.add_routes(control_routes())
     app.add_routes(metrics_routes())
     app.add_routes(openai_routes())
     app.add_routes(extra_routes())

@@ -1,14 +1,19 @@
-"""vLLM's development-mode control endpoints, with vLLM's exact quirks.
+"""vLLM 0.26's development-mode control endpoints, with vLLM's exact quirks.
 
-- ``POST /sleep`` reads the query only (``level``, default 1; ``mode``, default ``abort``;
-  optional repeated ``tags``). A JSON body is never read: ``{"level": 2}`` sleeps at
-  level 1, as on a real vLLM. Answers 200 with an empty body.
+Served only with ``VLLM_SERVER_DEV_MODE=1`` (``dev_mode``); never authenticated.
+
+- ``POST /sleep`` reads the query only (``level``, default 1; ``mode``, default
+  ``abort``); 0.26 has no ``tags``. A JSON body is never read: ``{"level": 2}`` sleeps at
+  level 1, as on a real vLLM. Answers 200 with an empty body once the executor slept; a
+  sleep whose client leaves first still happens later (see :mod:`.engine`).
 - ``POST /wake_up`` takes repeated ``tags`` (``weights``, ``kv_cache``; none means all);
-  200 with an empty body; waking an awake tag is a no-op.
-- ``GET /is_sleeping`` is true until every tag is back.
+  200 with an empty body; if any named tag is awake the whole call is skipped.
+- ``GET /is_sleeping`` is true while the scheduler is paused or any tag sleeps.
 - ``POST /collective_rpc`` takes ``{"method", "args", "kwargs", "timeout"}``; only
-  ``reload_weights`` is implemented; 200 with an empty body when the result is None.
-- ``GET /health`` answers 200 even while asleep: it proves nothing about a wake.
+  ``reload_weights`` is implemented and answers ``{"results": [null]}`` (one per worker).
+- ``POST /reset_prefix_cache`` answers ``{"success": bool}`` (false while requests run).
+- ``GET /health`` (always served) answers 200 even while asleep: it proves nothing about
+  a wake; 503 once the engine core is dead.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.state import Tag
 from e2e.engine_simulator.traffic import PauseMode
 
-__all__ = ["control_routes", "respond_then_crash"]
+__all__ = ["control_routes", "health_routes", "respond_then_crash"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +87,17 @@ async def respond_then_crash(
     return response
 
 
+def _omni_refuses(request: web.Request, name: str) -> None:
+    if _engine(request).settings.omni:
+        # vLLM's route calls engine_client.sleep(level, mode) positionally; AsyncOmni's
+        # signature is sleep(stage_ids, level, mode): a TypeError, answered 500.
+        raise SimError(f"Call to {name} method failed: TypeError: 'int' object is not "
+                       f"iterable (vLLM-Omni: use /v1/omni/{name})", status=500,
+                       err_type="InternalServerError")
+
+
 async def sleep(request: web.Request) -> web.Response:
+    _omni_refuses(request, "sleep")
     raw_level = request.query.get("level", "1")
     try:
         level = int(raw_level)
@@ -91,19 +106,20 @@ async def sleep(request: web.Request) -> web.Response:
     if level not in (0, 1, 2):
         raise SimError(f"sleep level must be 0, 1 or 2, not {level}")
     engine = _engine(request)
-    await engine.sleep(level=level, mode=_mode(request), tags=_tags(request), request=request)
+    await engine.sleep(level=level, mode=_mode(request), request=request)
     if engine.faults.crash_on_sleep:
         return await respond_then_crash(request, "crash_on_sleep")
     return _empty_ok()
 
 
 async def wake_up(request: web.Request) -> web.Response:
+    _omni_refuses(request, "wake_up")
     await _engine(request).wake(tags=_tags(request), request=request)
     return _empty_ok()
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
-    return web.json_response({"is_sleeping": _engine(request).state.is_sleeping})
+    return web.json_response({"is_sleeping": _engine(request).is_sleeping})
 
 
 async def collective_rpc(request: web.Request) -> web.Response:
@@ -126,13 +142,19 @@ async def collective_rpc(request: web.Request) -> web.Response:
             f"reload_weights, not {call.method!r}",
             status=500, err_type="InternalServerError",
         )
-    await _engine(request).reload_weights(call.timeout)
-    return _empty_ok()
+    engine = _engine(request)
+    await engine.reload_weights(call.timeout)
+    if engine.faults.empty_rpc_answers:
+        return _empty_ok()
+    return web.json_response({"results": [None]})
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
-    await _engine(request).reset_prefix_cache()
-    return _empty_ok()
+    engine = _engine(request)
+    success = await engine.reset_prefix_cache()
+    if engine.faults.empty_rpc_answers:
+        return _empty_ok()
+    return web.json_response({"success": success})
 
 
 async def pause(request: web.Request) -> web.Response:
@@ -157,6 +179,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 def control_routes() -> list[web.RouteDef]:
+    """vLLM's development routes (mounted only in dev mode)."""
     return [
         web.post("/sleep", sleep),
         web.post("/wake_up", wake_up),
@@ -166,5 +189,8 @@ def control_routes() -> list[web.RouteDef]:
         web.post("/pause", pause),
         web.post("/resume", resume),
         web.get("/is_paused", is_paused),
-        web.get("/health", health),
     ]
+
+
+def health_routes() -> list[web.RouteDef]:
+    return [web.get("/health", health)]

@@ -1,8 +1,20 @@
 """The simulated engine at runtime: control calls, memory, history, reporting.
 
-One :class:`Engine` per server. Control calls (sleep, wake, reload, prefix reset, pause)
-are serialised by one lock, as a real engine core serialises them; the in-flight side
-(admission, token pacing, aborts, drains) is :class:`~.traffic.Traffic`.
+One :class:`Engine` per server, shaped like vLLM 0.26's engine core:
+
+- A ``/sleep`` pauses the scheduler (see :mod:`.traffic`) and registers a **pending
+  sleep** that the engine core carries out when it next goes idle: caches are reset and
+  the executor sleeps. The HTTP call answers once that happened. A sleep whose client
+  gave up **stays registered** and fires later anyway, even after a ``/wake_up`` came in
+  between (that wake finds the executor awake, does nothing to it, and resumes the
+  scheduler): the engine then falls asleep with the scheduler on, and the next request it
+  runs kills the engine core, as observed on a real H200.
+- A ``/wake_up`` maps the memory of the tags it names one portion at a time (an OOM
+  halfway keeps what was mapped); when the executor no longer sleeps, the scheduler
+  resumes and held requests run.
+- The executor's own calls (a pending sleep firing, a wake, a weight reload, a prefix
+  reset) are serialised by one lock, as the engine core thread serialises them; other
+  calls (``/is_sleeping``, a second ``/wake_up``) are answered while a sleep waits to fire.
 """
 
 from __future__ import annotations
@@ -15,12 +27,13 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from e2e.engine_simulator.errors import SimError, wake_oom_error
-from e2e.engine_simulator.memory import MemoryHolder, Transfer, plan_portions
+from e2e.engine_simulator.errors import SimError, engine_dead_error, wake_oom_error
+from e2e.engine_simulator.memory import DeviceOutOfMemory, MemoryHolder, Transfer, plan_portions
 from e2e.engine_simulator.settings import Settings
 from e2e.engine_simulator.state import (
     EngineState,
@@ -30,9 +43,9 @@ from e2e.engine_simulator.state import (
     StateError,
     Tag,
 )
-from e2e.engine_simulator.traffic import PauseMode, Traffic
+from e2e.engine_simulator.traffic import ClientGone, PauseMode, Traffic
 
-__all__ = ["CRASH_EXIT_CODE", "Engine"]
+__all__ = ["CRASH_EXIT_CODE", "Engine", "PendingSleep", "StartFailed"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +59,24 @@ def _sum_copy(transfers: Sequence[Transfer]) -> float:
     return sum(t.copy_seconds for t in transfers)
 
 
+class StartFailed(RuntimeError):
+    """The engine could not start (its memory did not fit on the GPU); the process exits
+    with status 1, as vLLM's API server does when its engine core fails to initialise."""
+
+
+@dataclass
+class PendingSleep:
+    """A sleep registered with the engine core, carried out when it next goes idle."""
+
+    level: int
+    mode: PauseMode
+    registered_at: float
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    ops: list[MemoryOp] = field(default_factory=list)
+    abandoned: bool = False
+    """Its HTTP client gave up; it still fires."""
+
+
 class Engine(Traffic):
     def __init__(
         self,
@@ -56,7 +87,7 @@ class Engine(Traffic):
         exit_process: Callable[[int], object] = os._exit,
     ) -> None:
         super().__init__(faults=settings.faults, ttft_seconds=settings.ttft_seconds,
-                         tokens_per_second=settings.tokens_per_second)
+                         tokens_per_second=settings.tokens_per_second, omni=settings.omni)
         self.settings = settings
         self.memory = memory
         self.pid = pid
@@ -65,7 +96,14 @@ class Engine(Traffic):
         self.started_at = int(time.time())
         self._exit_process = exit_process
         self._control = asyncio.Lock()
+        self._pending: list[PendingSleep] = []
+        self._core_task: asyncio.Task[None] | None = None
         self._had_level1_sleep = False
+        self.sleep_state_level = 0
+        """``vllm:engine_sleep_state``: 0 awake, 1 weights offloaded, 2 discard all (as
+        vLLM records it: after a sleep call completes, and after any wake call)."""
+        self.omni_level2_latched = False
+        """vLLM-Omni slept at level 2: its wakeup is not implemented, and stays so."""
         self.wake_hanging = False
         """A wake is held by the ``wake_hangs`` fault."""
         self.sleeps: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
@@ -77,25 +115,57 @@ class Engine(Traffic):
         self.prefix_cache_resets = 0
         self.ignored_calls = 0
         """Sleeps and wakes answered 200 without effect (faults sleep_ignored, wake_ignored)."""
+        self.abandoned_sleeps = 0
 
-    def _asleep(self) -> bool:
+    def _executor_sleeping(self) -> bool:
         return self.state.is_sleeping
 
     def _quality(self) -> Quality:
         return self.state.quality()
 
+    @property
+    def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``: the scheduler is paused or the executor sleeps."""
+        return self.paused or self.state.is_sleeping
+
+    @property
+    def pending_sleeps(self) -> int:
+        return len(self._pending)
+
     async def _pause_for(self, seconds: float) -> None:
         if seconds > 0:
             await asyncio.sleep(seconds)
 
+    def _alive(self) -> None:
+        if self.dead is not None:
+            raise engine_dead_error()
+
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.memory.start()
+        """Allocate the awake footprint; :class:`StartFailed` when it does not fit."""
+        try:
+            await self.memory.start()
+        except DeviceOutOfMemory as exc:
+            # What vLLM prints when the engine core's load or KV-cache allocation runs out.
+            log.error("CUDA Error: out of memory at <path>/cumem_allocator.cpp:163",
+                      extra={"model": self.settings.model})
+            log.error(exc.torch_message(), extra={"model": self.settings.model,
+                                                  "detail": str(exc)})
+            await self.memory.close()  # the process is about to exit: the GPU frees it
+            raise StartFailed("Engine core initialization failed. See root cause above. "
+                              "Failed core proc(s): {'EngineCore_DP0': 1}") from exc
+        self._core_task = asyncio.create_task(self._core_loop(), name="engine-core")
         log.info("engine simulator ready", extra={"model": self.settings.model,
                                                   "memory_bytes": self.memory.used_bytes})
 
     async def close(self) -> None:
+        if self._core_task is not None:
+            self._core_task.cancel()
+            try:
+                await self._core_task
+            except asyncio.CancelledError:
+                pass
         await self.memory.close()
 
     def crash(self, reason: str) -> None:
@@ -104,58 +174,131 @@ class Engine(Traffic):
                                                              "exit_code": CRASH_EXIT_CODE})
         self._exit_process(CRASH_EXIT_CODE)
 
-    # -- control calls -----------------------------------------------------------------
+    # -- the engine core: pending sleeps fire when idle ---------------------------------
 
-    async def sleep(
-        self,
-        *,
-        level: int,
-        mode: PauseMode = "abort",
-        tags: Sequence[Tag] | None = None,
-        stage_ids: Sequence[int] | None = None,
-        request: web.Request | None = None,
-    ) -> list[MemoryOp]:
-        """vLLM's ``sleep(level, mode)``; returns the memory operations it implied."""
-        try:  # refuse a bad call before anything is aborted
-            copy.deepcopy(self.state).sleep(level, tags=tags, stage_ids=stage_ids)
-        except StateError as exc:
-            raise SimError(str(exc)) from exc
+    async def _core_loop(self) -> None:
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(
+                    lambda: bool(self._pending) and self._idle() and self.dead is None)
+                due = list(self._pending)
+            await self._fire(due)
+
+    async def _fire(self, due: list[PendingSleep]) -> None:
         async with self._control:
-            if self.faults.sleep_ignored:
-                self.ignored_calls += 1
-                log.warning("sleep ignored (simulated fault sleep_ignored)")
-                return []
-            began = time.monotonic()
-            try:
-                await self._drain(mode, request, purpose="sleep")
+            for pending in due:
+                began = time.monotonic()
+                if pending not in self._pending:
+                    continue  # dropped with its client (kinder fault)
                 async with self._changed:
-                    try:
-                        ops = self.state.sleep(level, tags=tags, stage_ids=stage_ids)
-                    except StateError as exc:
-                        raise SimError(str(exc)) from exc
-                    self._changed.notify_all()
-                first = level == 1 and bool(ops) and not self._had_level1_sleep
+                    ops = self.state.sleep(
+                        pending.level, undo_partial_wake=self.faults.sleep_undoes_partial_wake)
+                    self._signal()
+                first = pending.level == 1 and bool(ops) and not self._had_level1_sleep
                 self._had_level1_sleep = self._had_level1_sleep or first
                 lied = self.faults.sleep_lies
                 transfers = [] if lied else await self.memory.apply(ops)
-                if ops and level >= 1:
+                if ops:
                     s = self.settings
                     await self._pause_for(s.first_sleep_seconds if first
                                           else s.later_sleep_seconds)
-            finally:
-                await self._end_drain()
-            seconds = time.monotonic() - began
+                seconds = time.monotonic() - began
+                async with self._changed:
+                    self._pending.remove(pending)
+                    pending.ops = ops
+                    self.sleep_state_level = pending.level
+                    self.sleep_count += 1
+                    self._signal()
+                pending.done.set()
+                self.sleeps.append({
+                    "level": pending.level, "mode": pending.mode, "stage_ids": None,
+                    "seconds": seconds, "copy_seconds": _sum_copy(transfers), "first": first,
+                    "lied": lied, "noop": not ops, "abandoned": pending.abandoned,
+                    "waited_seconds": time.monotonic() - pending.registered_at,
+                    "transfers": [t.as_dict() for t in transfers],
+                })
+                log.info("slept", extra={"sleep_level": pending.level, "mode": pending.mode,
+                                         "seconds": round(seconds, 6), "first": first,
+                                         "lied": lied, "abandoned": pending.abandoned,
+                                         "memory_bytes": self.memory.used_bytes})
+
+    # -- control calls -----------------------------------------------------------------
+
+    async def sleep(
+        self, *, level: int, mode: PauseMode = "abort", request: web.Request | None = None
+    ) -> list[MemoryOp]:
+        """vLLM's ``sleep(level, mode)``: pause, then sleep once idle; returns the memory
+        operations it implied. Level 0 only pauses the scheduler."""
+        self._alive()
+        if level not in (0, 1, 2):
+            raise SimError(f"sleep level must be 0, 1 or 2, not {level}")
+        if self.faults.sleep_ignored:
+            self.ignored_calls += 1
+            log.warning("sleep ignored (simulated fault sleep_ignored)")
+            return []
+        await self._pause_scheduler(mode, for_sleep=level > 0)
+        if level == 0:
+            return []
+        pending = PendingSleep(level=level, mode=mode, registered_at=time.monotonic())
+        async with self._changed:
+            self._pending.append(pending)
+            self._signal()
+        try:
+            await self.wait_for(pending.done.is_set, request=request)
+        except (ClientGone, asyncio.CancelledError):  # the client left (or the server
+            # cancelled the handler when it did)
+            if self.faults.sleep_cancelled_with_client and not pending.done.is_set():
+                async with self._changed:
+                    self._pending.remove(pending)
+                    self._signal()
+                if not self._pending and not self.state.is_sleeping:
+                    await self._resume_scheduler()
+                log.warning("sleep dropped with its client (kinder fault "
+                            "sleep_cancelled_with_client)")
+                raise
+            async with self._changed:
+                pending.abandoned = True
+                self.abandoned_sleeps += 1
+                self._signal()
+            log.warning("sleep abandoned by its client: it stays registered and fires when "
+                        "the engine next goes idle", extra={"sleep_level": level})
+            raise
+        self._alive()
+        return pending.ops
+
+    async def omni_sleep(
+        self, *, level: int, stage_ids: Sequence[int], request: web.Request | None = None
+    ) -> list[MemoryOp]:
+        """vLLM-Omni's stage sleep: no pause and no drain (a request running on a stage
+        loses its memory under it), unless the ``omni_sleep_aborts`` fault drains first."""
+        self._alive()
+        try:
+            copy.deepcopy(self.state).sleep(level, stage_ids=stage_ids)
+        except StateError as exc:
+            raise SimError(str(exc)) from exc
+        if self.faults.sleep_ignored:
+            self.ignored_calls += 1
+            return []
+        if self.faults.omni_sleep_aborts:
+            await self._abort_running("omni sleep (kinder fault omni_sleep_aborts)")
+        async with self._control:
+            began = time.monotonic()
+            async with self._changed:
+                ops = self.state.sleep(level, stage_ids=stage_ids)
+                if level == 2 and ops:
+                    self.omni_level2_latched = True
+                self._signal()
+            lied = self.faults.sleep_lies
+            transfers = [] if lied else await self.memory.apply(ops)
+            if ops:
+                await self._pause_for(self.settings.later_sleep_seconds)
             self.sleep_count += 1
-            record = {
-                "level": level, "mode": mode, "tags": [t.value for t in tags or []] or None,
-                "stage_ids": list(stage_ids) if stage_ids is not None else None,
-                "seconds": seconds, "copy_seconds": _sum_copy(transfers), "first": first,
-                "lied": lied, "noop": not ops, "transfers": [t.as_dict() for t in transfers],
-            }
-            self.sleeps.append(record)
-            log.info("slept", extra={"sleep_level": level, "mode": mode,
-                                     "seconds": round(seconds, 6), "first": first, "lied": lied,
-                                     "memory_bytes": self.memory.used_bytes})
+            self.sleeps.append({
+                "level": level, "mode": None, "stage_ids": list(stage_ids),
+                "seconds": time.monotonic() - began, "copy_seconds": _sum_copy(transfers),
+                "first": False, "lied": lied, "noop": not ops, "abandoned": False,
+                "waited_seconds": 0.0, "transfers": [t.as_dict() for t in transfers],
+            })
             return ops
 
     async def wake(
@@ -167,12 +310,13 @@ class Engine(Traffic):
         request: web.Request | None = None,
     ) -> list[MemoryOp]:
         """vLLM's ``wake_up(tags)``; ``reload_weights`` is vLLM-Omni's all-in-one wake."""
+        self._alive()
         async with self._control:
             if self.faults.wake_hangs:
                 log.warning("wake hangs (simulated fault wake_hangs)")
                 async with self._changed:
                     self.wake_hanging = True
-                    self._changed.notify_all()
+                    self._signal()
                 try:
                     # Not given up when the caller leaves: vLLM does not stop a wake when
                     # its HTTP client goes away; the wake goes on once the fault clears.
@@ -180,7 +324,7 @@ class Engine(Traffic):
                 finally:
                     async with self._changed:
                         self.wake_hanging = False
-                        self._changed.notify_all()
+                        self._signal()
                 if self._closing:
                     raise SimError("The server is shutting down.", status=503,
                                    err_type="ServiceUnavailableError")
@@ -192,12 +336,29 @@ class Engine(Traffic):
                 log.warning("wake ignored (simulated fault wake_ignored)")
                 return []
             began = time.monotonic()
-            planned = copy.deepcopy(self.state)
             try:
-                ops = planned.wake(tags=tags, stage_ids=stage_ids, reload_weights=reload_weights)
+                plan = self.state.plan_wake(tags=tags, stage_ids=stage_ids,
+                                            each_tag=self.faults.wake_each_tag)
             except StateError as exc:
                 raise SimError(str(exc)) from exc
-            transfers = await self.memory.apply(ops)
+            if plan.skipped:
+                log.warning("wake skipped", extra={"reason": plan.skipped})
+            ops = list(plan.ops)
+            transfers: list[Transfer] = []
+            for op in ops:  # one portion at a time: an OOM halfway keeps what was mapped
+                try:
+                    transfers += await self.memory.apply([op])
+                except DeviceOutOfMemory as exc:
+                    self.wake_failures += 1
+                    log.warning("wake ran out of GPU memory", extra={
+                        "portion": op.portion, "detail": str(exc),
+                        "memory_bytes": self.memory.used_bytes})
+                    raise wake_oom_error(simulated=False) from exc
+                finally:
+                    async with self._changed:
+                        if self.memory.holds(op.portion):
+                            self.state.mapped(op)
+                        self._signal()
             weights = [op.action for op in ops if op.tag is Tag.WEIGHTS]
             delay = 0.0
             if MemoryAction.RESTORE in weights:
@@ -208,8 +369,14 @@ class Engine(Traffic):
                     delay += self.settings.reload_seconds
             await self._pause_for(delay)
             async with self._changed:
-                self.state = planned
-                self._changed.notify_all()
+                self.state.complete_wake(plan, reload_weights=reload_weights)
+                if not self.state.is_sleeping:
+                    # vLLM: the scheduler resumes once the executor no longer sleeps (also
+                    # after a wake that found it awake); a pending sleep stays registered.
+                    self.scheduler = "running"
+                    self._sleep_drain = False
+                self.sleep_state_level = 0
+                self._signal()
             seconds = time.monotonic() - began
             self.wake_count += 1
             record = {
@@ -218,16 +385,22 @@ class Engine(Traffic):
                 "from_level": 2 if MemoryAction.REALLOCATE in weights
                 else (1 if MemoryAction.RESTORE in weights else None),
                 "seconds": seconds, "copy_seconds": _sum_copy(transfers), "noop": not ops,
-                "transfers": [t.as_dict() for t in transfers],
+                "skipped": plan.skipped, "transfers": [t.as_dict() for t in transfers],
             }
             self.wakes.append(record)
             log.info("woke", extra={"tags": record["tags"], "seconds": round(seconds, 6),
                                     "memory_bytes": self.memory.used_bytes,
-                                    "is_sleeping": self.state.is_sleeping})
+                                    "is_sleeping": self.is_sleeping})
             return ops
 
     async def reload_weights(self, rpc_timeout: float | None) -> None:
+        self._alive()
         async with self._control:
+            if self.settings.load_format != "auto":
+                raise SimError(
+                    f"Call to collective_rpc method failed: Model reloading with "
+                    f"{self.settings.load_format} format", status=500,
+                    err_type="InternalServerError")
             try:
                 copy.deepcopy(self.state).reload_weights()  # a dry run: may it be done now?
             except StateError as exc:
@@ -243,30 +416,34 @@ class Engine(Traffic):
             async with self._changed:
                 self.state.reload_weights()
                 self.reloads += 1
-                self._changed.notify_all()
+                self._signal()
             log.info("weights reloaded", extra={"seconds": seconds})
 
-    async def reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache()``: False (nothing reset) while requests hold
+        blocks."""
+        self._alive()
         async with self._control, self._changed:
+            if self._running:
+                return False
             self.state.reset_prefix_cache()
             self.prefix_cache_resets += 1
-            self._changed.notify_all()
+            self._signal()
+            return True
 
     async def pause(self, mode: PauseMode, request: web.Request | None = None) -> None:
-        async with self._control:
-            try:
-                await self._drain(mode, request, purpose="pause")
-                async with self._changed:
-                    self._paused = True
-                    self._changed.notify_all()
-            finally:
-                await self._end_drain()
-            log.info("generation paused", extra={"mode": mode})
+        """``/pause``: hold new requests; ``wait`` returns once the running ones finished."""
+        self._alive()
+        await self._pause_scheduler(mode, for_sleep=False)
+        if mode == "wait":
+            await self.wait_for(lambda: not self._running, request=request)
+        log.info("generation paused", extra={"mode": mode})
 
     async def resume(self) -> None:
-        async with self._control, self._changed:
-            self._paused = False
-            self._changed.notify_all()
+        """``/resume``: the scheduler runs again (on a sleeping executor, the next request
+        kills the engine core, as in vLLM)."""
+        self._alive()
+        await self._resume_scheduler()
 
     # -- reporting ---------------------------------------------------------------------
 
@@ -284,18 +461,21 @@ class Engine(Traffic):
             "pid": self.pid,
             "gpu_uuid": s.gpu_uuid,
             "omni": s.omni,
-            "sleeping": self.state.is_sleeping,
+            "sleeping": self.is_sleeping,
+            "executor_sleeping": self.state.is_sleeping,
+            "scheduler": self.scheduler,
+            "dead": self.dead,
+            "pending_sleeps": len(self._pending),
             "level": self.state.level,
             "tags_asleep": [t.value for t in self.state.sleeping_tags],
             "weights_valid": self.state.weights_valid,
             "prefix_cache_stale": self.state.prefix_cache_stale,
-            "paused": self._paused,
-            "draining": self._draining is not None,
+            "paused": self.paused,
             "closing": self._closing,
             "wake_hanging": self.wake_hanging,
-            "in_flight": len(self._running) + self._waiting,
+            "in_flight": len(self._running) + self._held,
             "running": len(self._running),
-            "waiting": self._waiting,
+            "waiting": self._held,
             "memory_bytes": self.memory.used_bytes,
             "awake_memory_bytes": s.awake_memory_bytes,
             "resident_memory_bytes": s.resident_memory_bytes,
@@ -306,6 +486,7 @@ class Engine(Traffic):
             "reloads": self.reloads,
             "prefix_cache_resets": self.prefix_cache_resets,
             "ignored_calls": self.ignored_calls,
+            "abandoned_sleeps": self.abandoned_sleeps,
             "generations_started": self.generations_started,
             "generations_aborted": self.generations_aborted,
             "sleeps": list(self.sleeps),
@@ -315,6 +496,11 @@ class Engine(Traffic):
         }
 
     def omni_ack(self, stage_id: int, freed: int) -> dict[str, Any]:
+        """One ``OmniACK``; its GiB metadata are strings (``"12.34"``), as vLLM-Omni's."""
+        total_gib: float | str = freed / _GIB
+        residual_gib: float | str = self.memory.used_bytes / _GIB
+        if not self.faults.omni_gib_numbers:
+            total_gib, residual_gib = f"{total_gib:.2f}", f"{residual_gib:.2f}"
         return {
             "task_id": uuid.uuid4().hex,
             "status": "SUCCESS",
@@ -323,8 +509,8 @@ class Engine(Traffic):
             "freed_bytes": freed,
             "metadata": {
                 "source": "rota-engine-simulator",
-                "total_freed_gib": round(freed / _GIB, 6),
-                "rank_residual_gib": round(self.memory.used_bytes / _GIB, 6),
+                "total_freed_gib": total_gib,
+                "rank_residual_gib": residual_gib,
             },
             "error_msg": None,
         }

@@ -17,6 +17,7 @@ from aiohttp.typedefs import Handler
 
 __all__ = [
     "SimError",
+    "engine_dead_error",
     "error_body",
     "error_middleware",
     "error_response",
@@ -47,14 +48,25 @@ class SimError(Exception):
         return error_body(self.message, self.err_type, self.status)
 
 
-def wake_oom_error() -> SimError:
-    """The 500 a vLLM wake answers when the device has no room for its memory."""
+def wake_oom_error(*, simulated: bool = True) -> SimError:
+    """The 500 a vLLM wake answers when the device has no room for its memory (vLLM
+    rewrites absolute paths to ``<path>``). ``simulated``: forced by the ``wake_fails``
+    fault rather than a GPU that really ran out."""
+    suffix = " (simulated fault: wake_fails)" if simulated else ""
     return SimError(
-        "Call to wake_up method failed: CUDA Error: out of memory at "
-        "csrc/cumem_allocator.cpp:62 (simulated fault: wake_fails)",
+        f"Call to wake_up method failed: CUDA Error: out of memory at <path>:163{suffix}",
         status=500,
         err_type="InternalServerError",
     )
+
+
+ENGINE_DEAD_MESSAGE = ("EngineCore encountered an issue. See stack trace (above) for the "
+                       "root cause.")
+
+
+def engine_dead_error() -> SimError:
+    """What every call to an engine whose core died answers (vLLM's ``EngineDeadError``)."""
+    return SimError(ENGINE_DEAD_MESSAGE, status=500, err_type="EngineDeadError")
 
 
 @web.middleware

@@ -9,10 +9,19 @@ allocator reservations) plus one *portion* per tag and stage (``stage0/weights``
   configured it registers the count there (``<dir>/<pid>.json``, written atomically by
   :func:`driver.nvml.fake.register_process`) after every change and removes the entry on a
   clean close, so rota's fake NVML sees this process use exactly what it would on a GPU.
+  Like a real GPU, the fake one runs out: every allocation is checked, under the
+  registry's lock, against what the fake NVML shows free on that GPU (every live process
+  of every simulator on it, plus the driver's baseline), and one that does not fit fails
+  with :class:`DeviceOutOfMemory`, leaving what was allocated before it in place.
 - :class:`CudaMemory` holds real device memory through PyTorch (imported only here, only
   when chosen; torch is not a dependency of rota). Level 1 copies the weights to pinned
   host memory and frees the device tensor; wake copies them back. Every device call runs
-  in a worker thread, and the measured copy times are reported.
+  in a worker thread, and the measured copy times are reported. A real CUDA
+  out-of-memory error becomes :class:`DeviceOutOfMemory` as well.
+
+A holder carries out the operations of one call in order and stops at the first that
+does not fit: operations are applied one at a time by the engine, so a wake that runs out
+halfway keeps its partial mappings, as vLLM's CuMem allocator does.
 """
 
 from __future__ import annotations
@@ -26,12 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from driver.nvml.fake import register_process, unregister_process
+from driver.nvml.fake import GpuMemoryExhausted, register_process, unregister_process
 from e2e.engine_simulator.settings import Settings
 from e2e.engine_simulator.state import ALL_TAGS, MemoryAction, MemoryOp, portion_name
 
 __all__ = [
     "CudaMemory",
+    "DeviceOutOfMemory",
     "FakeMemory",
     "MemoryHolder",
     "NvmlRegistration",
@@ -41,6 +51,41 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+_MIB = 2**20
+_GIB = 2**30
+
+
+class DeviceOutOfMemory(Exception):
+    """An allocation found no room on the GPU (CUDA's out-of-memory error).
+
+    Attributes:
+        requested_bytes: what the failed allocation asked for.
+        free_bytes: what the GPU had free; None when not known (a real CUDA error).
+        total_bytes: the GPU's total memory; None when not known.
+    """
+
+    def __init__(self, message: str, *, requested_bytes: int, free_bytes: int | None = None,
+                 total_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.requested_bytes = requested_bytes
+        self.free_bytes = free_bytes
+        self.total_bytes = total_bytes
+
+    @classmethod
+    def from_exhausted(cls, exc: GpuMemoryExhausted) -> DeviceOutOfMemory:
+        return cls(str(exc), requested_bytes=exc.requested_bytes, free_bytes=exc.free_bytes,
+                   total_bytes=exc.total_bytes)
+
+    def torch_message(self) -> str:
+        """The line PyTorch's caching allocator prints for this failure."""
+        text = (f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                f"{self.requested_bytes / _MIB:.2f} MiB.")
+        if self.total_bytes is not None and self.free_bytes is not None:
+            text += (f" GPU 0 has a total capacity of {self.total_bytes / _GIB:.2f} GiB of "
+                     f"which {self.free_bytes / _MIB:.2f} MiB is free.")
+        return text
 
 
 @dataclass(frozen=True)
@@ -73,12 +118,18 @@ class MemoryHolder(Protocol):
         """Device memory held now (resident part plus portions on the device)."""
         ...
 
+    def holds(self, portion: str) -> bool:
+        """True while ``portion`` is on the device."""
+        ...
+
     async def start(self) -> None:
-        """Allocate the awake footprint."""
+        """Allocate the awake footprint; :class:`DeviceOutOfMemory` when it does not fit."""
         ...
 
     async def apply(self, ops: Sequence[MemoryOp]) -> list[Transfer]:
-        """Carry out ``ops`` in order. Operations on a portion already there are no-ops."""
+        """Carry out ``ops`` in order. Operations on a portion already there are no-ops.
+        :class:`DeviceOutOfMemory` at the first allocation that does not fit; the
+        operations before it stay done."""
         ...
 
     async def close(self) -> None:
@@ -105,19 +156,41 @@ def plan_portions(settings: Settings) -> dict[str, int]:
 
 
 class NvmlRegistration:
-    """This process's entry in rota's fake NVML process directory (none when no directory)."""
+    """This process's entry in rota's fake NVML process directory (none when no directory),
+    and the capacity check every growth of it passes."""
 
-    def __init__(self, directory: Path | None, *, pid: int, gpu_uuid: str) -> None:
+    def __init__(self, directory: Path | None, *, pid: int, gpu_uuid: str,
+                 total_bytes: int | None = None, enforce: bool = True) -> None:
         self.directory = directory
         self.pid = pid
         self.gpu_uuid = gpu_uuid
+        self.total_bytes = total_bytes
+        """The GPU's total memory, overriding what the registry publishes; None: use that."""
+        self.enforce = enforce
+        """Check capacity (the fake GPU); False where a real GPU does it (cuda backend)."""
+        self._used = 0
 
     async def publish(self, used_bytes: int) -> None:
+        """Register ``used_bytes``; :class:`DeviceOutOfMemory` (and nothing registered)
+        when the growth does not fit on the GPU."""
         if self.directory is None:
+            total = self.total_bytes if self.enforce else None
+            if total is not None and used_bytes > max(self._used, total):
+                raise DeviceOutOfMemory(
+                    f"GPU {self.gpu_uuid}: tried to allocate {used_bytes - self._used} bytes "
+                    f"with {total - self._used} bytes free of {total}",
+                    requested_bytes=used_bytes - self._used,
+                    free_bytes=max(0, total - self._used), total_bytes=total)
+            self._used = used_bytes
             return
-        await asyncio.to_thread(
-            register_process, self.directory, self.pid, self.gpu_uuid, used_bytes
-        )
+        try:
+            await asyncio.to_thread(
+                register_process, self.directory, self.pid, self.gpu_uuid, used_bytes,
+                enforce_capacity=self.enforce, total_bytes=self.total_bytes,
+            )
+        except GpuMemoryExhausted as exc:
+            raise DeviceOutOfMemory.from_exhausted(exc) from exc
+        self._used = used_bytes
         log.debug("registered gpu memory", extra={"pid": self.pid, "used_bytes": used_bytes,
                                                   "gpu_uuid": self.gpu_uuid})
 
@@ -144,11 +217,25 @@ class FakeMemory:
     def used_bytes(self) -> int:
         return self._resident + sum(self._sizes[name] for name in self._on_device)
 
+    def holds(self, portion: str) -> bool:
+        return portion in self._on_device
+
     async def start(self) -> None:
+        """Allocate as an engine loads: the resident part, then each portion in turn."""
+        wanted = list(self._on_device)
+        self._on_device.clear()
         await self._registration.publish(self.used_bytes)
+        for name in wanted:
+            self._on_device.add(name)
+            try:
+                await self._registration.publish(self.used_bytes)
+            except DeviceOutOfMemory:
+                self._on_device.discard(name)
+                raise
 
     async def apply(self, ops: Sequence[MemoryOp]) -> list[Transfer]:
         transfers = []
+        released = False
         for op in ops:
             name = op.portion
             moved = 0
@@ -156,16 +243,25 @@ class FakeMemory:
                 if name in self._on_device:
                     self._on_device.discard(name)
                     moved = self._sizes[name]
+                    released = True
                     if op.action is MemoryAction.OFFLOAD:
                         self._on_host.add(name)
                     else:
                         self._on_host.discard(name)
             elif name not in self._on_device:
                 self._on_device.add(name)
+                try:
+                    await self._registration.publish(self.used_bytes)
+                except DeviceOutOfMemory:
+                    self._on_device.discard(name)
+                    if released:
+                        await self._registration.publish(self.used_bytes)
+                    raise
+                released = False
                 moved = self._sizes[name]
                 self._on_host.discard(name)
             transfers.append(Transfer(name, op.action, moved, 0.0, 0.0))
-        if ops:
+        if released:
             await self._registration.publish(self.used_bytes)
         return transfers
 
@@ -204,8 +300,14 @@ class CudaMemory:
     def used_bytes(self) -> int:
         return self._resident_bytes + sum(self._sizes[name] for name in self._device)
 
+    def holds(self, portion: str) -> bool:
+        return portion in self._device
+
     def _empty(self, nbytes: int) -> Any:
-        return self._torch.empty(nbytes, dtype=self._torch.uint8, device="cuda")
+        try:
+            return self._torch.empty(nbytes, dtype=self._torch.uint8, device="cuda")
+        except self._torch.OutOfMemoryError as exc:
+            raise DeviceOutOfMemory(str(exc), requested_bytes=nbytes) from exc
 
     def _start_sync(self) -> None:
         try:
@@ -266,10 +368,11 @@ class CudaMemory:
         return [self._apply_one(op) for op in ops]
 
     async def apply(self, ops: Sequence[MemoryOp]) -> list[Transfer]:
-        transfers = await asyncio.to_thread(self._apply_sync, list(ops))
-        if ops:
-            await self._registration.publish(self.used_bytes)
-        return transfers
+        try:
+            return await asyncio.to_thread(self._apply_sync, list(ops))
+        finally:
+            if ops:
+                await self._registration.publish(self.used_bytes)
 
     def _free_sync(self) -> None:
         self._device.clear()
@@ -297,7 +400,9 @@ class CudaMemory:
 
 def make_memory(settings: Settings, *, pid: int) -> MemoryHolder:
     """The holder ``settings.memory_backend`` names."""
-    registration = NvmlRegistration(settings.fake_nvml_dir, pid=pid, gpu_uuid=settings.gpu_uuid)
+    registration = NvmlRegistration(settings.fake_nvml_dir, pid=pid, gpu_uuid=settings.gpu_uuid,
+                                    total_bytes=settings.gpu_memory_bytes,
+                                    enforce=settings.memory_backend == "fake")
     portions = plan_portions(settings)
     if settings.memory_backend == "cuda":
         return CudaMemory(resident_bytes=settings.resident_memory_bytes, portions=portions,

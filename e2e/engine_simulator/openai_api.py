@@ -1,11 +1,14 @@
-"""The OpenAI-compatible endpoints, shaped like vLLM's: models, chat and text completions.
+"""The OpenAI-compatible endpoints, shaped like vLLM 0.26's: models, chat and text
+completions.
 
 Streams are server-sent events: ``data: <json>\\n\\n`` per chunk, one token per chunk, then
-``data: [DONE]\\n\\n``. With ``stream_options.include_usage`` every chunk carries
-``"usage": null`` and one last chunk has ``choices: []`` and the request's usage. An error
-after the 200 went out is sent as ``data: {"error": {...}}`` followed by ``[DONE]``, so a
-client must read the chunks, not the status. Request bodies accept fields the simulator
-does not use (temperature, top_p, ...), as vLLM does, and log them at debug level.
+``data: [DONE]\\n\\n``. Chunks carry no ``usage`` field; with
+``stream_options.include_usage`` one last chunk has ``choices: []`` and the request's
+usage. An error after the 200 went out is sent as ``data: {"error": {...}}`` followed by
+``[DONE]``, so a client must read the chunks, not the status. A stream gets its 200
+headers at once, even while the engine sleeps: the request is then held, silent, until a
+wake (a plain request is answered only after the wake). Request bodies accept fields the
+simulator does not use (temperature, top_p, ...), as vLLM does, and log them at debug level.
 """
 
 from __future__ import annotations
@@ -133,10 +136,7 @@ class _Shape:
             choice |= {"text": text or "", "logprobs": None, "finish_reason": finish,
                        "stop_reason": None}
             obj = "text_completion"
-        out = self._envelope(obj, [choice])
-        if self.include_usage:
-            out["usage"] = None
-        return out
+        return self._envelope(obj, [choice])
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -159,15 +159,17 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def _stream(
-    request: web.Request, engine: Engine, gen: Generation, plan: TokenPlan, shape: _Shape,
-    prompt_tokens: int,
-) -> web.StreamResponse:
-    response = web.StreamResponse(
+def _stream_headers() -> web.StreamResponse:
+    return web.StreamResponse(
         status=200, headers={"Content-Type": "text/event-stream; charset=utf-8",
                              "Cache-Control": "no-cache"},
     )
-    await response.prepare(request)
+
+
+async def _stream(
+    request: web.Request, response: web.StreamResponse, engine: Engine, gen: Generation,
+    plan: TokenPlan, shape: _Shape, prompt_tokens: int,
+) -> web.StreamResponse:
     sent = 0
     try:
         if shape.kind == "chat":
@@ -188,6 +190,17 @@ async def _stream(
         await response.write_eof()
     except (ConnectionResetError, SimError):
         log.info("client left during a stream", extra={"request_id": shape.id, "tokens": sent})
+    return response
+
+
+async def _stream_error(response: web.StreamResponse, error: SimError) -> web.StreamResponse:
+    """An error after the 200 headers went out: an error event, then ``[DONE]``."""
+    try:
+        await response.write(_sse(error.body()))
+        await response.write(_sse("[DONE]"))
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
     return response
 
 
@@ -242,13 +255,27 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         else:
             raise SimError("the engine simulator takes exactly one prompt per request")
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-    gen = await engine.admit(request)
+    refused = engine.refusal()
+    if refused is not None and not (parsed.stream and refused.status == 500):
+        raise refused
+    response: web.StreamResponse | None = None
+    if parsed.stream:  # vLLM sends the 200 at once, before the scheduler runs the request
+        response = _stream_headers()
+        await response.prepare(request)
+    try:
+        gen = await engine.admit(request)
+    except SimError as exc:
+        if response is None:
+            raise
+        if exc.status == 499:
+            return response
+        return await _stream_error(response, exc)
     try:
         plan = plan_tokens(prompt, max_tokens=max_tokens, ignore_eos=parsed.ignore_eos,
                            quality=gen.quality)
         shape = _Shape(kind, served, gen, include_usage)
-        if parsed.stream:
-            return await _stream(request, engine, gen, plan, shape, prompt_tokens)
+        if response is not None:
+            return await _stream(request, response, engine, gen, plan, shape, prompt_tokens)
         return await _collect(request, engine, gen, plan, shape, prompt_tokens)
     finally:
         await engine.finish(gen)

@@ -74,7 +74,12 @@ Seconds = Annotated[float, Field(ge=0.0)]
 
 
 class Faults(BaseModel):
-    """Injected misbehaviour. Settable at start (flags) and at runtime (``POST /sim/faults``)."""
+    """Injected misbehaviour. Settable at start (flags) and at runtime (``POST /sim/faults``).
+
+    The simulator behaves like vLLM 0.26 by default; the faults marked *kinder* bring back
+    behaviours friendlier than vLLM's (what rota once assumed), for tests that must not
+    depend on a fix that has not landed yet.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -94,13 +99,38 @@ class Faults(BaseModel):
     """``/sleep`` answers 200, then the process exits hard (like vllm#45520)."""
     crash_now: bool = False
     """Exit hard at once (at start: right after binding the port)."""
-    refuse_while_asleep: bool = True
-    """Generation requests while asleep get HTTP 503; false makes them wait for a wake."""
     stall_generation: bool = False
     """Running generations stop before their next token until cleared (a test hook)."""
     fail_mid_stream: bool = False
     """Generations fail before their last token (after the first when there are several);
     a stream then ends with ``data: {"error": ...}`` and ``[DONE]``, without a finish reason."""
+    drop_reused_connections: bool = False
+    """A request arriving on a kept-alive connection finds it closed by the server, as when
+    a client reuses a pooled connection just as uvicorn's keep-alive closes it."""
+    refuse_while_asleep: bool = False
+    """Kinder than vLLM 0.26: generation requests while the engine sleeps or drains for a
+    sleep get HTTP 503 at once (vLLM holds them until a wake)."""
+    sleep_cancelled_with_client: bool = False
+    """Kinder than vLLM 0.26: a ``/sleep`` whose client gives up is dropped and the
+    scheduler resumes (vLLM keeps it registered and sleeps when the engine next idles)."""
+    wake_each_tag: bool = False
+    """Kinder than vLLM 0.26: ``/wake_up?tags=`` wakes each named tag that is asleep instead
+    of skipping the whole call when one of them is awake."""
+    sleep_undoes_partial_wake: bool = False
+    """Kinder than vLLM 0.26: ``/sleep`` on an engine whose wake stopped halfway frees the
+    memory mapped again (vLLM: "Executor is already sleeping", the memory stays)."""
+    empty_rpc_answers: bool = False
+    """Kinder than vLLM 0.26: ``/reset_prefix_cache`` and ``/collective_rpc`` answer 200
+    with an empty body (vLLM: ``{"success": bool}`` and ``{"results": [...]}``)."""
+    omni_level2_wake: bool = False
+    """Kinder than vLLM-Omni 0.26/0.30: a wakeup after a level-2 sleep reloads the weights
+    and works (vLLM-Omni: 501 NotImplementedError, and the engine cannot be woken again)."""
+    omni_sleep_aborts: bool = False
+    """Kinder than vLLM-Omni: its sleep aborts running generations first (vLLM-Omni does
+    not pause or drain: the memory is unmapped under a running request)."""
+    omni_gib_numbers: bool = False
+    """Kinder than vLLM-Omni: ACK metadata ``total_freed_gib``/``rank_residual_gib`` are
+    numbers (vLLM-Omni sends strings such as ``"12.34"``)."""
 
 
 class FaultsPatch(BaseModel):
@@ -115,9 +145,17 @@ class FaultsPatch(BaseModel):
     wake_ignored: bool | None = None
     crash_on_sleep: bool | None = None
     crash_now: bool | None = None
-    refuse_while_asleep: bool | None = None
     stall_generation: bool | None = None
     fail_mid_stream: bool | None = None
+    drop_reused_connections: bool | None = None
+    refuse_while_asleep: bool | None = None
+    sleep_cancelled_with_client: bool | None = None
+    wake_each_tag: bool | None = None
+    sleep_undoes_partial_wake: bool | None = None
+    empty_rpc_answers: bool | None = None
+    omni_level2_wake: bool | None = None
+    omni_sleep_aborts: bool | None = None
+    omni_gib_numbers: bool | None = None
 
     def apply(self, faults: Faults) -> Faults:
         return faults.model_copy(update=self.model_dump(exclude_none=True))
@@ -158,17 +196,33 @@ class Settings(BaseModel):
     gpu_uuid: str = DEFAULT_GPU_UUID
     fake_nvml_dir: Path | None = None
     """Where to register this process's GPU memory for rota's fake NVML; None: don't."""
+    gpu_memory_bytes: ByteCount | None = None
+    """The GPU's total memory for the capacity check of the fake backend. None: what the
+    fake NVML registry publishes for ``gpu_uuid`` (the driver's fixture); a GPU nobody
+    describes has no limit."""
     nvml_pid: int | None = Field(default=None, gt=0)
     """The pid to register under; None: this process's pid."""
 
     omni: bool = False
-    """Also serve vLLM-Omni's stage-aware ``/v1/omni/sleep`` and ``/v1/omni/wakeup``."""
-    omni_stages: int = Field(default=2, ge=1, le=64)
+    """Behave like vLLM-Omni: serve its stage-aware ``/v1/omni/sleep`` and
+    ``/v1/omni/wakeup`` (vLLM's own ``/sleep`` and ``/wake_up`` then fail with 500)."""
+    omni_stages: int = Field(default=3, ge=1, le=64)
+    """Stages of the Omni pipeline (Qwen2.5-Omni and Qwen3-Omni have three)."""
 
-    control_token: SecretStr | None = Field(default=None, min_length=1)
-    """When set, every control endpoint (``/sleep``, ``/wake_up``, ``/is_sleeping``,
-    ``/collective_rpc``, ``/reset_prefix_cache``, ``/pause``, ``/resume``, ``/is_paused``,
-    ``/v1/omni/*``) needs ``Authorization: Bearer <token>`` and answers 401 without it."""
+    dev_mode: bool = False
+    """``VLLM_SERVER_DEV_MODE=1``: serve vLLM's development routes (``/sleep``,
+    ``/wake_up``, ``/is_sleeping``, ``/collective_rpc``, ``/reset_prefix_cache``,
+    ``/pause``, ``/resume``, ``/is_paused``); without it they answer 404, as in vLLM."""
+    api_key: SecretStr | None = Field(default=None, min_length=1)
+    """vLLM's ``--api-key`` (``VLLM_API_KEY``): paths starting ``/v1``, ``/v2`` or
+    ``/inference`` need ``Authorization: Bearer <key>`` (401 ``{"error": "Unauthorized"}``
+    without it); the development routes, ``/health`` and ``/metrics`` are never guarded."""
+    keep_alive_seconds: Seconds = 5.0
+    """uvicorn's keep-alive (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``): idle connections close then."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """vLLM's ``--load-format``: ``reload_weights`` fails (500) under ``dummy``."""
+    disable_log_stats: bool = False
+    """vLLM's ``--disable-log-stats``: ``/metrics`` then carries no ``vllm:`` gauges."""
 
     shutdown_grace_seconds: Seconds = 5.0
     """On SIGTERM/SIGINT, how long running generations may finish before they are aborted."""
@@ -241,34 +295,50 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
      "fake NVML process directory to register GPU memory in"),
     ("nvml_pid", "--nvml-pid", "ROTA_SIM_NVML_PID",
      "pid to register with the fake NVML (default: this process)"),
-    ("omni", "--omni", "ROTA_SIM_OMNI", "also serve vLLM-Omni's stage-aware sleep/wakeup"),
+    ("gpu_memory_bytes", "--gpu-memory-bytes", "ROTA_SIM_GPU_MEMORY_BYTES",
+     "the GPU's total memory for the fake backend's capacity check (default: what the "
+     "fake NVML registry publishes for the GPU; none published: no limit)"),
+    ("omni", "--omni", "ROTA_SIM_OMNI",
+     "behave like vLLM-Omni (stage-aware /v1/omni/sleep and /v1/omni/wakeup)"),
     ("omni_stages", "--omni-stages", "ROTA_SIM_OMNI_STAGES", "number of Omni stages"),
-    ("control_token", "--control-token", "ROTA_SIM_CONTROL_TOKEN",
-     "require 'Authorization: Bearer TOKEN' on the control endpoints (sleep, wake_up, "
-     "is_sleeping, collective_rpc, reset_prefix_cache, pause, resume, is_paused, v1/omni)"),
+    ("dev_mode", "--dev-mode", "VLLM_SERVER_DEV_MODE",
+     "serve vLLM's development routes (sleep, wake_up, is_sleeping, collective_rpc, "
+     "reset_prefix_cache, pause, resume, is_paused); without it they answer 404"),
+    ("api_key", "--api-key", "VLLM_API_KEY",
+     "require 'Authorization: Bearer KEY' on /v1*, /v2*, /inference* (never on the "
+     "development routes, /health or /metrics), as vLLM's --api-key"),
+    ("keep_alive_seconds", "--keep-alive-seconds", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+     "close idle HTTP connections after this long, as uvicorn does"),
+    ("load_format", "--load-format", "ROTA_SIM_LOAD_FORMAT",
+     "auto or dummy (dummy weights cannot be reloaded: reload_weights answers 500)"),
+    ("disable_log_stats", "--disable-log-stats", "ROTA_SIM_DISABLE_LOG_STATS",
+     "no vllm: gauges on /metrics (as vLLM's --disable-log-stats)"),
     ("shutdown_grace_seconds", "--shutdown-grace-seconds", "ROTA_SIM_SHUTDOWN_GRACE_SECONDS",
      "on SIGTERM, how long running generations may finish before they are aborted"),
     ("log_level", "--log-level", "ROTA_SIM_LOG_LEVEL", "debug, info, warning or error"),
 )
 
-_BOOLEAN_KNOBS = frozenset({"omni"})
+_BOOLEAN_KNOBS = frozenset({"omni", "dev_mode", "disable_log_stats"})
 _METAVARS = {
     "model": "NAME", "host": "HOST", "port": "PORT", "port_file": "FILE",
     "tokens_per_second": "RATE", "awake_memory_bytes": "BYTES",
     "resident_memory_bytes": "BYTES", "weights_bytes": "BYTES", "memory_backend": "{fake,cuda}",
+    "gpu_memory_bytes": "BYTES",
     "gpu_uuid": "UUID", "fake_nvml_dir": "DIR", "nvml_pid": "PID", "omni_stages": "N",
-    "log_level": "LEVEL", "control_token": "TOKEN",
+    "log_level": "LEVEL", "api_key": "KEY", "load_format": "{auto,dummy}",
 }
 
 _DESCRIPTION = """\
 rota engine simulator -- NOT a real inference engine.
 
-Behaves like vLLM's OpenAI server started with --enable-sleep-mode and
-VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /is_sleeping, /collective_rpc,
-/reset_prefix_cache, /pause, /resume, /is_paused, /health, /metrics,
-/v1/models, /v1/chat/completions and /v1/completions (streamed and not), with
-vLLM's quirks. Its answers are canned: a prompt asking "3 + 4" gets "7", others get
-filler text. Simulator-only endpoints live under /sim/ (state, faults).
+Behaves like vLLM 0.26's OpenAI server started with --enable-sleep-mode:
+/health, /metrics, /v1/models, /v1/chat/completions and /v1/completions
+(streamed and not), and with VLLM_SERVER_DEV_MODE=1 (or --dev-mode) /sleep,
+/wake_up, /is_sleeping, /collective_rpc, /reset_prefix_cache, /pause, /resume,
+/is_paused, with vLLM's quirks: requests to a sleeping engine are held, an
+abandoned sleep still fires, the fake GPU runs out. Its answers are canned: a
+prompt asking "3 + 4" gets "7", others get filler text. Simulator-only endpoints
+live under /sim/ (state, faults).
 """
 
 _EPILOG = """\

@@ -1,26 +1,40 @@
 """The simulated engine's sleep state, as pure data: what is asleep and what is still valid.
 
-vLLM tags its GPU memory ``weights`` and ``kv_cache``. This module keeps, per stage (a
-plain engine has one stage, a vLLM-Omni engine several), where each tag lives and whether
-the weights and the prefix cache can be trusted, and turns sleep and wake calls into
-memory operations for a :class:`~e2e.engine_simulator.memory.MemoryHolder` to carry out.
+vLLM tags its GPU memory ``weights`` and ``kv_cache``. Two layers keep track of it, and
+they can disagree, as they do in vLLM 0.26:
+
+- the **executor** keeps ``sleeping_tags``: a sleep puts every tag in it, a successful
+  wake takes the woken tags out. ``is_sleeping`` of the executor is "any tag in it". A
+  sleep while the executor is already sleeping does nothing ("Executor is already
+  sleeping"); a wake while it is not does nothing; a wake naming a tag that is not in
+  ``sleeping_tags`` skips the **whole** call;
+- the **allocator** (CuMem) maps each tag's memory (per stage: a plain engine has one
+  stage, a vLLM-Omni engine several). A wake maps what it needs one portion at a time;
+  when the device runs out halfway, what was mapped stays mapped and the executor still
+  lists every tag asleep. Only finishing the wake (or a restart) gets the engine out of
+  that state: a new sleep is a no-op and the memory stays.
+
+This module keeps both, plus whether the weights and the prefix cache can be trusted:
 
 - Level 1: weights are offloaded to host memory, the KV cache is discarded. Waking
   copies the weights back: answers stay right.
 - Level 2: weights and KV cache are discarded and the prefix cache's hashes go stale.
   Waking the weights maps fresh, meaningless memory (``weights_valid`` false) until
-  ``reload_weights``; answers stay wrong until ``reset_prefix_cache`` as well.
-- Level 0: scheduling is paused; no memory moves.
+  ``reload_weights``; answers stay wrong until ``reset_prefix_cache`` as well (more
+  pessimistic than vLLM 0.26, whose sleep clears the prefix cache itself).
 
-Sleeping a tag that is asleep, or waking one that is awake, changes nothing (vLLM's
-documented behaviour). No I/O and no asyncio here.
+Sleep and wake calls become memory operations for a
+:class:`~e2e.engine_simulator.memory.MemoryHolder`. A wake is planned first
+(:meth:`EngineState.plan_wake`), its operations are carried out one by one
+(:meth:`EngineState.mapped`), and only a wake that mapped everything it needed is
+completed (:meth:`EngineState.complete_wake`). No I/O and no asyncio here.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -33,6 +47,7 @@ __all__ = [
     "StageState",
     "StateError",
     "Tag",
+    "WakePlan",
     "portion_name",
 ]
 
@@ -94,37 +109,55 @@ class MemoryOp:
 @dataclass
 class StageState:
     weights: Residency = Residency.AWAKE
+    """Where the allocator holds the weights."""
     weights_valid: bool = True
     kv_cache_awake: bool = True
+    """Whether the allocator maps the KV cache."""
     prefix_cache_stale: bool = False
-    paused: bool = False
-    """Level-0 sleep: scheduling paused, memory untouched."""
+    sleeping_tags: set[Tag] = field(default_factory=set)
+    """The executor's bookkeeping: tags it considers asleep."""
     level: int | None = None
     """Level of the sleep this stage is in; None once fully awake."""
 
     @property
     def asleep(self) -> bool:
-        return self.weights is not Residency.AWAKE or not self.kv_cache_awake or self.paused
+        """The executor says this stage sleeps (some tag is in ``sleeping_tags``)."""
+        return bool(self.sleeping_tags)
 
-    def sleeping_tags(self) -> list[Tag]:
-        tags = []
-        if self.weights is not Residency.AWAKE:
-            tags.append(Tag.WEIGHTS)
-        if not self.kv_cache_awake:
-            tags.append(Tag.KV_CACHE)
-        return tags
+    def mapped(self, tag: Tag) -> bool:
+        if tag is Tag.WEIGHTS:
+            return self.weights is Residency.AWAKE
+        return self.kv_cache_awake
 
     def snapshot(self, stage_id: int) -> dict[str, Any]:
         return {
             "stage_id": stage_id,
             "asleep": self.asleep,
             "level": self.level,
+            "sleeping_tags": [t.value for t in ALL_TAGS if t in self.sleeping_tags],
             "weights": self.weights.value,
             "weights_valid": self.weights_valid,
             "kv_cache_awake": self.kv_cache_awake,
             "prefix_cache_stale": self.prefix_cache_stale,
-            "paused": self.paused,
         }
+
+
+@dataclass(frozen=True)
+class WakePlan:
+    """What a wake call will do.
+
+    Attributes:
+        ops: allocations to make, in order (portions already mapped are left out).
+        stages: the stages whose executor wakes (and their tags leave ``sleeping_tags``
+            once every op succeeded).
+        tags: the tags asked for; None means all.
+        skipped: why nothing will be done (a warning vLLM logs), or None.
+    """
+
+    ops: tuple[MemoryOp, ...]
+    stages: tuple[int, ...]
+    tags: tuple[Tag, ...] | None
+    skipped: str | None = None
 
 
 class EngineState:
@@ -150,23 +183,23 @@ class EngineState:
         self,
         level: int,
         *,
-        tags: Sequence[Tag] | None = None,
         stage_ids: Iterable[int] | None = None,
+        undo_partial_wake: bool = False,
     ) -> list[MemoryOp]:
-        """Put the chosen tags of the chosen stages to sleep at ``level`` (0, 1 or 2)."""
-        if level not in (0, 1, 2):
-            raise StateError(f"sleep level must be 0, 1 or 2, not {level}")
-        wanted = ALL_TAGS if tags is None else tuple(dict.fromkeys(tags))
+        """The executor's ``sleep(level)`` on the chosen stages (level 1 or 2).
+
+        A stage whose executor is already sleeping is left as it is (vLLM: "Executor is
+        already sleeping"), even when part of its memory is mapped again after a wake
+        that did not finish; ``undo_partial_wake`` (a kinder fault) frees that memory.
+        """
+        if level not in (1, 2):
+            raise StateError(f"sleep level must be 1 or 2, not {level}")
         ops: list[MemoryOp] = []
         for sid in self._select(stage_ids):
             stage = self.stages[sid]
-            if level == 0:
-                if not stage.paused:
-                    stage.paused = True
-                    stage.level = 0 if stage.level is None else stage.level
+            if stage.asleep and not undo_partial_wake:
                 continue
-            changed = False
-            if Tag.WEIGHTS in wanted and stage.weights is Residency.AWAKE:
+            if stage.weights is Residency.AWAKE:
                 if level == 1:
                     stage.weights = Residency.OFFLOADED
                     ops.append(MemoryOp(sid, Tag.WEIGHTS, MemoryAction.OFFLOAD))
@@ -174,47 +207,80 @@ class EngineState:
                     stage.weights = Residency.DISCARDED
                     stage.weights_valid = False
                     ops.append(MemoryOp(sid, Tag.WEIGHTS, MemoryAction.DISCARD))
-                changed = True
-            if Tag.KV_CACHE in wanted and stage.kv_cache_awake:
+            if stage.kv_cache_awake:
                 stage.kv_cache_awake = False
                 ops.append(MemoryOp(sid, Tag.KV_CACHE, MemoryAction.DISCARD))
-                changed = True
-            if changed:
+            if not stage.asleep:
+                stage.level = level
                 if level == 2:
                     stage.prefix_cache_stale = True
-                if stage.level is None or stage.level == 0:
-                    stage.level = level
-                else:
-                    stage.level = max(stage.level, level)
+            stage.sleeping_tags = set(ALL_TAGS)
         return ops
 
-    def wake(
+    def plan_wake(
         self,
         *,
         tags: Sequence[Tag] | None = None,
         stage_ids: Iterable[int] | None = None,
-        reload_weights: bool = False,
-    ) -> list[MemoryOp]:
-        """Wake the chosen tags; ``reload_weights`` also makes re-mapped weights valid."""
+        each_tag: bool = False,
+    ) -> WakePlan:
+        """Plan the executor's ``wake_up(tags)``; nothing changes until ops are applied.
+
+        ``each_tag`` (a kinder fault) wakes every named tag that is asleep and ignores the
+        others, instead of skipping the whole call when one of them is awake.
+        """
         wanted = ALL_TAGS if tags is None else tuple(dict.fromkeys(tags))
+        chosen = self._select(stage_ids)
+        asleep = [sid for sid in chosen if self.stages[sid].asleep]
+        if not asleep:
+            return WakePlan((), (), None if tags is None else wanted,
+                            skipped="Executor is not sleeping.")
+        if tags is not None and not each_tag:
+            for sid in asleep:
+                missing = [t for t in wanted if t not in self.stages[sid].sleeping_tags]
+                if missing:
+                    return WakePlan((), (), wanted, skipped=(
+                        f"Tag {missing[0].value} is not in sleeping tags "
+                        f"{sorted(t.value for t in self.stages[sid].sleeping_tags)}"))
         ops: list[MemoryOp] = []
-        for sid in self._select(stage_ids):
+        for sid in asleep:
             stage = self.stages[sid]
-            stage.paused = False
-            if Tag.WEIGHTS in wanted:
-                if stage.weights is Residency.OFFLOADED:
-                    ops.append(MemoryOp(sid, Tag.WEIGHTS, MemoryAction.RESTORE))
-                elif stage.weights is Residency.DISCARDED:
-                    ops.append(MemoryOp(sid, Tag.WEIGHTS, MemoryAction.REALLOCATE))
-                    if reload_weights:
-                        stage.weights_valid = True
-                stage.weights = Residency.AWAKE
-            if Tag.KV_CACHE in wanted and not stage.kv_cache_awake:
-                stage.kv_cache_awake = True
-                ops.append(MemoryOp(sid, Tag.KV_CACHE, MemoryAction.REALLOCATE))
+            for tag in wanted:
+                if each_tag and tag not in stage.sleeping_tags:
+                    continue
+                if stage.mapped(tag):
+                    continue  # mapped by an earlier wake that ran out halfway
+                if tag is Tag.WEIGHTS:
+                    action = (MemoryAction.RESTORE if stage.weights is Residency.OFFLOADED
+                              else MemoryAction.REALLOCATE)
+                else:
+                    action = MemoryAction.REALLOCATE
+                ops.append(MemoryOp(sid, tag, action))
+        return WakePlan(tuple(ops), tuple(asleep), None if tags is None else wanted)
+
+    def mapped(self, op: MemoryOp) -> None:
+        """Record that the allocator mapped ``op``'s portion (the executor is not told)."""
+        stage = self.stages[op.stage]
+        if op.tag is Tag.WEIGHTS:
+            if op.action is MemoryAction.REALLOCATE:
+                stage.weights_valid = False
+            stage.weights = Residency.AWAKE
+        else:
+            stage.kv_cache_awake = True
+
+    def complete_wake(self, plan: WakePlan, *, reload_weights: bool = False) -> None:
+        """Every op of ``plan`` succeeded: the woken tags leave ``sleeping_tags``.
+
+        ``reload_weights`` (vLLM-Omni's all-in-one wake) also makes the weights valid.
+        """
+        for sid in plan.stages:
+            stage = self.stages[sid]
+            woken = set(ALL_TAGS) if plan.tags is None else set(plan.tags)
+            stage.sleeping_tags -= woken
+            if reload_weights and stage.weights is Residency.AWAKE:
+                stage.weights_valid = True
             if not stage.asleep:
                 stage.level = None
-        return ops
 
     def reload_weights(self) -> None:
         """``collective_rpc reload_weights``: needs the weights mapped, makes them valid."""
@@ -240,12 +306,17 @@ class EngineState:
 
     @property
     def is_sleeping(self) -> bool:
-        """What ``GET /is_sleeping`` answers: true until every tag of every stage is back."""
+        """The executor's ``is_sleeping``: some tag of some stage is asleep."""
         return any(stage.asleep for stage in self.stages)
 
     @property
+    def all_mapped(self) -> bool:
+        """Every tag of every stage is mapped (the memory of a fully awake engine)."""
+        return all(s.mapped(t) for s in self.stages for t in ALL_TAGS)
+
+    @property
     def sleeping_tags(self) -> list[Tag]:
-        found = {tag for stage in self.stages for tag in stage.sleeping_tags()}
+        found = {tag for stage in self.stages for tag in stage.sleeping_tags}
         return [tag for tag in ALL_TAGS if tag in found]
 
     @property

@@ -1,13 +1,27 @@
-"""Generation traffic of the simulated engine: admission, pacing, abort, drain, faults.
+"""Generation traffic of the simulated engine: the scheduler, admission, pacing, aborts.
 
-Every change a waiter may care about (engine state, the in-flight set, faults) notifies
-one condition; waits are on predicates over it, never on the clock. A wait made for an
-HTTP request also ends when the client goes away (aiohttp does not cancel handlers on
-disconnect, so the transport is checked every :data:`DISCONNECT_POLL_SECONDS`).
+Every change a waiter may care about (engine state, the in-flight set, faults) goes
+through :meth:`Traffic._signal`, which notifies one condition; waits are on predicates
+over it, never on the clock. A wait made for an HTTP request also ends when the client
+goes away (aiohttp does not cancel handlers on disconnect, so the transport is checked
+every :data:`DISCONNECT_POLL_SECONDS`).
 
-Admission follows vLLM: a paused engine holds new requests until resumed; a sleeping one
-(or one going to sleep) refuses them with 503, or holds them until woken when the
-``refuse_while_asleep`` fault is off (a real vLLM may crash instead).
+The scheduler follows vLLM 0.26's engine core:
+
+- ``running``: requests are admitted and step;
+- ``paused_new`` (a sleep or pause with ``mode=abort|wait``): running requests keep
+  stepping (``abort`` ends them first), **new and waiting requests are held**, not
+  refused;
+- ``paused_all`` (``mode=keep``): everything stands still until resumed.
+
+A request arriving while the engine is paused or asleep is held until a wake resumes the
+scheduler (streams get their 200 headers at once, then nothing). A request the scheduler
+runs while the executor sleeps (a deferred sleep fired with the scheduler on) crashes the
+engine core: from then on every call answers 500 ``EngineDeadError`` and ``/health``
+503. Kinder behaviours survive only as named faults (``refuse_while_asleep``).
+
+The in-flight gauges follow vLLM too: they are what the engine core reported at its last
+step, so requests held while it is paused with nothing running, or asleep, are not counted.
 """
 
 from __future__ import annotations
@@ -22,16 +36,18 @@ from typing import Literal
 
 from aiohttp import web
 
-from e2e.engine_simulator.errors import SimError
+from e2e.engine_simulator.errors import SimError, engine_dead_error
 from e2e.engine_simulator.generation import TokenPlan
 from e2e.engine_simulator.settings import Faults, FaultsPatch
 from e2e.engine_simulator.state import Quality
 
 __all__ = [
     "DISCONNECT_POLL_SECONDS",
+    "ClientGone",
     "Generation",
     "GenerationFailed",
     "PauseMode",
+    "Scheduler",
     "Traffic",
 ]
 
@@ -40,10 +56,23 @@ log = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
 
 PauseMode = Literal["abort", "wait", "keep"]
+Scheduler = Literal["running", "paused_new", "paused_all"]
+
+OMNI_ASLEEP = ("Generation rejected: Engine is partially or fully asleep. Wake up all "
+               "stages before generating.")
 
 
 class GenerationFailed(Exception):
-    """A generation failed after it started (the ``fail_mid_stream`` fault)."""
+    """A generation failed after it started (a fault, an Omni stage put to sleep under it,
+    or an engine core that died)."""
+
+
+class ClientGone(SimError):
+    """The client of a waiting request closed its connection."""
+
+    def __init__(self) -> None:
+        super().__init__("client closed the connection", status=499,
+                         err_type="ClientClosedRequest")
 
 
 @dataclass
@@ -65,35 +94,54 @@ def _client_gone(request: web.Request | None) -> bool:
 class Traffic(ABC):
     """The in-flight side of an engine; :class:`~.engine.Engine` adds the control calls."""
 
-    def __init__(self, *, faults: Faults, ttft_seconds: float, tokens_per_second: float) -> None:
+    def __init__(self, *, faults: Faults, ttft_seconds: float, tokens_per_second: float,
+                 omni: bool = False) -> None:
         self.faults = faults
         self._ttft_seconds = ttft_seconds
         self._tokens_per_second = tokens_per_second
+        self._omni = omni
         self._changed = asyncio.Condition()
         self._running: dict[str, Generation] = {}
-        self._waiting = 0
-        self._draining: Literal["sleep", "pause"] | None = None
-        """A sleep or pause is under way: new generations are not admitted."""
-        self._frozen = False
-        """A ``mode=keep`` sleep or pause is under way: running generations stand still."""
-        self._paused = False
+        self._held = 0
+        """Requests waiting to be admitted."""
+        self.scheduler: Scheduler = "running"
+        self._sleep_drain = False
+        """The scheduler was paused by a sleep (not by ``/pause``)."""
         self._closing = False
+        self.dead: str | None = None
+        """Why the engine core died; None while it lives."""
+        self._gauges = (0, 0)
         self.generations_started = 0
         self.generations_aborted = 0
 
     @abstractmethod
-    def _asleep(self) -> bool:
-        """True while any memory tag is asleep (or scheduling is paused by a level-0 sleep)."""
+    def _executor_sleeping(self) -> bool:
+        """True while the executor has any tag asleep."""
 
     @abstractmethod
     def _quality(self) -> Quality:
         """What a generation started now would produce."""
 
+    def _signal(self) -> None:
+        """Call with ``_changed`` held after any change: refresh the gauges, wake waiters."""
+        if self._stepping():
+            held = 0 if self.scheduler == "running" else self._held
+            self._gauges = (len(self._running), held)
+        self._changed.notify_all()
+
+    def _stepping(self) -> bool:
+        """The engine core steps now (so its stats are fresh)."""
+        if self.dead is not None or self._executor_sleeping():
+            return False
+        if self.scheduler == "running":
+            return True
+        return self.scheduler == "paused_new" and bool(self._running)
+
     async def shutdown(self, grace: float) -> None:
         """Refuse new work; let running generations finish for ``grace`` s, then abort them."""
         async with self._changed:
             self._closing = True
-            self._changed.notify_all()
+            self._signal()
         try:
             async with asyncio.timeout(grace):
                 await self.wait_for(lambda: not self._running)
@@ -106,12 +154,12 @@ class Traffic(ABC):
     async def wait_for(
         self, predicate: Callable[[], bool], *, request: web.Request | None = None
     ) -> None:
-        """Wait until ``predicate()`` holds. With a request, give up when its client leaves."""
+        """Wait until ``predicate()`` holds. With a request, give up when its client leaves
+        (:class:`ClientGone`)."""
         async with self._changed:
             while not predicate():
                 if _client_gone(request):
-                    raise SimError("client closed the connection", status=499,
-                                   err_type="ClientClosedRequest")
+                    raise ClientGone()
                 try:
                     async with asyncio.timeout(
                         DISCONNECT_POLL_SECONDS if request is not None else None
@@ -120,7 +168,7 @@ class Traffic(ABC):
                 except TimeoutError:
                     pass
 
-    # -- generations -------------------------------------------------------------------
+    # -- reading -----------------------------------------------------------------------
 
     @property
     def running(self) -> int:
@@ -128,56 +176,78 @@ class Traffic(ABC):
 
     @property
     def waiting(self) -> int:
-        return self._waiting
+        """Requests held before admission, right now (``/sim/state``)."""
+        return self._held
+
+    @property
+    def gauges(self) -> tuple[int, int]:
+        """``(running, waiting)`` as the engine core last reported them (``/metrics``)."""
+        return self._gauges
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self.scheduler != "running"
 
-    def _admissible(self) -> bool:
-        return not (self._asleep() or self._draining is not None or self._paused
-                    or self._closing)
+    # -- admission ---------------------------------------------------------------------
 
-    def _refusing(self) -> bool:
-        """Refuse rather than hold: shutting down, or asleep (or going to sleep) and told to."""
-        asleep = self._asleep() or self._draining == "sleep"
-        return self._closing or (asleep and self.faults.refuse_while_asleep)
-
-    def _runnable(self) -> bool:
-        return not (self._asleep() or self._frozen or self._paused
-                    or self.faults.stall_generation)
+    def refusal(self) -> SimError | None:
+        """The error a new request gets at once (before any header), or None to go on."""
+        if self.dead is not None:
+            return engine_dead_error()
+        if self._closing:
+            return SimError("The server is shutting down.", status=503,
+                            err_type="ServiceUnavailableError")
+        asleep = self._executor_sleeping() or self._sleep_drain
+        if asleep and self.faults.refuse_while_asleep:
+            return SimError(
+                "The engine is sleeping and cannot serve requests (engine simulator fault "
+                "refuse_while_asleep: vLLM 0.26 holds such requests). Wake it up first.",
+                status=503, err_type="ServiceUnavailableError")
+        if self._omni and self._executor_sleeping():
+            return SimError(OMNI_ASLEEP, status=500, err_type="InternalServerError")
+        return None
 
     async def admit(self, request: web.Request | None = None) -> Generation:
-        """Admit a generation, or refuse it (503) or hold it while asleep or paused."""
+        """Admit a generation, holding it while the scheduler is paused or the engine
+        sleeps. A request the scheduler runs on a sleeping executor kills the engine core."""
         async with self._changed:
-            self._waiting += 1
-            self._changed.notify_all()
+            self._held += 1
+            self._signal()
         try:
-            while not self._admissible():
-                if self._closing:
-                    raise SimError("The server is shutting down.", status=503,
-                                   err_type="ServiceUnavailableError")
-                if self._refusing():
-                    raise SimError(
-                        "The engine is sleeping and cannot serve requests (engine simulator; "
-                        "a real vLLM may crash or hang here). Wake it up first.",
-                        status=503, err_type="ServiceUnavailableError",
-                    )
-                await self.wait_for(lambda: self._admissible() or self._refusing(),
-                                    request=request)
+            while True:
+                refused = self.refusal()
+                if refused is not None:
+                    raise refused
+                if self.scheduler == "running":
+                    if self._executor_sleeping():
+                        await self._die("a request was scheduled while the executor slept "
+                                        "(its memory is unmapped)")
+                        continue
+                    break
+                await self.wait_for(lambda: self.scheduler == "running"
+                                    or self.refusal() is not None, request=request)
             gen = Generation(id=uuid.uuid4().hex, quality=self._quality())
-            self._running[gen.id] = gen
-            self.generations_started += 1
+            async with self._changed:
+                self._running[gen.id] = gen
+                self.generations_started += 1
         finally:
             async with self._changed:
-                self._waiting -= 1
-                self._changed.notify_all()
+                self._held -= 1
+                self._signal()
         return gen
 
     async def finish(self, gen: Generation) -> None:
         async with self._changed:
             self._running.pop(gen.id, None)
-            self._changed.notify_all()
+            self._signal()
+
+    async def _die(self, reason: str) -> None:
+        """The engine core dies: every running generation fails, every call answers 500."""
+        async with self._changed:
+            if self.dead is None:
+                self.dead = reason
+                log.critical("engine core died (EngineDeadError)", extra={"reason": reason})
+            self._signal()
 
     async def _abort_running(self, reason: str) -> None:
         async with self._changed:
@@ -185,7 +255,7 @@ class Traffic(ABC):
                 if not gen.aborted.is_set():
                     gen.aborted.set()
                     self.generations_aborted += 1
-            self._changed.notify_all()
+            self._signal()
         if self._running:
             log.info("aborted running generations",
                      extra={"reason": reason, "count": len(self._running)})
@@ -199,6 +269,10 @@ class Traffic(ABC):
         except TimeoutError:
             pass
 
+    def _runnable(self) -> bool:
+        return (self.scheduler != "paused_all" and not self.faults.stall_generation
+                and (self._omni or not self._executor_sleeping()))
+
     async def tokens(
         self, gen: Generation, plan: TokenPlan, request: web.Request | None = None
     ) -> AsyncIterator[str]:
@@ -208,38 +282,45 @@ class Traffic(ABC):
         for index, token in enumerate(plan.tokens):
             if index > 0 and tps > 0:
                 await self._interruptible_delay(1.0 / tps, gen)
-            await self.wait_for(lambda: gen.aborted.is_set() or self._runnable(), request=request)
+            await self.wait_for(lambda: gen.aborted.is_set() or self._runnable()
+                                or self.dead is not None, request=request)
             if gen.aborted.is_set():
                 return
+            if self.dead is not None:
+                raise GenerationFailed(f"EngineCore encountered an issue ({self.dead})")
+            if self._omni and self._executor_sleeping():
+                raise GenerationFailed(OMNI_ASLEEP)
             if self.faults.fail_mid_stream and (index > 0 or len(plan.tokens) == 1):
                 raise GenerationFailed(
                     "simulated fault fail_mid_stream: the engine failed mid-generation"
                 )
             yield token
 
-    # -- draining for sleep and pause --------------------------------------------------
+    # -- the scheduler -----------------------------------------------------------------
 
-    async def _drain(
-        self, mode: PauseMode, request: web.Request | None, *, purpose: Literal["sleep", "pause"]
-    ) -> None:
+    async def _pause_scheduler(self, mode: PauseMode, *, for_sleep: bool) -> None:
+        """vLLM's ``pause_scheduler(mode)``: hold new requests; ``abort`` ends the running
+        ones, ``keep`` freezes them."""
         async with self._changed:
-            self._draining = purpose
-            self._frozen = mode == "keep"
-            self._changed.notify_all()
+            self.scheduler = "paused_all" if mode == "keep" else "paused_new"
+            self._sleep_drain = self._sleep_drain or for_sleep
+            self._signal()
         if mode == "abort":
             await self._abort_running("sleep or pause with mode=abort")
-        elif mode == "wait":
-            await self.wait_for(lambda: not self._running, request=request)
 
-    async def _end_drain(self) -> None:
+    async def _resume_scheduler(self) -> None:
         async with self._changed:
-            self._draining = None
-            self._frozen = False
-            self._changed.notify_all()
+            self.scheduler = "running"
+            self._sleep_drain = False
+            self._signal()
+
+    def _idle(self) -> bool:
+        """Nothing the engine core must finish first (frozen requests do not count)."""
+        return self.scheduler == "paused_all" or not self._running
 
     async def set_faults(self, patch: FaultsPatch) -> Faults:
         async with self._changed:
             self.faults = patch.apply(self.faults)
-            self._changed.notify_all()
+            self._signal()
         log.warning("faults changed", extra={"faults": self.faults.model_dump()})
         return self.faults

@@ -38,7 +38,7 @@ from e2e.gpu.engines import (
     Launcher,
     SimulatorLauncher,
 )
-from e2e.gpu.instrument import AdapterCall, BenchAdapter, HttpTrace, ProbeMode
+from e2e.gpu.instrument import AdapterCall, BenchAdapter, HttpTrace
 from e2e.gpu.sampler import NvmlSampler
 from e2e.gpu.vllm_log import LogCursor, LogEvent, summarise_start
 from e2e.ports import MemoryLeasePort
@@ -212,7 +212,8 @@ class Bench:
         config = parse_engine_config({
             "apiVersion": API_VERSION, "kind": KIND, "model": record.spec.served_name,
             "awakeMemory": awake, "sleepLevel": sleep_level, "enginePort": record.port,
-            "adapter": "vllm"})
+            "adapter": "vllm", "probe": {"mode": self.args.probe_mode,
+                                         "maxTokens": self.args.probe_max_tokens}})
         return Claimant(
             claim_uid=record.claim_uid, namespace=NAMESPACE, claim_name=f"claim-{key}",
             node=NODE, device=self.gpu.name, share_id=None, config=config,
@@ -241,12 +242,8 @@ class Bench:
             raise BenchError(f"{claimant.ref} has no endpoint")
         endpoint = EngineEndpoint(base_url=claimant.endpoint, model=claimant.model,
                                   claim=claimant.ref, pod=f"{NAMESPACE}/engine-{key}")
-        timeouts = self.timeouts()
-        inner = make_adapter(claimant.config, endpoint, self.session, timeouts)
-        probe_mode: ProbeMode = self.args.probe_mode
-        return BenchAdapter(inner, engine=key, calls=self.calls, session=self.session,
-                            timeouts=timeouts, probe_mode=probe_mode,
-                            probe_max_tokens=self.args.probe_max_tokens,
+        inner = make_adapter(claimant.config, endpoint, self.session, self.timeouts())
+        return BenchAdapter(inner, engine=key, calls=self.calls,
                             on_wake=self.wake_hooks.get(key))
 
     def adapter(self, key: str, *, level: int | None = None) -> BenchAdapter:

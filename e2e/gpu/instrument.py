@@ -5,12 +5,11 @@
   headers arrived, its status or error. A handoff's window of the trace is its HTTP
   timeline, the controller's share of a handoff call by call.
 - :class:`BenchAdapter` wraps the real engine adapter the ``Switcher`` uses: it delegates
-  every call and records it (the sleep and wake outcomes, with the wake's steps), can run
-  a hook when a wake starts (the scenarios kill an engine mid-switch that way), and judges
-  the probe in the configured mode. ``structure`` accepts any content, as long as the
-  stream ends with ``[DONE]`` and carried a usage block: the models of the GPU runs have
-  random weights and answer noise. The controller's own structure-only probe mode
-  (per-claimant probe settings) replaces this where it exists.
+  every call and records it (the sleep and wake outcomes, with the wake's steps, and the
+  probe's verdict and mode), and can run a hook when a wake starts (the scenarios kill an
+  engine mid-switch that way). The probe is the controller's own, as the claim's
+  ``probe`` section configures it (the GPU runs use ``mode: structure``: their models have
+  random weights and answer noise).
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 
@@ -28,15 +27,13 @@ from controller.engines.base import (
     EngineAdapter,
     EngineEndpoint,
     SleepOutcome,
-    Timeouts,
+    SleepState,
+    UnfinishedWake,
     WakeOutcome,
 )
-from controller.engines.probe import ProbeReason, ProbeResult, run_probe
+from controller.engines.probe import ProbeResult
 
-__all__ = ["AdapterCall", "BenchAdapter", "HttpCall", "HttpTrace", "ProbeMode",
-           "structure_verdict"]
-
-ProbeMode = Literal["structure", "answer"]
+__all__ = ["AdapterCall", "BenchAdapter", "HttpCall", "HttpTrace"]
 
 
 @dataclass(frozen=True)
@@ -118,37 +115,15 @@ class AdapterCall:
                 "error": self.error, **self.detail}
 
 
-def structure_verdict(result: ProbeResult) -> ProbeResult:
-    """The probe's result judged on structure only: some content, ``[DONE]``, a usage block.
-
-    The probe reports the first failure in the order stream error, no ``[DONE]``, wrong
-    content, no usage: a ``wrong_content`` verdict means the stream was well formed up to
-    its content, so only the content's presence and the usage block remain to check."""
-    if result.ok or result.reason is not ProbeReason.WRONG_CONTENT:
-        return result
-    if result.ttft_s is None or not result.content:
-        return replace(result, detail="structure probe: no content arrived")
-    if result.usage is None:
-        return replace(result, reason=ProbeReason.NO_USAGE,
-                       detail="structure probe: the stream carried no usage block")
-    return replace(result, ok=True, reason=None, detail="structure probe: any content")
-
-
 class BenchAdapter:
     """Delegates to the engine's real adapter, records every call, judges the probe."""
 
     def __init__(self, inner: EngineAdapter, *, engine: str, calls: list[AdapterCall],
-                 session: aiohttp.ClientSession, timeouts: Timeouts, probe_mode: ProbeMode,
-                 probe_max_tokens: int,
                  on_wake: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.inner = inner
         self.engine = engine
         self.calls = calls
-        self.session = session
-        self.timeouts = timeouts
-        self.probe_mode = probe_mode
-        self.probe_max_tokens = probe_max_tokens
         self.on_wake = on_wake
         self.clock = clock
 
@@ -201,16 +176,30 @@ class BenchAdapter:
         healthy: bool = await self._recorded("health", self.inner.health())
         return healthy
 
+    async def finish_wake(self, unfinished: UnfinishedWake) -> WakeOutcome:
+        entry_index = len(self.calls)
+        outcome: WakeOutcome = await self._recorded(
+            f"finish_wake_l{unfinished.level}", self.inner.finish_wake(unfinished))
+        self.calls[entry_index].detail.update({
+            "from_step": unfinished.next_step, "wake_call_ms": round(outcome.wake_s * 1e3, 3),
+            "steps_ms": {s.name: round(s.seconds * 1e3, 3) for s in outcome.steps}})
+        return outcome
+
+    async def sleep_state(self, unfinished: UnfinishedWake | None = None) -> SleepState:
+        entry_index = len(self.calls)
+        state: SleepState = await self._recorded("sleep_state",
+                                                 self.inner.sleep_state(unfinished))
+        self.calls[entry_index].detail.update({"kind": str(state.kind),
+                                               "detail": state.detail[:200]})
+        return state
+
     async def probe(self) -> ProbeResult:
-        if self.probe_mode == "answer":
-            result: ProbeResult = await self._recorded("probe", self.inner.probe())
-        else:
-            raw = run_probe(self.session, self.inner.endpoint, self.timeouts,
-                            max_tokens=self.probe_max_tokens)
-            result = structure_verdict(await self._recorded("probe", raw))
-        self.calls[-1].detail.update({"probe_ok": result.ok, "ttft_ms": None if result.ttft_s
-                                      is None else round(result.ttft_s * 1e3, 3),
-                                      "probe_reason": str(result.reason or "")})
+        entry_index = len(self.calls)
+        result: ProbeResult = await self._recorded("probe", self.inner.probe())
+        self.calls[entry_index].detail.update({
+            "probe_ok": result.ok, "probe_mode": str(result.mode),
+            "ttft_ms": None if result.ttft_s is None else round(result.ttft_s * 1e3, 3),
+            "probe_reason": str(result.reason or "")})
         return result
 
 

@@ -30,7 +30,7 @@ from controller.gateway.credentials import PLACEHOLDERS
 from controller.leases import GpuLease, lease_body
 from e2e.chart import CHART, run_tool
 from e2e.cluster import LocalCluster
-from e2e.cluster.nodes import create_node
+from e2e.cluster.nodes import create_node, node_body
 from e2e.harness import GpuNode
 from e2e.objects import claim
 from e2e.scenario import deploy
@@ -84,7 +84,8 @@ class Release:
         if node is not None:
             pod = core.create_namespaced_pod(self.namespace, {
                 "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": f"{component}-{node}-{uuid.uuid4().hex[:6]}"},
+                "metadata": {"name": f"{component}-{node[:40].rstrip('.-')}-"
+                                     f"{uuid.uuid4().hex[:6]}"},
                 "spec": {"serviceAccountName": self.sa(component), "nodeName": node,
                          "automountServiceAccountToken": False,
                          "containers": [{"name": component, "image": "rota/none:0"}]}})
@@ -278,11 +279,13 @@ def _refused(call: Any) -> str:
     return str(caught.value.body)
 
 
-def _slice(node: str, *, driver: str = "gpu.rota.dev") -> dict[str, Any]:
+def _slice(node: str, *, driver: str = "gpu.rota.dev", pool: str | None = None
+           ) -> dict[str, Any]:
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceSlice",
             "metadata": {"name": f"{node}-{driver}-{uuid.uuid4().hex[:6]}"},
             "spec": {"driver": driver, "nodeName": node, "devices": [],
-                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}}}
+                     "pool": {"name": pool or node, "generation": 1,
+                              "resourceSliceCount": 1}}}
 
 
 def _wait_for_policy(call: Any) -> None:
@@ -325,6 +328,22 @@ def test_a_driver_writes_only_its_own_nodes_slices(release: Release) -> None:
     unbound = client.CustomObjectsApi(release.as_token(release.token("driver", None)))
     assert "no node" in _refused(lambda: unbound.create_cluster_custom_object(
         GROUP, VERSION, "resourceslices", _slice(node_a)))
+    # Devices are known by driver/pool/device: a slice of its own node naming another
+    # node's pool would take that node's GPU identity (the scheduler counts the forged
+    # node-b/gpu-0 as allocated; controllers and gateways read the node from the pool).
+    assert f"pool {node_b}" in _refused(lambda: driver_a.create_cluster_custom_object(
+        GROUP, VERSION, "resourceslices", _slice(node_a, pool=node_b)))
+    renamed = dict(mine, spec={**mine["spec"], "pool": {**mine["spec"]["pool"],
+                                                        "name": node_b}})
+    _refused(lambda: driver_a.replace_cluster_custom_object(
+        GROUP, VERSION, "resourceslices", mine["metadata"]["name"], renamed))
+    forged = admin.create_cluster_custom_object(GROUP, VERSION, "resourceslices",
+                                                _slice(node_a, pool=node_b))
+    forged["spec"]["pool"]["name"] = node_a  # the old object counts too
+    _refused(lambda: driver_a.replace_cluster_custom_object(
+        GROUP, VERSION, "resourceslices", forged["metadata"]["name"], forged))
+    admin.delete_cluster_custom_object(GROUP, VERSION, "resourceslices",
+                                       forged["metadata"]["name"])
 
     driver_a.delete_cluster_custom_object(GROUP, VERSION, "resourceslices",
                                           mine["metadata"]["name"])
@@ -338,12 +357,14 @@ def _gpu_lease(release: Release, node: str, device: str = "gpu-0") -> dict[str, 
 
 
 def _controller_lease(release: Release, node: str) -> dict[str, Any]:
+    """A controller Lease as controller.election writes it."""
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
             "metadata": {"name": naming.controller_lease_name(node),
                          "namespace": release.namespace,
                          "labels": {naming.LABEL_MANAGED_BY: naming.MANAGED_BY,
                                     naming.LABEL_KIND: naming.KIND_CONTROLLER,
-                                    naming.LABEL_NODE: naming.label_value(node)}},
+                                    naming.LABEL_NODE: naming.label_value(node)},
+                         "annotations": {naming.NODE_NAME: node}},
             "spec": {"holderIdentity": "controller-0", "leaseDurationSeconds": 15}}
 
 
@@ -377,6 +398,84 @@ def test_a_controller_writes_only_its_own_nodes_leases(release: Release) -> None
     _refused(lambda: leases_a.create_namespaced_lease(ns, lookalike))
 
 
+def _long_node(prefix: str, length: int) -> str:
+    """A valid node name of ``length`` characters (DNS labels of at most 63)."""
+    labels, left = [], length
+    while left > 0:
+        size = min(63, left if left <= 63 else 62)
+        labels.append("x" * size)
+        left -= size + 1
+    name = ".".join(labels)
+    return (prefix + name[len(prefix):])[:length]
+
+
+def test_a_controller_on_a_long_named_node_writes_only_its_own_leases(
+        release: Release) -> None:
+    """Past 63 characters the node label is hashed, past ~236 the Lease names are too:
+    the node-name annotation (compared exactly) and the names (compared for every
+    length, by their cut prefix where hashed) keep such a controller to its node."""
+    ns = release.namespace
+    long_a = _long_node(f"a{uuid.uuid4().hex[:6]}-pool-abcdefghijklmnopqrstuvwxyz0123", 75)
+    short_c = long_a[:40] + "c"  # shares A's first 40 characters
+    huge_1 = _long_node(f"h{uuid.uuid4().hex[:6]}-", 245)
+    huge_2 = huge_1[:-1] + "z"  # shares all but the last character
+    nodes = (long_a, short_c, huge_1, huge_2)
+    for node in nodes:
+        body = node_body(node)
+        body["metadata"]["labels"]["kubernetes.io/hostname"] = node.split(".")[0]
+        client.CoreV1Api(release.api).create_node(body)
+    admin = client.CoordinationV1Api(release.api)
+    try:
+        theirs = admin.create_namespaced_lease(ns, _gpu_lease(release, short_c))
+        huge_theirs = admin.create_namespaced_lease(ns, _controller_lease(release, huge_2))
+        leases_a = client.CoordinationV1Api(release.as_token(release.token("controller",
+                                                                           long_a)))
+        _wait_for_policy(lambda: leases_a.create_namespaced_lease(
+            ns, _gpu_lease(release, release.nodes[1]), dry_run="All"))
+
+        leases_a.create_namespaced_lease(ns, _controller_lease(release, long_a))
+        mine = leases_a.create_namespaced_lease(ns, _gpu_lease(release, long_a))
+        mine.spec.lease_transitions = 1
+        leases_a.replace_namespaced_lease(mine.metadata.name, ns, mine)
+        # Another node's Lease name with A's label on it.
+        forged = _controller_lease(release, release.nodes[1])
+        forged["metadata"]["labels"][naming.LABEL_NODE] = naming.label_value(long_a)
+        forged["metadata"]["annotations"][naming.NODE_NAME] = long_a
+        _refused(lambda: leases_a.create_namespaced_lease(ns, forged))
+        # The GPU Lease of a node whose name starts with A's first 40 characters.
+        theirs.spec.holder_identity = "attacker/x"
+        _refused(lambda: leases_a.replace_namespaced_lease(theirs.metadata.name, ns, theirs))
+        # Its own Lease name, annotated for another node.
+        other = _gpu_lease(release, long_a, "gpu-1")
+        other["metadata"]["annotations"][naming.NODE_NAME] = short_c
+        _refused(lambda: leases_a.create_namespaced_lease(ns, other))
+        # A Lease of its own written before the annotation existed stays its own.
+        older = _gpu_lease(release, long_a, "gpu-2")
+        del older["metadata"]["annotations"][naming.NODE_NAME]
+        older = admin.create_namespaced_lease(ns, older)
+        older.spec.lease_transitions = 3
+        leases_a.replace_namespaced_lease(older.metadata.name, ns, older)
+
+        # Hashed Lease names: the cut prefixes of the two nodes are the same.
+        assert naming.controller_lease_name(huge_1)[:-11] == \
+            naming.controller_lease_name(huge_2)[:-11]
+        leases_1 = client.CoordinationV1Api(release.as_token(release.token("controller",
+                                                                           huge_1)))
+        leases_1.create_namespaced_lease(ns, _controller_lease(release, huge_1))
+        huge_theirs.spec.holder_identity = "controller-evil"
+        _refused(lambda: leases_1.replace_namespaced_lease(huge_theirs.metadata.name, ns,
+                                                           huge_theirs))
+    finally:
+        for lease in admin.list_namespaced_lease(ns).items:
+            annotations = lease.metadata.annotations or {}
+            if annotations.get(naming.NODE_NAME) in nodes or \
+                    lease.metadata.labels.get(naming.LABEL_NODE) in \
+                    {naming.label_value(n) for n in nodes}:
+                admin.delete_namespaced_lease(lease.metadata.name, ns)
+        for node in nodes:
+            client.CoreV1Api(release.api).delete_node(node)
+
+
 def test_a_controller_changes_only_the_state_label_of_its_nodes_pods(release: Release) -> None:
     node_a, node_b = release.nodes
     core = client.CoreV1Api(release.api)
@@ -400,6 +499,17 @@ def test_a_controller_changes_only_the_state_label_of_its_nodes_pods(release: Re
         {"spec": {"containers": [{"name": "e", "image": "evil:0"}]}}))
     _refused(lambda: controller_a.patch_namespaced_pod(
         f"engine-{node_b}", release.engines, state))
+    # A finalizer pins the pod; an ownerReference to a missing owner makes the garbage
+    # collector delete it (RBAC denies delete, not these).
+    mine = f"engine-{node_a}"
+    _refused(lambda: controller_a.patch_namespaced_pod(
+        mine, release.engines, {"metadata": {"finalizers": ["rota.test/pin"]}}))
+    _refused(lambda: controller_a.patch_namespaced_pod(mine, release.engines, {"metadata": {
+        "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "gone",
+                             "uid": str(uuid.uuid4())}]}}))
+    _refused(lambda: controller_a.patch_namespaced_pod(
+        mine, release.engines, {"metadata": {"annotations": {"rota.test/a": "b"}}}))
+    assert core.read_namespaced_pod(mine, release.engines).metadata.finalizers is None
 
 
 def test_a_controller_writes_conditions_only_on_its_nodes_claims(release: Release) -> None:

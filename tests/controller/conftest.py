@@ -44,9 +44,11 @@ class EngineSim:
     def base_url(self) -> str:
         return str(self.server.make_url("")).rstrip("/")
 
-    def endpoint(self, *, token: str | None = None) -> EngineEndpoint:
+    def endpoint(self, *, token: str | None = None, api_key: str | None = None
+                 ) -> EngineEndpoint:
         return EngineEndpoint(base_url=self.base_url, model=self.settings.model,
-                              claim=ENGINE_SIM_CLAIM, pod="default/engine-a", token=token)
+                              claim=ENGINE_SIM_CLAIM, pod="default/engine-a", token=token,
+                              api_key=api_key)
 
     async def faults(self, **changes: bool) -> Faults:
         return await self.engine.set_faults(FaultsPatch.model_validate(changes))
@@ -80,6 +82,7 @@ async def engine_sim_factory() -> AsyncIterator[EngineSimFactory]:
             "model": ENGINE_SIM_MODEL, "awake_memory_bytes": 10 * ENGINE_SIM_GIB,
             "resident_memory_bytes": 1 * ENGINE_SIM_GIB, "weights_bytes": 6 * ENGINE_SIM_GIB,
             "shutdown_grace_seconds": 0.0,
+            "dev_mode": True,  # VLLM_SERVER_DEV_MODE=1, as rota requires of its engines
         }
         settings = Settings.model_validate(values | overrides)
         exits: list[int] = []

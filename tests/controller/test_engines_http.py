@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from typing import get_args
-
 import aiohttp
 import pytest
 
 from controller.engines import (
     EngineProtocolError,
     EngineRejected,
+    EngineStateUnknown,
     HttpAdapter,
+    ProbeMode,
     Timeouts,
-    VllmAdapter,
-    VllmOmniAdapter,
     make_adapter,
 )
-from controller.engines.registry import ADAPTERS
-from driver.opaque import Adapter, EngineConfig, HttpAdapterConfig, parse_engine_config
-from tests.controller.conftest import EngineSim, EngineSimFactory
+from controller.engines.probe import probe_payload
+from driver.opaque import EngineConfig, HttpAdapterConfig, parse_engine_config
+from tests.controller.conftest import EngineSim
 
 
 def config(adapter: str, **extra: object) -> EngineConfig:
@@ -67,31 +65,30 @@ async def test_is_sleeping_path_must_answer_is_sleeping(
     assert engine_sim.engine.sleep_count == 1  # the sleep went out; its proof did not parse
 
 
-async def test_control_token_goes_to_configured_paths(
-    engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession
+async def test_a_sleep_without_an_answer_in_time_is_state_unknown(
+    engine_sim: EngineSim, engine_session: aiohttp.ClientSession
 ) -> None:
-    sim = await engine_sim_factory(control_token="tok")
-    adapter = make_adapter(config("http"), sim.endpoint(token="tok"), engine_session,
-                           Timeouts())
-    await adapter.sleep(1)
-    await adapter.wake(1)
-    without = make_adapter(config("http"), sim.endpoint(), engine_session, Timeouts())
-    with pytest.raises(EngineRejected) as caught:
-        await without.wake(1)
-    assert caught.value.status == 401
+    """The generic adapter's sleep is vLLM's /sleep?mode=wait: abandoned, it still fires."""
+    adapter = make_adapter(config("http"), engine_sim.endpoint(), engine_session,
+                           Timeouts(sleep_s=0.3))
+    await engine_sim.faults(stall_generation=True)
+    url = engine_sim.base_url + "/v1/chat/completions"
+    async with engine_session.post(url, json=probe_payload(engine_sim.settings.model)) as resp:
+        await engine_sim.until(lambda: engine_sim.engine.running == 1)
+        with pytest.raises(EngineStateUnknown):
+            await adapter.sleep(1)
+        await engine_sim.faults(stall_generation=False)
+        await resp.read()
+    await engine_sim.until(lambda: engine_sim.engine.state.is_sleeping)
 
 
-@pytest.mark.parametrize(("name", "kind"), [
-    ("vllm", VllmAdapter), ("vllm-omni", VllmOmniAdapter), ("http", HttpAdapter),
-])
-async def test_registry_builds_each_adapter(
-    engine_sim: EngineSim, engine_session: aiohttp.ClientSession, name: Adapter,
-    kind: type[object],
+async def test_the_probe_section_of_the_claim_reaches_every_adapter(
+    engine_sim: EngineSim, engine_session: aiohttp.ClientSession
 ) -> None:
-    adapter = make_adapter(config(name), engine_sim.endpoint(), engine_session, Timeouts())
-    assert type(adapter) is kind
-    assert adapter.endpoint == engine_sim.endpoint()
-
-
-def test_registry_knows_every_adapter_the_config_allows() -> None:
-    assert set(ADAPTERS) == set(get_args(Adapter))
+    structure = {"mode": "structure", "prompt": "Tell me something."}
+    for name in ("vllm", "http"):
+        adapter = make_adapter(config(name, probe=structure), engine_sim.endpoint(),
+                               engine_session, Timeouts())
+        result = await adapter.probe()
+        assert (result.ok, result.mode) == (True, ProbeMode.STRUCTURE), name
+        assert result.content != "7"

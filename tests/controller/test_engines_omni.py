@@ -2,26 +2,38 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
 import pytest
 
 from controller.engines import (
+    EngineEndpoint,
     EngineLied,
     EngineRejected,
-    ProbeReason,
+    EngineTimeout,
     Timeouts,
     VllmOmniAdapter,
     make_adapter,
 )
 from controller.engines.errors import EngineProtocolError
+from controller.engines.probe import probe_payload
 from controller.engines.transport import Answer
-from controller.engines.vllm_omni import DEFAULT_STAGE_IDS, parse_acks
+from controller.engines.vllm_omni import parse_acks
 from driver.opaque import parse_engine_config
 from tests.controller.conftest import ENGINE_SIM_GIB, EngineSimFactory
 
 RELEASABLE = 9 * ENGINE_SIM_GIB  # awake 10 GiB, resident 1 GiB
+
+
+def test_gib_metadata_as_strings_or_numbers() -> None:
+    acks = [_ack(0) | {"metadata": {"total_freed_gib": "12.34", "rank_residual_gib": "0.78"}},
+            _ack(1) | {"metadata": {"total_freed_gib": 1.5, "rank_residual_gib": "n/a"}}]
+    first, second = parse_acks(Answer(200, json.dumps({"status": "SUCCESS", "acks": acks})),
+                               step="omni_sleep")
+    assert (first.total_freed_gib, first.rank_residual_gib) == (12.34, 0.78)
+    assert (second.total_freed_gib, second.rank_residual_gib) == (1.5, None)
 
 
 def omni_config(**extra: object) -> dict[str, object]:
@@ -29,15 +41,15 @@ def omni_config(**extra: object) -> dict[str, object]:
             "model": "sim/adapter-model", "awakeMemory": "10Gi", "adapter": "vllm-omni"} | extra
 
 
-@pytest.mark.parametrize("level", [1, 2])
-async def test_sleep_and_wake_report_acks_and_freed_bytes(
-    engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession, level: int
+async def test_sleep_and_wake_report_acks_freed_bytes_and_string_gib(
+    engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession
 ) -> None:
+    """vLLM-Omni sends total_freed_gib and rank_residual_gib as strings ("4.50"): the
+    adapter reads them (the old one turned them into None)."""
     sim = await engine_sim_factory(omni=True, omni_stages=2)
-    adapter = VllmOmniAdapter(sim.endpoint(), engine_session, Timeouts())
-    assert adapter.stage_ids == DEFAULT_STAGE_IDS == (0, 1)
+    adapter = VllmOmniAdapter(sim.endpoint(), engine_session, Timeouts(), stage_ids=[0, 1])
 
-    slept = await adapter.sleep(level)
+    slept = await adapter.sleep(1)
     assert slept.freed_bytes == RELEASABLE
     assert [a.stage_id for a in slept.acks] == [0, 1]
     assert all(a.status == "SUCCESS" and a.error_msg is None for a in slept.acks)
@@ -47,7 +59,7 @@ async def test_sleep_and_wake_report_acks_and_freed_bytes(
     assert await adapter.is_sleeping()
     assert sim.engine.memory.used_bytes == ENGINE_SIM_GIB
 
-    woke = await adapter.wake(level)
+    woke = await adapter.wake(1)
     assert [s.name for s in woke.steps] == ["omni_wakeup", "reset_prefix_cache"]
     assert [a.stage_id for a in woke.acks] == [0, 1]
     assert not await adapter.is_sleeping()
@@ -55,19 +67,71 @@ async def test_sleep_and_wake_report_acks_and_freed_bytes(
     assert (probe.ok, probe.content) == (True, "7")
 
 
-async def test_without_the_prefix_reset_an_omni_wake_answers_stale(
+async def test_level_2_is_refused_before_anything_is_sent(
     engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession
 ) -> None:
-    """vllm-omni#6442: why the adapter resets the prefix cache after every Omni wake."""
+    """vLLM-Omni cannot wake after a level-2 sleep (501, latched until restart)."""
     sim = await engine_sim_factory(omni=True, omni_stages=2)
-    adapter = VllmOmniAdapter(sim.endpoint(), engine_session, Timeouts())
-    await adapter.sleep(2)
-    async with engine_session.post(sim.base_url + "/v1/omni/wakeup",
-                                   json={"stage_ids": [0, 1]}) as resp:
-        assert resp.status == 200
-        assert (await resp.json())["status"] == "SUCCESS"
-    probe = await adapter.probe()
-    assert (probe.reason, probe.content) == (ProbeReason.WRONG_CONTENT, "42")
+    adapter = VllmOmniAdapter(sim.endpoint(), engine_session, Timeouts(), stage_ids=[0, 1])
+    with pytest.raises(ValueError, match="level-2"):
+        await adapter.sleep(2)
+    with pytest.raises(ValueError, match="level-2"):
+        await adapter.wake(2)
+    assert not await adapter.is_sleeping()
+    assert sim.engine.sleep_count == 0
+
+
+async def test_stage_ids_must_be_given() -> None:
+    async with aiohttp.ClientSession() as session:
+        endpoint = EngineEndpoint(base_url="http://127.0.0.1:9", model="m", claim="c")
+        with pytest.raises(TypeError):
+            VllmOmniAdapter(endpoint, session, Timeouts())  # type: ignore[call-arg]
+        with pytest.raises(ValueError, match="stage ids"):
+            VllmOmniAdapter(endpoint, session, Timeouts(), stage_ids=[])
+
+
+async def test_the_sleep_waits_for_running_requests_first(
+    engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession
+) -> None:
+    """vLLM-Omni's sleep does not drain: put to sleep under a running request, it unmaps
+    that request's memory. The adapter waits until the engine's gauges say it is idle and
+    refuses to sleep an engine that stays busy."""
+    sim = await engine_sim_factory(omni=True, omni_stages=1)
+    adapter = VllmOmniAdapter(sim.endpoint(), engine_session, Timeouts(sleep_s=0.5),
+                              stage_ids=[0])
+    await sim.faults(stall_generation=True)
+    url = sim.base_url + "/v1/chat/completions"
+    async with engine_session.post(url, json=probe_payload(sim.settings.model)) as running:
+        await sim.until(lambda: sim.engine.running == 1)
+        with pytest.raises(EngineTimeout) as caught:
+            await adapter.sleep(1)
+        assert caught.value.step == "omni_drain"
+        assert not sim.engine.state.is_sleeping  # nothing was put to sleep under it
+        patient = VllmOmniAdapter(sim.endpoint(), engine_session, Timeouts(),
+                                  stage_ids=[0])
+        sleeping = asyncio.create_task(patient.sleep(1))
+        await sim.faults(stall_generation=False)
+        text = (await running.read()).decode()
+    assert '"error"' not in text  # the running request finished whole
+    async with asyncio.timeout(10):
+        await sleeping
+    assert sim.engine.state.is_sleeping
+
+
+async def test_the_api_key_reaches_the_omni_endpoints(
+    engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession
+) -> None:
+    """/v1/omni/* lies under /v1: an engine with --api-key checks it there."""
+    sim = await engine_sim_factory(omni=True, omni_stages=2, api_key="omni-key")
+    keyed = VllmOmniAdapter(sim.endpoint(api_key="omni-key"), engine_session, Timeouts(),
+                            stage_ids=[0, 1])
+    await keyed.sleep(1)
+    await keyed.wake(1)
+    assert (await keyed.probe()).ok
+    anonymous = VllmOmniAdapter(sim.endpoint(), engine_session, Timeouts(), stage_ids=[0, 1])
+    with pytest.raises(EngineRejected) as caught:
+        await anonymous.sleep(1)
+    assert (caught.value.status, caught.value.reason) == (401, "unauthorized")
 
 
 async def test_stage_ids_come_from_the_claim_config(
@@ -85,14 +149,23 @@ async def test_stage_ids_come_from_the_claim_config(
     assert (await adapter.probe()).ok
 
 
-async def test_default_stages_on_a_one_stage_engine_fail_loudly(
+async def test_too_few_stage_ids_leave_memory_awake_and_too_many_fail_loudly(
     engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession
 ) -> None:
-    sim = await engine_sim_factory(omni=True, omni_stages=1)
-    adapter = VllmOmniAdapter(sim.endpoint(), engine_session, Timeouts())
+    """A Qwen-Omni pipeline has three stages: the old default (0, 1) kept stage 2 awake
+    while the global /is_sleeping said asleep; a stage the engine lacks fails with 500."""
+    sim = await engine_sim_factory(omni=True, omni_stages=3)
+    two = VllmOmniAdapter(sim.endpoint(), engine_session, Timeouts(), stage_ids=[0, 1])
+    await two.sleep(1)
+    assert await two.is_sleeping()
+    assert sim.engine.memory.used_bytes > ENGINE_SIM_GIB  # stage 2 still holds its share
+    await two.wake(1)
+    one_stage = await engine_sim_factory(omni=True, omni_stages=1)
+    adapter = VllmOmniAdapter(one_stage.endpoint(), engine_session, Timeouts(),
+                              stage_ids=[0, 1])
     with pytest.raises(EngineRejected) as caught:
         await adapter.sleep(1)
-    assert (caught.value.status, caught.value.reason) == (400, "rejected")
+    assert (caught.value.status, caught.value.reason) == (500, "rejected")
     assert "stage" in caught.value.body
     assert not await adapter.is_sleeping()
 
@@ -107,27 +180,16 @@ async def test_wake_oom_and_ignored_sleep(
     with pytest.raises(EngineRejected) as oom:
         await adapter.wake(1)
     assert (oom.value.reason, oom.value.step) == ("gpu_oom", "omni_wakeup")
+    assert oom.value.unfinished is not None
+    assert oom.value.unfinished.next_step == "omni_wakeup"
     await sim.faults(wake_fails=False)
-    await adapter.wake(1)
+    await adapter.finish_wake(oom.value.unfinished)
+    assert (await adapter.probe()).ok
 
     await sim.faults(sleep_ignored=True)
     with pytest.raises(EngineLied) as lied:
         await adapter.sleep(1)
     assert lied.value.step == "omni_sleep"
-
-
-async def test_token_reaches_the_omni_endpoints(
-    engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession
-) -> None:
-    sim = await engine_sim_factory(omni=True, control_token="omni-token")
-    adapter = VllmOmniAdapter(sim.endpoint(token="omni-token"), engine_session, Timeouts())
-    await adapter.sleep(2)
-    await adapter.wake(2)
-    assert (await adapter.probe()).ok
-    anonymous = VllmOmniAdapter(sim.endpoint(), engine_session, Timeouts())
-    with pytest.raises(EngineRejected) as caught:
-        await anonymous.sleep(1)
-    assert caught.value.reason == "unauthorized"
 
 
 def _ack(stage: int, status: str = "SUCCESS", error: str | None = None) -> dict[str, object]:
@@ -153,6 +215,8 @@ def test_ack_parsing_is_lenient_about_new_fields_but_not_about_status() -> None:
     [ack] = parse_acks(answer, step="omni_sleep")
     assert (ack.stage_id, ack.freed_bytes, ack.total_freed_gib) == (3, 5, None)
     assert parse_acks(Answer(200, '{"status": "SKIPPED", "acks": []}'), step="s") == ()
+    skipped = '{"status": "SKIPPED", "reason": "Target stages are not sleeping."}'
+    assert parse_acks(Answer(200, skipped), step="s") == ()  # vLLM-Omni: no acks at all
     with pytest.raises(EngineRejected):
         parse_acks(Answer(200, '{"status": "PARTIAL", "acks": []}'), step="s")
     with pytest.raises(EngineProtocolError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import aiohttp
 import pytest
@@ -24,8 +25,9 @@ from controller.engines import (
     VllmAdapter,
     run_probe,
 )
-from controller.engines.probe import PROBE_QUESTION, content_is_correct
+from controller.engines.probe import PROBE_QUESTION, ProbeMode, content_is_correct
 from controller.engines.sse import SseParser
+from driver.opaque import ProbeConfig
 from tests.controller.conftest import EngineSim, EngineSimFactory
 
 QUICK = Timeouts(probe_total_s=5.0, probe_first_token_s=0.3)
@@ -60,11 +62,13 @@ async def test_error_inside_a_200_stream_fails(
 async def test_fails_while_asleep(
     engine_sim: EngineSim, engine_session: aiohttp.ClientSession
 ) -> None:
-    adapter = VllmAdapter(engine_sim.endpoint(), engine_session, Timeouts())
+    """vLLM holds the request of a sleeping engine: 200 headers, then nothing."""
+    adapter = VllmAdapter(engine_sim.endpoint(), engine_session,
+                          Timeouts(probe_first_token_s=0.2))
     await adapter.sleep(1)
     result = await adapter.probe()
-    assert (result.reason, result.status) == (ProbeReason.HTTP_ERROR, 503)
-    assert "sleeping" in result.detail
+    assert (result.reason, result.status) == (ProbeReason.TIMEOUT, 200)
+    assert "no content token" in result.detail
     assert result.ttft_s is None
 
 
@@ -284,3 +288,103 @@ async def test_probe_does_not_outlive_cancellation(
     with pytest.raises(asyncio.CancelledError):
         await task
     await engine_sim.until(lambda: engine_sim.engine.running == 0)
+
+
+# -- the claim's probe section (issue 11 #6) ---------------------------------------------
+
+
+def reasoning(text: str) -> dict[str, object]:
+    return {"id": "x", "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"reasoning_content": text},
+                         "finish_reason": None}]}
+
+
+async def test_the_request_follows_the_claim(engine_session: aiohttp.ClientSession) -> None:
+    seen: list[Any] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.Response(status=500, text='{"error": {"message": "boom"}}')
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    config = ProbeConfig(prompt="Capital of France, one word?", expect="Paris",
+                         max_tokens=300, chat_template_kwargs={"enable_thinking": False})
+    try:
+        endpoint = EngineEndpoint(base_url=str(server.make_url("")), model="m", claim="c")
+        await run_probe(engine_session, endpoint, Timeouts(), config=config)
+    finally:
+        await server.close()
+    [body] = seen
+    assert body["messages"] == [{"role": "user", "content": "Capital of France, one word?"}]
+    assert body["max_tokens"] == 300
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(("content", "expect", "ok"), [
+    ("Paris", "Paris", True), (" Paris.\n", "Paris", True), ("paris", "Paris", False),
+    ("It is Paris", "Paris", False), ("7", "Paris", False), ("42!", "42", True),
+])
+def test_the_expected_answer_is_configurable(content: str, expect: str, ok: bool) -> None:
+    assert content_is_correct(content, expect) is ok
+
+
+async def test_reasoning_content_counts_only_where_configured(
+    serve_script: ServeScript, engine_session: aiohttp.ClientSession
+) -> None:
+    """A reasoning model with a reasoning parser streams its thoughts in
+    ``reasoning_content`` and may put nothing in ``content`` within the budget."""
+    script = [sse(reasoning("7")), sse(USAGE), sse("[DONE]")]
+    plain = await run_probe(engine_session, await serve_script(script), Timeouts())
+    assert (plain.reason, plain.content) == (ProbeReason.WRONG_CONTENT, "")
+    counted = await run_probe(engine_session, await serve_script(script), Timeouts(),
+                              config=ProbeConfig(reasoning_counts=True))
+    assert (counted.ok, counted.content) == (True, "7")
+    assert counted.ttft_s is not None
+
+
+async def test_structure_mode_takes_any_content_and_says_so(
+    serve_script: ServeScript, engine_session: aiohttp.ClientSession
+) -> None:
+    structure = ProbeConfig(mode="structure")
+    noise = [sse(delta("ĠxQ")), sse(delta("zz")), sse(USAGE), sse("[DONE]")]
+    result = await run_probe(engine_session, await serve_script(noise), Timeouts(),
+                             config=structure)
+    assert (result.ok, result.mode) == (True, ProbeMode.STRUCTURE)
+    answer = await run_probe(engine_session, await serve_script(noise), Timeouts())
+    assert (answer.ok, answer.mode) == (False, ProbeMode.ANSWER)
+    for broken, reason in (([sse(USAGE), sse("[DONE]")], ProbeReason.WRONG_CONTENT),
+                           ([sse(delta("x")), sse(USAGE)], ProbeReason.NO_DONE),
+                           ([sse(delta("x")), sse("[DONE]")], ProbeReason.NO_USAGE)):
+        failed = await run_probe(engine_session, await serve_script(broken), Timeouts(),
+                                 config=structure)
+        assert failed.reason is reason
+
+
+async def test_the_probe_sends_the_api_key_as_a_bearer(
+    engine_session: aiohttp.ClientSession,
+) -> None:
+    seen: list[str | None] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"error": "Unauthorized"}, status=401)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        base = str(server.make_url(""))
+        keyed = EngineEndpoint(base_url=base, model="m", claim="c", api_key="sk-1",
+                               token="rota-control")
+        result = await run_probe(engine_session, keyed, Timeouts())
+        await run_probe(engine_session, EngineEndpoint(base_url=base, model="m", claim="c"),
+                        Timeouts())
+    finally:
+        await server.close()
+    assert seen == ["Bearer sk-1", None]
+    assert (result.reason, result.status) == (ProbeReason.HTTP_ERROR, 401)
+    assert "sk-1" not in result.detail

@@ -47,6 +47,7 @@ async def _recovers(session: aiohttp.ClientSession, url: str) -> None:
 
 @pytest.mark.parametrize(("engine", "fault", "reason"), [
     ("b", "wake_fails", "gpu_oom"),
+    ("b", "wake_hangs", "state_unknown"),  # a wake without an answer may still complete
     ("a", "sleep_lies", "memory_not_returned"),
     ("a", "sleep_ignored", "lied"),
     ("b", "wake_ignored", "lied"),

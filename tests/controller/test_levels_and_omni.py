@@ -54,9 +54,13 @@ async def test_level_two_switches(engine_node: GpuNode, kube_api: client.ApiClie
 
 async def test_omni_switches(engine_node: GpuNode, kube_api: client.ApiClient,
                              namespace: str) -> None:
+    # vLLM-Omni wakes only from level 1 (its level-2 wake is not implemented: the driver
+    # refuses sleepLevel 2 for it), and its stage ids come from the claim.
+    omni = ("--omni", "--omni-stages", "2")
+    stages = (("omniStageIds", [0, 1]),)
     engines = deploy(kube_api, namespace, engine_node.name, [
-        EngineSpec("omni-a", "org/omni-a", resident="1Gi", awake="24Gi", sleep_level=2,
-                   adapter="vllm-omni", args=("--omni", "--omni-stages", "2")),
-        EngineSpec("omni-b", "org/omni-b", resident="1Gi", awake="24Gi", sleep_level=2,
-                   adapter="vllm-omni", args=("--omni", "--omni-stages", "2"))])
+        EngineSpec("omni-a", "org/omni-a", resident="1Gi", awake="24Gi", sleep_level=1,
+                   adapter="vllm-omni", args=omni, config=stages),
+        EngineSpec("omni-b", "org/omni-b", resident="1Gi", awake="24Gi", sleep_level=1,
+                   adapter="vllm-omni", args=omni, config=stages)])
     await _handoffs(engine_node, engines, ["org/omni-a", "org/omni-b"], 4)

@@ -31,7 +31,8 @@ def test_an_ipv6_pod_gets_a_usable_engine_endpoint() -> None:
                  {"driver": "gpu.rota.dev", "pool": "node-1", "device": "gpu-0",
                   "request": "gpu"}]}},
                  "reservedFor": [{"resource": "pods", "name": "pod-a", "uid": "p-1"}]}}
-    pod = {"metadata": {"uid": "p-1", "name": "pod-a"}, "status": {"podIP": "fd00:10::7"}}
+    pod = {"metadata": {"uid": "p-1", "name": "pod-a", "namespace": "ns"},
+           "status": {"podIP": "fd00:10::7"}}
     (claimant,) = claimants_from([claim], {"p-1": pod})
     assert claimant.endpoint is not None
     EngineEndpoint(base_url=claimant.endpoint, model="org/a", claim="ns/model-a")

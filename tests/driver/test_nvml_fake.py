@@ -15,6 +15,7 @@ import pytest
 from driver.errors import ConfigError, NvmlError
 from driver.nvml import HealthEvent, HealthEventKind, MemoryInfo, NvmlBackend, fixture_path
 from driver.nvml.fake import (
+    LOCK_FILE,
     FakeNvml,
     NvmlFixture,
     load_fixture,
@@ -140,7 +141,8 @@ def test_registry_file_format_is_the_documented_one(proc_dir: Path) -> None:
     path = register_process(proc_dir, 4242, H200_UUID, 123)
     assert path == proc_dir / "4242.json"
     assert json.loads(path.read_text()) == {"pid": 4242, "gpu_uuid": H200_UUID, "used_bytes": 123}
-    assert sorted(p.name for p in proc_dir.iterdir()) == ["4242.json"]  # no temp left over
+    left = sorted(p.name for p in proc_dir.iterdir() if p.name != LOCK_FILE)
+    assert left == ["4242.json"]  # no temp left over
 
 
 def test_register_rejects_negative_bytes(proc_dir: Path) -> None:
@@ -180,7 +182,7 @@ def test_unreadable_registry_file_is_logged_once(
 def test_temp_files_of_writers_are_ignored(
     fake: FakeNvml, proc_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    proc_dir.mkdir()
+    proc_dir.mkdir(exist_ok=True)  # init() made it to publish the GPUs
     (proc_dir / f".{os.getpid()}.abc.tmp").write_text("{half")
     (proc_dir / ".hidden.json").write_text("{half")
     with caplog.at_level(logging.WARNING):

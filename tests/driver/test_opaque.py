@@ -180,7 +180,9 @@ def test_messages_quote_little_user_input(parameters: dict[str, Any]) -> None:
 
 def test_to_parameters_round_trips() -> None:
     config = parse_engine_config(
-        params(adapter="vllm-omni", omniStageIds=[0, 1], sleepLevel=2, enginePort=9000)
+        params(adapter="vllm-omni", omniStageIds=[0, 1], enginePort=9000,
+               apiKeySecret={"name": "engine-key"},
+               probe={"mode": "structure", "maxTokens": 64})
     )
     parameters = config.to_parameters()
     assert parameters == {
@@ -188,10 +190,11 @@ def test_to_parameters_round_trips() -> None:
         "kind": "EngineConfig",
         "model": "meta-llama/Llama-3.1-8B-Instruct",
         "awakeMemory": 60 * 2**30,
-        "sleepLevel": 2,
         "enginePort": 9000,
         "adapter": "vllm-omni",
         "omniStageIds": [0, 1],
+        "apiKeySecret": {"name": "engine-key"},
+        "probe": {"mode": "structure", "maxTokens": 64},
     }
     assert parse_engine_config(parameters) == config
 

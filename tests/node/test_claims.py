@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 from kubernetes import client
@@ -16,7 +17,7 @@ from driver.rpc.services import unary_client
 from e2e.cluster.realnode import RealNode
 from e2e.objects import read_claim
 from e2e.rota_node import EnginePod, RotaOnNodes, exec_in
-from e2e.waiting import eventually
+from e2e.waiting import eventually, eventually_async
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root]
@@ -49,7 +50,7 @@ def cdi_specs(node: RealNode) -> dict[str, dict[str, Any]]:
 
 
 async def inspect_gpus(node: RealNode) -> inspect.InspectGpusResponse:
-    socket = node.path(f"{PLUGIN}/inspect.sock")
+    socket = node.socket(f"{PLUGIN}/inspect/inspect.sock")
     async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
         service = inspect.DESCRIPTOR.services_by_name["NodeInspection"]
         answer = await unary_client(channel, service, "InspectGpus")(
@@ -86,13 +87,25 @@ async def test_two_claims_share_the_gpu_in_real_containers(
     assert json.loads(exec_in(kube_api, namespace, "model-a", ["python", "-c", LOOK])
                       )["env"]["ROTA_AWAKE_MEMORY_BYTES"] == str(awake["model-a"])
 
+    # Each engine serves its model on its pod address, configured only through CDI.
+    for name, engine in by_name.items():
+        url = rota_node.pod_url(engine.pod(kube_api), 8000)
+        async with aiohttp.ClientSession() as session, session.get(
+                f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            assert (await resp.json())["data"][0]["id"] == engine.model, name
+
     # The driver attributes each engine's GPU memory to its pod and claim, by the host
     # pid NVML reports and the container's real cgroup.
     pods = {n: e.pod(kube_api).metadata.uid for n, e in by_name.items()}
-    state = await inspect_gpus(node)
-    (gpu,) = state.gpus
-    attributed = {p.claim_uid: p.pod_uid for p in gpu.processes}
-    assert attributed == {uids[n]: pods[n] for n in by_name}
+    expected = {uids[n]: pods[n] for n in by_name}
+
+    async def attributed() -> inspect.GpuState | None:
+        (gpu,) = (await inspect_gpus(node)).gpus
+        # Each engine registers its memory once it has started (seconds on a busy node).
+        return gpu if {p.claim_uid: p.pod_uid for p in gpu.processes} == expected else None
+
+    gpu = await eventually_async(attributed, timeout=120, what="both engines attributed")
+    assert gpu is not None
     assert all(p.container_id for p in gpu.processes)
 
     # Deleting a pod makes the kubelet unprepare its claim.

@@ -29,7 +29,7 @@ def test_the_node_runs_the_pinned_versions(kube_api: client.ApiClient,
 def test_the_kubelet_registered_the_driver_and_slices_appear(
         kube_api: client.ApiClient, rota_node: RotaOnNodes) -> None:
     node = rota_node.node()
-    (pod,) = rota_node.deployment.node_pods(node.name)
+    pod = rota_node.driver_pod()
     registry = node.path("/var/lib/kubelet/plugins_registry")
     assert (registry / f"gpu.rota.dev-{pod.metadata.uid}-reg.sock").exists()
     # NotifyRegistrationStatus(true) comes from the kubelet alone; `kubectl logs` goes

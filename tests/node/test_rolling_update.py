@@ -10,7 +10,7 @@ import datetime as dt
 import pytest
 from kubernetes import client
 
-from e2e.deploy import DAEMONSET, is_ready
+from e2e.deploy import DRIVER, is_ready
 from e2e.rota_node import RotaOnNodes, engine_docs
 from e2e.waiting import eventually
 from tests.real_node import needs_root
@@ -24,17 +24,17 @@ REGISTRY = "/var/lib/kubelet/plugins_registry"
 def test_rolling_update_overlaps_old_and_new_driver(
         kube_api: client.ApiClient, rota_node: RotaOnNodes, namespace: str) -> None:
     node = rota_node.node()
-    old = rota_node.node_pod()
+    old = rota_node.driver_pod()
     old_uid = old.metadata.uid
     rota_node.deploy_engines(namespace)
 
-    updated = copy.deepcopy(rota_node.deployment.daemonset)
+    updated = copy.deepcopy(rota_node.deployment.daemonset(DRIVER))
     annotations = updated["spec"]["template"]["metadata"].setdefault("annotations", {})
     annotations["rota.dev/restarted-at"] = dt.datetime.now(dt.UTC).isoformat()
     rota_node.deployment.applier.apply([updated])
 
     def overlap() -> client.V1Pod | None:
-        pods = rota_node.deployment.node_pods(node.name)
+        pods = rota_node.deployment.driver_pods(node.name)
         new = [p for p in pods if p.metadata.uid != old_uid and p.status.phase == "Running"]
         old_running = any(p.metadata.uid == old_uid and p.status.phase == "Running"
                           for p in pods)
@@ -54,15 +54,16 @@ def test_rolling_update_overlaps_old_and_new_driver(
                                                          resident="1Gi", awake="10Gi"))
 
     def old_gone() -> bool:
-        pods = rota_node.deployment.node_pods(node.name)
+        pods = rota_node.deployment.driver_pods(node.name)
         return [p.metadata.uid for p in pods] == [new_uid] and is_ready(pods[0])
 
-    eventually(old_gone, timeout=240, what=f"{DAEMONSET} rolled over to the new pod")
+    eventually(old_gone, timeout=240, what=f"{DRIVER} rolled over to the new pod")
     plugin, registry = node.path(PLUGIN), node.path(REGISTRY)
     eventually(lambda: not (registry / f"gpu.rota.dev-{old_uid}-reg.sock").exists(),
                timeout=60, what="the old pod's registration socket removed")
     assert not (plugin / f"dra-{old_uid}.sock").exists()
-    assert not (plugin / f"inspect-{old_uid}.sock").exists()
+    assert not (plugin / "inspect" / f"inspect-{old_uid}.sock").exists()
     assert (registry / f"gpu.rota.dev-{new_uid}-reg.sock").exists()
     assert (plugin / f"dra-{new_uid}.sock").exists()
-    assert (plugin / "inspect.sock").resolve() == plugin / f"inspect-{new_uid}.sock"
+    inspect = plugin / "inspect"
+    assert (inspect / "inspect.sock").resolve() == inspect / f"inspect-{new_uid}.sock"

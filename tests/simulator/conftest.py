@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,19 @@ class Sim:
         async with self.client.post(path, params=params) as resp:
             assert resp.status == 200, await resp.text()
             assert await resp.read() == b""
+
+    async def post_json(self, path: str, body: Any = None, **params: Any) -> Any:
+        """POST a control call that must answer 200 with a JSON body; the body."""
+        async with self.client.post(path, params=params, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+    async def reset_prefix_cache(self) -> None:
+        assert await self.post_json("/reset_prefix_cache") == {"success": True}
+
+    async def reload_weights(self) -> None:
+        body = await self.post_json("/collective_rpc", {"method": "reload_weights"})
+        assert body == {"results": [None]}
 
     async def is_sleeping(self) -> bool:
         async with self.client.get("/is_sleeping") as resp:
@@ -128,6 +142,29 @@ def nvml_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+async def live_pid() -> AsyncIterator[Callable[[], Awaitable[int]]]:
+    """Pids of real, idle processes: the fake NVML counts only the memory of live pids, so
+    in-process simulators that must see each other register under these."""
+    children: list[asyncio.subprocess.Process] = []
+
+    async def spawn() -> int:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import sys; sys.stdin.read()",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL)
+        children.append(proc)
+        return proc.pid
+
+    try:
+        yield spawn
+    finally:
+        for proc in children:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            async with asyncio.timeout(DEADLINE):
+                await proc.wait()
+
+
+@pytest.fixture
 async def make_sim(nvml_dir: Path) -> AsyncIterator[SimFactory]:
     """Start simulators with some knobs changed; every one is closed after the test."""
     started: list[Sim] = []
@@ -137,6 +174,7 @@ async def make_sim(nvml_dir: Path) -> AsyncIterator[SimFactory]:
             "model": MODEL, "fake_nvml_dir": nvml_dir, "nvml_pid": PID,
             "awake_memory_bytes": 10 * GIB, "resident_memory_bytes": 1 * GIB,
             "weights_bytes": 6 * GIB, "shutdown_grace_seconds": 0.0,
+            "dev_mode": True,  # VLLM_SERVER_DEV_MODE=1, as rota requires of its engines
         }
         settings = Settings.model_validate(values | overrides)
         sim_exits: list[int] = []

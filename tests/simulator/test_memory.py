@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from driver.nvml.fake import LOCK_FILE
 from e2e.engine_simulator import Settings
 from e2e.engine_simulator.memory import plan_portions
 from tests.simulator.conftest import GIB, PID, SimFactory
 
 
 def names(nvml_dir: Path) -> list[str]:
-    return sorted(p.name for p in nvml_dir.iterdir()) if nvml_dir.is_dir() else []
+    """The registry's files, its lock file left out."""
+    if not nvml_dir.is_dir():
+        return []
+    return sorted(p.name for p in nvml_dir.iterdir() if p.name != LOCK_FILE)
 
 
 def record(nvml_dir: Path) -> dict[str, object]:

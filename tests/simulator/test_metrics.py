@@ -1,4 +1,5 @@
-"""GET /metrics: vLLM's in-flight gauges, so a drain can be watched as on a real engine."""
+"""GET /metrics: vLLM 0.26's in-flight and sleep gauges, so a drain can be watched as on a
+real engine, with the real engine's blind spots."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import asyncio
 import re
 
 from e2e.engine_simulator.metrics_api import render_metrics
-from tests.simulator.conftest import MODEL, Sim, next_event, read_events
+from tests.simulator.conftest import MODEL, Sim, SimFactory, next_event, read_events
 
 PROBE = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4?"}],
          "stream": True}
-_SAMPLE = re.compile(r'^(vllm:num_requests_(?:running|waiting))\{engine="0",'
-                     r'model_name="([^"]*)"\} (\S+)$')
+_SAMPLE = re.compile(r'^(vllm:[a-z_]+)\{engine="0",model_name="([^"]*)"'
+                     r'(?:,sleep_state="([a-z_]+)")?\} (\S+)$')
 
 
 async def gauges(sim: Sim) -> dict[str, float]:
@@ -22,46 +23,93 @@ async def gauges(sim: Sim) -> dict[str, float]:
     found: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#"):
-            assert line.split()[1] in ("HELP", "TYPE")
             continue
         match = _SAMPLE.match(line)
         assert match, line
         assert match.group(2) == MODEL
-        found[match.group(1)] = float(match.group(3))
+        name = match.group(1) + (f"/{match.group(3)}" if match.group(3) else "")
+        found[name] = float(match.group(4))
     return found
 
 
-async def test_idle_engine_reports_zero(sim: Sim) -> None:
-    assert await gauges(sim) == {"vllm:num_requests_running": 0.0,
-                                 "vllm:num_requests_waiting": 0.0}
+def in_flight(found: dict[str, float]) -> tuple[float, float]:
+    return found["vllm:num_requests_running"], found["vllm:num_requests_waiting"]
+
+
+def sleep_state(found: dict[str, float]) -> str:
+    [state] = [k.split("/")[1] for k, v in found.items()
+               if k.startswith("vllm:engine_sleep_state/") and v == 1.0]
+    return state
+
+
+async def post_ok(sim: Sim, path: str, **params: str) -> None:
+    async with sim.client.post(path, params=params) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def test_idle_engine_reports_zero_and_awake(sim: Sim) -> None:
+    found = await gauges(sim)
+    assert in_flight(found) == (0.0, 0.0)
+    assert sleep_state(found) == "awake"
+    assert len([k for k in found if k.startswith("vllm:engine_sleep_state/")]) == 3
 
 
 async def test_running_counts_a_stalled_generation_until_it_ends(sim: Sim) -> None:
     await sim.faults(stall_generation=True)
     async with sim.client.post("/v1/chat/completions", json=PROBE) as resp:
         await next_event(resp)
-        assert (await gauges(sim))["vllm:num_requests_running"] == 1.0
+        assert in_flight(await gauges(sim)) == (1.0, 0.0)
         await sim.faults(stall_generation=False)
         await read_events(resp)
     await sim.until(lambda: sim.engine.running == 0)
-    assert (await gauges(sim))["vllm:num_requests_running"] == 0.0
+    assert in_flight(await gauges(sim)) == (0.0, 0.0)
 
 
-async def post_ok(sim: Sim, path: str) -> None:
-    async with sim.client.post(path) as resp:
-        assert resp.status == 200, await resp.text()
-
-
-async def test_waiting_counts_requests_held_while_paused(sim: Sim) -> None:
-    await post_ok(sim, "/pause")
-    held = asyncio.create_task(sim.ask())
-    await sim.until(lambda: sim.engine.waiting == 1)
-    assert await gauges(sim) == {"vllm:num_requests_running": 0.0,
-                                 "vllm:num_requests_waiting": 1.0}
+async def test_waiting_counts_requests_held_while_a_drain_still_steps(sim: Sim) -> None:
+    await sim.faults(stall_generation=True)
+    async with sim.client.post("/v1/chat/completions", json=PROBE) as resp:
+        await next_event(resp)
+        pausing = asyncio.create_task(post_ok(sim, "/pause", mode="wait"))
+        await sim.until(lambda: sim.engine.paused)
+        held = asyncio.create_task(sim.ask())
+        await sim.until(lambda: sim.engine.waiting == 1)
+        assert in_flight(await gauges(sim)) == (1.0, 1.0)
+        await sim.faults(stall_generation=False)
+        await read_events(resp)
+        async with asyncio.timeout(10):
+            await pausing
     await post_ok(sim, "/resume")
     async with asyncio.timeout(10):
         await held
-    assert (await gauges(sim))["vllm:num_requests_waiting"] == 0.0
+
+
+async def test_requests_held_while_asleep_do_not_show(sim: Sim) -> None:
+    """No engine step happens while asleep, so vLLM's gauges keep their last values: a
+    drain watching them sees nothing of the requests held since."""
+    await post_ok(sim, "/sleep", level="1")
+    held = asyncio.create_task(sim.ask())
+    await sim.until(lambda: sim.engine.waiting == 1)
+    assert in_flight(await gauges(sim)) == (0.0, 0.0)
+    await post_ok(sim, "/wake_up")
+    async with asyncio.timeout(10):
+        await held
+
+
+async def test_sleep_state_follows_sleep_and_wake(sim: Sim) -> None:
+    await post_ok(sim, "/sleep", level="1")
+    assert sleep_state(await gauges(sim)) == "weights_offloaded"
+    await post_ok(sim, "/wake_up")
+    assert sleep_state(await gauges(sim)) == "awake"
+    await post_ok(sim, "/sleep", level="2")
+    assert sleep_state(await gauges(sim)) == "discard_all"
+    await post_ok(sim, "/wake_up", tags="weights")  # vLLM records "awake" after any wake
+    assert sleep_state(await gauges(sim)) == "awake"
+    assert await sim.is_sleeping()
+
+
+async def test_disable_log_stats_removes_every_gauge(make_sim: SimFactory) -> None:
+    sim = await make_sim(disable_log_stats=True)
+    assert await gauges(sim) == {}
 
 
 def test_model_name_is_escaped() -> None:

@@ -36,7 +36,7 @@ async def test_streamed_chat_answers_seven_with_usage_and_done(sim: Sim) -> None
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     for chunk in chunks[:-1]:
         assert chunk["object"] == "chat.completion.chunk"
-        assert chunk["usage"] is None
+        assert "usage" not in chunk  # vLLM 0.26 omits it (no "usage": null)
         assert chunk["model"] == MODEL
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
 
@@ -155,7 +155,35 @@ async def test_models_lists_the_simulator(sim: Sim) -> None:
     assert "simulator" in body["data"][0]["owned_by"]
 
 
-async def test_asleep_answers_503(sim: Sim) -> None:
+async def test_asleep_holds_a_plain_request_until_woken(sim: Sim) -> None:
+    """vLLM 0.26 never refuses a request because it sleeps: it waits in the scheduler's
+    queue and is answered after the wake (verified on the H200)."""
+    await sim.post_empty("/sleep", level=1)
+    pending = asyncio.create_task(sim.answer())
+    await sim.until(lambda: sim.engine.waiting == 1)
+    assert not pending.done()
+    await sim.post_empty("/wake_up")
+    async with asyncio.timeout(10):
+        assert await pending == "7"
+
+
+async def test_asleep_stream_gets_200_headers_at_once_then_nothing_until_woken(
+    sim: Sim,
+) -> None:
+    await sim.post_empty("/sleep", level=1)
+    async with sim.client.post("/v1/chat/completions", json=PROBE) as resp:
+        assert resp.status == 200  # headers before the scheduler runs the request
+        assert resp.content_type == "text/event-stream"
+        await sim.until(lambda: sim.engine.waiting == 1)
+        assert not resp.content.is_eof()
+        assert resp.content.total_bytes == 0  # not a byte of the body yet
+        await sim.post_empty("/wake_up")
+        events = await read_events(resp)
+    assert content_of(events) == "7"
+
+
+async def test_refuse_while_asleep_is_a_named_kinder_fault(make_sim: SimFactory) -> None:
+    sim = await make_sim(faults={"refuse_while_asleep": True})
     await sim.post_empty("/sleep", level=1)
     async with sim.client.post("/v1/chat/completions", json=PROBE) as resp:
         assert resp.status == 503
@@ -164,17 +192,6 @@ async def test_asleep_answers_503(sim: Sim) -> None:
     assert body["error"]["code"] == 503
     async with sim.client.post("/v1/completions", json={"prompt": "3 + 4"}) as resp:
         assert resp.status == 503
-
-
-async def test_asleep_can_hang_until_woken(make_sim: SimFactory) -> None:
-    sim = await make_sim(faults={"refuse_while_asleep": False})
-    await sim.post_empty("/sleep", level=1)
-    pending = asyncio.create_task(sim.answer())
-    await sim.until(lambda: sim.engine.waiting == 1)
-    assert not pending.done()
-    await sim.post_empty("/wake_up")
-    async with asyncio.timeout(10):
-        assert await pending == "7"
 
 
 async def test_sleep_abort_ends_a_running_stream(sim: Sim) -> None:
@@ -203,10 +220,11 @@ async def test_sleep_wait_lets_a_running_stream_finish(sim: Sim) -> None:
     async with sim.client.post("/v1/chat/completions", json=payload) as resp:
         await next_event(resp)
         sleeping = asyncio.create_task(sim.post_empty("/sleep", level=1, mode="wait"))
-        await sim.until(lambda: sim.engine.snapshot()["draining"])
+        await sim.until(lambda: sim.engine.pending_sleeps == 1)
         assert not sim.engine.state.is_sleeping
-        async with sim.client.post("/v1/chat/completions", json=PROBE) as refused:
-            assert refused.status == 503  # no new work while draining
+        assert await sim.is_sleeping()  # true as soon as the scheduler pauses
+        held = asyncio.create_task(sim.answer())  # held, not refused, while it drains
+        await sim.until(lambda: sim.engine.waiting == 1)
         await sim.faults(stall_generation=False)
         events = await read_events(resp)
     async with asyncio.timeout(10):
@@ -214,6 +232,10 @@ async def test_sleep_wait_lets_a_running_stream_finish(sim: Sim) -> None:
     assert finish_reasons(events) == ["length"]
     assert content_of(events).startswith("7")
     assert await sim.is_sleeping()
+    assert not held.done()
+    await sim.post_empty("/wake_up")
+    async with asyncio.timeout(10):
+        assert await held == "7"
 
 
 async def test_sleep_keep_freezes_and_wake_resumes(sim: Sim) -> None:
@@ -269,4 +291,4 @@ async def test_pause_abort_ends_a_running_stream(sim: Sim) -> None:
             assert paused.status == 200
         events = await read_events(resp)
     assert finish_reasons(events) == ["abort"]
-    assert not await sim.is_sleeping()
+    assert await sim.is_sleeping()  # vLLM 0.26: true while the scheduler is paused

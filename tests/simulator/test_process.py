@@ -40,9 +40,10 @@ async def _listening_port(proc: asyncio.subprocess.Process) -> int:
 
 
 @asynccontextmanager
-async def child(*args: str) -> AsyncIterator[Child]:
+async def child(*args: str, extra_env: dict[str, str] | None = None) -> AsyncIterator[Child]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("ROTA_") and k != "NVIDIA_VISIBLE_DEVICES"}
+           if not k.startswith(("ROTA_", "VLLM_")) and k != "NVIDIA_VISIBLE_DEVICES"}
+    env.update(extra_env or {})
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "e2e.engine_simulator", "--port", "0", *args,
         cwd=ROOT, env=env, stdin=asyncio.subprocess.DEVNULL,
@@ -68,7 +69,7 @@ async def exit_code(proc: asyncio.subprocess.Process) -> int:
 async def test_sigterm_cleans_up(tmp_path: Path) -> None:
     nvml_dir, port_file = tmp_path / "nvml", tmp_path / "port"
     async with child("--port-file", str(port_file), "--fake-nvml-dir", str(nvml_dir),
-                     "--gpu-uuid", "GPU-child", "--model", "child/model") as sim:
+                     "--gpu-uuid", "GPU-child", "--model", "child/model", "--dev-mode") as sim:
         assert port_file.read_text().strip() == str(sim.port)
         record = json.loads((nvml_dir / f"{sim.proc.pid}.json").read_text())
         assert record == {"pid": sim.proc.pid, "gpu_uuid": "GPU-child",
@@ -114,7 +115,8 @@ async def test_sigterm_lets_a_running_stream_finish(tmp_path: Path) -> None:
 
 async def test_crash_on_sleep_exits_after_answering(tmp_path: Path) -> None:
     nvml_dir = tmp_path / "nvml"
-    async with child("--crash-on-sleep", "--fake-nvml-dir", str(nvml_dir)) as sim:
+    async with child("--crash-on-sleep", "--fake-nvml-dir", str(nvml_dir),
+                     "--dev-mode") as sim:
         async with aiohttp.ClientSession() as session, \
                 session.post(f"{sim.url}/sleep", params={"level": "1"}) as resp:
             assert resp.status == 200
@@ -131,3 +133,41 @@ async def test_crash_now_at_start() -> None:
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )
     assert await exit_code(proc) == 70
+
+
+async def test_a_start_that_does_not_fit_exits_like_vllm(tmp_path: Path) -> None:
+    """Engine A holds the GPU; B's start runs out of memory, logs vLLM's messages and exits
+    with status 1, while A keeps serving."""
+    nvml_dir = tmp_path / "nvml"
+    common = ("--fake-nvml-dir", str(nvml_dir), "--gpu-uuid", "GPU-small",
+              "--gpu-memory-bytes", "16Gi")
+    async with child(*common, "--awake-memory-bytes", "10Gi") as a:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROTA_")}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "e2e.engine_simulator", "--port", "0", *common,
+            "--awake-memory-bytes", "8Gi", cwd=ROOT, env=env,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE)
+        async with asyncio.timeout(DEADLINE):
+            _, err = await proc.communicate()
+        assert proc.returncode == 1
+        text = err.decode()
+        assert "torch.OutOfMemoryError: CUDA out of memory" in text
+        assert "CUDA Error: out of memory at" in text
+        assert "Engine core initialization failed" in text
+        assert not (nvml_dir / f"{proc.pid}.json").exists()
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"{a.url}/health") as resp:
+            assert resp.status == 200
+
+
+async def test_dev_routes_need_vllm_server_dev_mode() -> None:
+    async with child() as plain, aiohttp.ClientSession() as session:
+        async with session.post(f"{plain.url}/sleep") as resp:
+            assert resp.status == 404
+            assert await resp.json() == {"detail": "Not Found"}
+        async with session.get(f"{plain.url}/health") as resp:
+            assert resp.status == 200
+    async with child(extra_env={"VLLM_SERVER_DEV_MODE": "1"}) as dev, \
+            aiohttp.ClientSession() as session, session.post(f"{dev.url}/sleep") as resp:
+        assert resp.status == 200

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.engine_simulator.settings import DEFAULT_GPU_UUID, Settings, settings_from_args
+from e2e.engine_simulator.settings import DEFAULT_GPU_UUID, Faults, Settings, settings_from_args
 
 GIB = 2**30
 
@@ -54,7 +54,11 @@ def test_plain_defaults() -> None:
     assert settings.gpu_uuid == DEFAULT_GPU_UUID
     assert settings.host == "127.0.0.1"
     assert settings.memory_backend == "fake"
-    assert settings.faults.refuse_while_asleep
+    assert settings.faults == Faults()  # vLLM 0.26's behaviour: no fault, kinder or not
+    assert not any(Faults().model_dump().values())
+    assert not settings.dev_mode
+    assert settings.keep_alive_seconds == 5.0
+    assert settings.omni_stages == 3
     assert settings.ttft_seconds == settings.tokens_per_second == 0.0
 
 
@@ -85,18 +89,26 @@ def test_settings_reject_unknown_fields() -> None:
         Settings.model_validate({"modle": "typo"})
 
 
-def test_control_token_from_flag_or_environment_is_kept_secret() -> None:
-    env = {"ROTA_SIM_CONTROL_TOKEN": "from-env"}
-    from_env = settings_from_args([], env).control_token
+def test_api_key_from_flag_or_vllm_environment_is_kept_secret() -> None:
+    env = {"VLLM_API_KEY": "from-env"}
+    from_env = settings_from_args([], env).api_key
     assert from_env is not None
     assert from_env.get_secret_value() == "from-env"
-    from_flag = settings_from_args(["--control-token", "from-flag"], env).control_token
+    from_flag = settings_from_args(["--api-key", "from-flag"], env).api_key
     assert from_flag is not None
     assert from_flag.get_secret_value() == "from-flag"
-    assert "from-flag" not in repr(settings_from_args(["--control-token", "from-flag"], {}))
-    assert settings_from_args([], {}).control_token is None
+    assert "from-flag" not in repr(settings_from_args(["--api-key", "from-flag"], {}))
+    assert settings_from_args([], {}).api_key is None
 
 
-def test_empty_control_token_is_refused() -> None:
+def test_empty_api_key_is_refused() -> None:
     with pytest.raises(SystemExit):
-        settings_from_args(["--control-token", ""], {})
+        settings_from_args(["--api-key", ""], {})
+
+
+def test_dev_mode_comes_from_vllm_server_dev_mode() -> None:
+    assert not settings_from_args([], {}).dev_mode
+    assert settings_from_args([], {"VLLM_SERVER_DEV_MODE": "1"}).dev_mode
+    assert not settings_from_args([], {"VLLM_SERVER_DEV_MODE": "0"}).dev_mode
+    assert settings_from_args(["--dev-mode"], {}).dev_mode
+    assert settings_from_args([], {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "7"}).keep_alive_seconds == 7

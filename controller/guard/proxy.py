@@ -1,0 +1,173 @@
+"""The engine guard's HTTP side: check the credential a path needs, then pass the request
+to the engine on loopback and its answer back, unbuffered.
+
+- Request bodies are read whole but bounded (413 above the limit): an OpenAI request or a
+  control call is small, and a bounded read cannot be used to exhaust the pod's memory.
+- Answers stream through chunk by chunk as the engine sends them (SSE included), with the
+  engine's status and headers (hop-by-hop ones dropped; bytes not decompressed).
+- Every upstream call has a connect timeout and a read timeout (the longest silence
+  between two pieces of the answer); control calls also a total one. A new connection per
+  call (loopback): no pooled connection can be closed under a request by the engine's 5 s
+  keep-alive.
+- A client that goes away cancels its upstream call (vLLM then aborts the request).
+- Credentials: the engine's API key (``Authorization``) is passed to the engine, which may
+  check it too; rota's control token (``X-Rota-Control-Token``) never leaves the guard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from controller.engines.base import CONTROL_TOKEN_HEADER
+from controller.guard.credentials import Credential, bearer
+from controller.guard.paths import Access, classify
+from controller.guard.settings import GuardSettings
+
+__all__ = ["CREDENTIALS", "SESSION", "SETTINGS", "make_app"]
+
+log = logging.getLogger(__name__)
+
+SETTINGS = web.AppKey("settings", GuardSettings)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+CREDENTIALS = web.AppKey("credentials", dict[str, Credential | None])
+
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
+                         "proxy-authorization", "te", "trailer", "transfer-encoding",
+                         "upgrade", "host", "content-length"})
+
+
+def _error(status: int, message: str, err_type: str) -> web.Response:
+    """An error in vLLM's shape, so that clients read it as an engine's."""
+    return web.json_response({"error": {"message": message, "type": err_type, "param": None,
+                                        "code": status}}, status=status)
+
+
+def _unauthorized() -> web.Response:
+    return web.json_response({"error": "Unauthorized"}, status=401)
+
+
+def _upstream_headers(request: web.Request) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in request.headers.items():
+        if name.lower() in _HOP_BY_HOP or name.lower() == CONTROL_TOKEN_HEADER.lower():
+            continue
+        headers.add(name, value)
+    return headers
+
+
+def _answer_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in upstream.headers.items():
+        if name.lower() not in _HOP_BY_HOP:
+            headers.add(name, value)
+    return headers
+
+
+async def _allowed(request: web.Request, access: Access) -> bool:
+    credentials = request.app[CREDENTIALS]
+    if access is Access.CONTROL:
+        token = credentials["control"]
+        return token is not None and await token.accepts(
+            request.headers.get(CONTROL_TOKEN_HEADER))
+    if access is Access.CLIENT:
+        key = credentials["api_key"]
+        return key is None or await key.accepts(bearer(request.headers.get("Authorization")))
+    return access is Access.HEALTH
+
+
+async def _body(request: web.Request, limit: int) -> bytes | None:
+    """The request body, or None when it is longer than ``limit``."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    settings = request.app[SETTINGS]
+    access = classify(request.method, request.path)
+    fields: dict[str, Any] = {"path": request.path, "method": request.method,
+                              "access": access.value}
+    if access is Access.HIDDEN:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    if not await _allowed(request, access):
+        log.warning("request refused: missing or wrong credential", extra=fields)
+        return _unauthorized()
+    control = access is Access.CONTROL
+    limit = settings.max_control_body_bytes if control else settings.max_body_bytes
+    body = await _body(request, limit)
+    if body is None:
+        return _error(413, f"request body larger than {limit} bytes", "PayloadTooLarge")
+    timeout = aiohttp.ClientTimeout(total=settings.control_timeout_s if control else None,
+                                    sock_connect=settings.connect_timeout_s,
+                                    sock_read=settings.read_timeout_s)
+    began = time.monotonic()
+    session = request.app[SESSION]
+    response: web.StreamResponse | None = None
+    try:
+        async with session.request(request.method, settings.upstream + request.path_qs,
+                                   headers=_upstream_headers(request), data=body or None,
+                                   timeout=timeout, allow_redirects=False) as upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                          headers=_answer_headers(upstream))
+            await response.prepare(request)
+            async for chunk in _chunks(upstream):
+                await response.write(chunk)
+            await response.write_eof()
+            status = upstream.status
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        log.warning("engine not reachable", extra=fields | {"error": str(exc)[:200]})
+        return _error(502, "the engine is not reachable", "BadGateway")
+    except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+        timed_out = isinstance(exc, TimeoutError)
+        log.warning("engine did not answer in time" if timed_out else
+                    "engine connection broke", extra=fields | {
+                        "error": repr(exc)[:200],
+                        "seconds": round(time.monotonic() - began, 3)})
+        if response is not None and response.prepared:
+            # The answer had started: cut the connection, so that the client sees a
+            # broken answer and never mistakes the part it got for the whole.
+            if request.transport is not None:
+                request.transport.close()
+            return response
+        if timed_out:
+            return _error(504, "the engine did not answer in time", "GatewayTimeout")
+        return _error(502, "the engine closed the connection", "BadGateway")
+    log.info("forwarded", extra=fields | {"status": status,
+                                          "seconds": round(time.monotonic() - began, 6)})
+    return response
+
+
+async def _chunks(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async for chunk in upstream.content.iter_any():
+        yield chunk
+
+
+async def _session(app: web.Application) -> AsyncIterator[None]:
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        app[SESSION] = session
+        yield
+
+
+def make_app(settings: GuardSettings, *, control: Credential,
+             api_key: Credential | None) -> web.Application:
+    """The guard as an aiohttp application; ``control`` and ``api_key`` already loaded."""
+    app = web.Application(client_max_size=max(settings.max_body_bytes,
+                                              settings.max_control_body_bytes) + 1)
+    app[SETTINGS] = settings
+    app[CREDENTIALS] = {"control": control, "api_key": api_key}
+    app.cleanup_ctx.append(_session)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    return app
