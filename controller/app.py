@@ -31,6 +31,7 @@ from controller.kube import ControllerKube
 from controller.node import NodeController
 from controller.settings import LeaseSettings
 from controller.urls import http_url
+from controller.visible_state_writer import VisibleStateKube, VisibleStateWriter
 from driver.kube import load_api_client
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,14 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
             election = Election(kube=kube, namespace=settings.namespace,
                                 node=settings.node_name, identity=settings.identity,
                                 duration_s=settings.election_lease_s, activation_url="")
+            visible = None
+            if settings.visible_state:
+                visible = VisibleStateWriter(
+                    VisibleStateKube(api, timeout_s=settings.timeouts.lease_s),
+                    instance=settings.identity)
             node = NodeController(settings=settings, kube=kube, election=election,
                                   device=device, session=session, cache=cache,
-                                  engine_token=engine_token)
+                                  engine_token=engine_token, visible=visible)
             app = make_app(node, callers=ApiKeys(callers))
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
@@ -97,6 +103,9 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
                 tasks.create_task(election.run(released), name="election")
                 tasks.create_task(node.run(life.stop), name="node-controller")
                 tasks.create_task(cache.wait_synced(), name="cache-sync")
+                visible_stop = asyncio.Event()
+                if visible is not None:  # off the switch's path; flushed after the drain
+                    tasks.create_task(visible.run(visible_stop), name="visible-state")
                 if callers is not None:  # a rotated Secret reaches the volume, not the process
                     reload = tasks.create_task(reload_forever([callers], settings.token_reload_s),
                                                name="token-reload")
@@ -106,6 +115,7 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
                          extra={"node": settings.node_name,
                                 "grace_s": settings.shutdown_grace_s})
                 election.keep_on_exit = not await node.drain(settings.shutdown_grace_s)
+                visible_stop.set()
                 released.set()
                 if callers is not None:
                     reload.cancel()

@@ -35,6 +35,7 @@ from controller.kube import ControllerKube
 from controller.leases import GpuLease, lease_body
 from controller.reconcile import Seen, classify, plan
 from controller.switch import Fenced, Switcher, SwitchResult
+from controller.visibility import GpuVisibility
 from driver.aio import Backoff, wait_any
 from driver.errors import KubeConflictError, KubeNotFoundError
 
@@ -121,8 +122,11 @@ class GpuWorker:
                  claimants: Callable[[], list[Claimant]],
                  engine: Callable[[Claimant], EngineAdapter], policy: Policy,
                  clock: Callable[[], float], identity: str = "",
-                 starter: StartSwitch | None = None) -> None:
+                 starter: StartSwitch | None = None,
+                 visibility: GpuVisibility | None = None) -> None:
         self.gpu = gpu
+        self.visibility = visibility
+        """Events, pod labels and claim conditions (None: nothing is shown)."""
         self.lease_port = lease_port
         self.switcher = switcher
         self.starter = starter
@@ -221,6 +225,8 @@ class GpuWorker:
             self._starts[claimant.claim_uid] = ticket
             log.info("engine waiting at the start gate", extra={
                 "device": self.gpu, "claim": claimant.ref, "model": claimant.model})
+            if self.visibility is not None:
+                self.visibility.start_waiting(claimant, self.lease.holder if self.lease else "")
             self._wakeup.set()
         poll = ticket.attach(now)
         done, _ = await asyncio.wait({poll}, timeout=hold_s)
@@ -347,19 +353,20 @@ class GpuWorker:
             or (c.claim_uid in suspects and c not in decision.put_to_sleep
                 and seen[c.claim_uid] is not Seen.ABSENT))}
         wanted = (keep.ref if keep else "", naming.STATE_AWAKE if keep else naming.STATE_IDLE)
-        if (lease.holder, lease.state) != wanted or unfinished or (
-                keep and lease.holder_endpoint != (keep.endpoint or "")):
+        if (lease.holder, lease.state) != wanted or unfinished:
             if keep:
                 lease = Switcher.serving(lease, keep).with_(controller=self.identity)
             else:
                 lease = lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                    holder_endpoint="", state=naming.STATE_IDLE,
+                                    state=naming.STATE_IDLE,
                                     target_model="", draining_model="",
                                     controller=self.identity)
             lease = await self.switcher.write(lease, timings)
             log.info("lease reconciled", extra={"device": self.gpu, "holder": wanted[0],
                                                 "state": wanted[1], "fence": lease.fence})
         self.lease = lease
+        if self.visibility is not None:
+            self.visibility.settled(on_gpu, lease, unknown=self.unsettled.keys())
         HOLDERS.set(self.gpu, {(self.gpu, snapshot.uuid, c.ref, c.model): 1.0 if keep is c
                                else 0.0 for c in on_gpu})
         if self.unsettled:
@@ -418,6 +425,8 @@ class GpuWorker:
         if lease.state != naming.STATE_AWAKE:
             holder = None
         self._switching = True
+        if self.visibility is not None:
+            self.visibility.switching(holder, newcomer, starting=True)
         result: SwitchResult | None = None
         try:
             result = await self.starter.start(
@@ -430,7 +439,7 @@ class GpuWorker:
             if result is None:
                 ticket.refuse()
                 self._dirty = True
-        self._switched(result, holder, newcomer)
+        self._switched(result, holder, newcomer, start=True)
         if result.ok:
             self._start_backoff.pop(uid, None)
         else:
@@ -483,6 +492,9 @@ class GpuWorker:
                 return
         self._queue.pop(uid)
         self._switching = True
+        if self.visibility is not None:
+            self.visibility.switching(holder if lease.state != naming.STATE_IDLE else None,
+                                      target)
         result: SwitchResult | None = None
         try:
             result = await self.switcher.switch(
@@ -500,8 +512,8 @@ class GpuWorker:
                                           fence=result.lease.fence, reason=result.reason,
                                           message=result.message, timings=result.timings))
 
-    def _switched(self, result: SwitchResult, holder: Claimant | None, target: Claimant
-                  ) -> None:
+    def _switched(self, result: SwitchResult, holder: Claimant | None, target: Claimant,
+                  *, start: bool = False) -> None:
         self.lease = result.lease
         self.last_switch = {"ok": result.ok, "from": holder.ref if holder else None,
                             "to": target.ref, "reason": result.reason,
@@ -513,6 +525,9 @@ class GpuWorker:
         if result.unsettled:
             self.unsettled.update({c.claim_uid: c for c in result.unsettled})
             self._next_reconcile = self.clock() + self._unsettled_pauses.next_delay()
+        if self.visibility is not None:
+            self.visibility.switched(result, holder, target, start=start)
+            self.visibility.settled(self._on_gpu(), result.lease, unknown=self.unsettled.keys())
 
     async def _coalesce(self, holder: Claimant, stop: asyncio.Event) -> bool:
         """Let the holder finish what it is serving (up to the window) before its

@@ -36,6 +36,8 @@ from controller.gpu import Activation, GpuWorker, KubeLeasePort, Policy
 from controller.kube import ControllerKube
 from controller.settings import LeaseSettings
 from controller.switch import Fenced, Limits, Ports, Switcher
+from controller.visibility import GpuVisibility
+from controller.visible_state_writer import VisibleStateWriter
 from driver.aio import wait_any
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,8 @@ class NodeController:
     def __init__(self, *, settings: LeaseSettings, kube: ControllerKube, election: Election,
                  device: DeviceReader, session: aiohttp.ClientSession, cache: NodeCache,
                  engine_token: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 visible: VisibleStateWriter | None = None) -> None:
         self.settings = settings
         self.kube = kube
         self.election = election
@@ -69,6 +72,7 @@ class NodeController:
         self.cache = cache
         self.engine_token = engine_token
         self.clock = clock
+        self.visible = visible
         self.engine_timeouts = Timeouts(
             sleep_s=settings.timeouts.sleep_s, wake_level1_s=settings.timeouts.wake_s,
             wake_level2_s=settings.timeouts.wake_s, probe_total_s=settings.timeouts.probe_s)
@@ -135,6 +139,7 @@ class NodeController:
             worker = GpuWorker(
                 gpu=gpu, lease_port=lease_port, switcher=switcher, claimants=self.claimants,
                 engine=self.engine, clock=self.clock, identity=s.identity, starter=starter,
+                visibility=GpuVisibility(self.visible, gpu) if self.visible else None,
                 policy=Policy(min_residency_s=s.min_residency_s, idle_sleep_s=s.idle_sleep_s,
                               coalesce_window_s=s.coalesce_window_s, resync_s=s.resync_s,
                               tolerance_bytes=s.resident_tolerance_bytes))
@@ -147,8 +152,12 @@ class NodeController:
 
     def _follow_claimants(self) -> None:
         """A worker for every GPU with claimants; every worker reconciles after a change."""
-        for gpu in sorted({c.gpu for c in self.claimants()}):
+        claimants = self.claimants()
+        for gpu in sorted({c.gpu for c in claimants}):
             self._worker(gpu)
+        if self.visible is not None:
+            self.visible.forget(pod_uids={c.pod_uid for c in claimants if c.pod_uid},
+                                claim_uids={c.claim_uid for c in claimants})
         for worker in self.workers.values():
             worker.mark_dirty()
 

@@ -91,6 +91,9 @@ class LeaseSettings(BaseModel):
                                       "into claim containers). Empty: no start-up admission.")
     start_hold_s: float = Field(default=20.0, gt=0, description="A start gate's question is "
                                 "held this long before it is told to ask again.")
+    visible_state: bool = Field(default=True, description="Show switches where kubectl "
+                                "sees them: Events on engine pods, their gpu.rota.dev/state "
+                                "label and the Awake/Ready conditions of their claims.")
     log_level: str = Field(default="info")
 
     @field_validator("start_socket", mode="before")

@@ -317,7 +317,7 @@ class Switcher:
     def serving(lease: GpuLease, claimant: Claimant) -> GpuLease:
         return lease.with_(holder=claimant.ref, holder_model=claimant.model,
                            holder_claim_uid=claimant.claim_uid,
-                           holder_endpoint=claimant.endpoint or "", state=naming.STATE_AWAKE,
+                           state=naming.STATE_AWAKE,
                            target_model="", draining_model="")
 
     async def fail(self, lease: GpuLease, reason: str, message: str, *,
@@ -330,7 +330,7 @@ class Switcher:
         else:
             # target-model stays, so gateways can tell which model failed to come up.
             lease = lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                holder_endpoint="", state=naming.STATE_FAILED,
+                                state=naming.STATE_FAILED,
                                 draining_model="", last_error=f"{reason}: {message}")
         lease = await self.write(lease, timings)
         log.error("switch failed", extra={"device": lease.device, "fence": lease.fence,
@@ -449,6 +449,6 @@ class Switcher:
         log.info("holder put to sleep", extra={"device": lease.device, "claim": holder.ref,
                                                "reason": reason})
         lease = await self.write(lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                              holder_endpoint="", state=naming.STATE_IDLE,
+                                              state=naming.STATE_IDLE,
                                               draining_model=""), timings)
         return SwitchResult(True, lease, timings=timings)

@@ -452,7 +452,7 @@ async def _protocol(run: Run, args: argparse.Namespace, backend: NvmlBackend,
                                  f"{[c.ref for c in plan.put_to_sleep]}")
             await port.write(port.current.with_(
                 holder=ca.ref, holder_model=ca.model, holder_claim_uid=ca.claim_uid,
-                holder_endpoint=ca.endpoint or "", state=naming.STATE_AWAKE,
+                state=naming.STATE_AWAKE,
                 controller="bench-gpu"))
             outcome = await asyncio.wait_for(engine(cb).sleep(1), args.sleep_timeout_s + 15)
             run.first_sleep_s["b"] = round(outcome.sleep_s, 4)
