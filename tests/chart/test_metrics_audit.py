@@ -35,7 +35,6 @@ SCRAPE_LABELS = frozenset({"node", "namespace", "pod", "instance", "job", "conta
 EXPECTED_MISSING = frozenset({
     # The rename of docs/metrics.md, not yet done in the components. Metric names, and
     # "metric{label}" for a label a query uses that the metric does not carry yet.
-    "rota_driver_operation_duration_seconds",
     "rota_controller_wake_duration_seconds",
     "rota_controller_sleep_duration_seconds",
     "rota_controller_recovery_duration_seconds",
