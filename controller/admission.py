@@ -154,7 +154,7 @@ class StartSwitch:
         try:
             started = await self._until_up(newcomer, ticket, fence, timings)
             timings["start"] = sw.ports.clock() - granted_at
-            metrics.START_SECONDS.labels(newcomer.model).observe(timings["start"])
+            metrics.START.labels(newcomer.model).observe(timings["start"])
             await sw.probe(started, fence, timings)
             await sw.sleep(started, fence, timings)  # the first sleep, before any user
         except Fenced:

@@ -222,8 +222,8 @@ class Switcher:
         was the engine's first, which is slow (pinned host buffers are allocated)."""
         first = claimant.claim_uid not in self._slept_before
         self._slept_before.add(claimant.claim_uid)
-        metrics.SLEEP_CALL.labels(claimant.model, str(claimant.sleep_level),
-                                  str(first).lower()).observe(sleep_s)
+        metrics.SLEEP.labels(claimant.model, str(claimant.sleep_level),
+                             str(first).lower()).observe(sleep_s)
         return first
 
     async def snapshot(self, gpu: str, timings: dict[str, float]) -> GpuSnapshot:
@@ -246,7 +246,7 @@ class Switcher:
         outcome = await self._step("wake", engine.wake(target.sleep_level), t.wake_s, timings)
         wake_s = outcome.wake_s
         timings["wake_call"] = wake_s
-        metrics.WAKE_CALL.labels(target.model, str(target.sleep_level)).observe(wake_s)
+        metrics.WAKE.labels(target.model, str(target.sleep_level)).observe(wake_s)
         return await self.probe(target, fence, timings, wake_s=wake_s)
 
     async def probe(self, target: Claimant, fence: int, timings: dict[str, float], *,
@@ -263,7 +263,7 @@ class Switcher:
         ttft = float(result.ttft_s or 0.0)
         timings["probe_ttft"] = ttft
         timings["recovery_to_first_token"] = wake_s + ttft
-        metrics.RECOVERY_TO_FIRST_TOKEN.labels(target.model).observe(wake_s + ttft)
+        metrics.RECOVERY.labels(target.model).observe(wake_s + ttft)
         return probe_start + ttft
 
     # -- the protocol --------------------------------------------------------------------
@@ -304,7 +304,7 @@ class Switcher:
             return await self._back_out(lease, holder, target, claimants, exc, timings)
         handoff = first_token_at - handoff_start
         timings["handoff_to_first_token"] = handoff
-        metrics.HANDOFF_TO_FIRST_TOKEN.labels(target.model).observe(handoff)
+        metrics.HANDOFF.labels(target.model).observe(handoff)
         lease = await self.write(self.serving(lease, target), timings)
         timings["total"] = self.ports.clock() - begin
         metrics.SWITCHES.labels("ok").inc()
@@ -324,7 +324,7 @@ class Switcher:
                     restored: Claimant | None, timings: dict[str, float],
                     unsettled: tuple[Claimant, ...] = ()) -> SwitchResult:
         metrics.SWITCHES.labels("failed").inc()
-        metrics.FAILURES.labels(reason).inc()
+        metrics.FAILURES.labels(metrics.failure_reason(reason)).inc()
         if restored is not None:
             lease = self.serving(lease, restored).with_(last_error=f"{reason}: {message}")
         else:

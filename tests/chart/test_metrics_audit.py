@@ -35,15 +35,6 @@ SCRAPE_LABELS = frozenset({"node", "namespace", "pod", "instance", "job", "conta
 EXPECTED_MISSING = frozenset({
     # The rename of docs/metrics.md, not yet done in the components. Metric names, and
     # "metric{label}" for a label a query uses that the metric does not carry yet.
-    "rota_controller_wake_duration_seconds",
-    "rota_controller_sleep_duration_seconds",
-    "rota_controller_recovery_duration_seconds",
-    "rota_controller_handoff_duration_seconds",
-    "rota_controller_drain_duration_seconds",
-    "rota_controller_switch_step_duration_seconds",
-    "rota_controller_switches_total",
-    "rota_controller_switch_failures_total",
-    "rota_controller_reconcile_actions_total",
     "rota_gateway_queue_wait_duration_seconds",
     "rota_gateway_first_token_duration_seconds",
     "rota_gateway_requests_queued",
