@@ -74,6 +74,20 @@ class DeviceReader:
                                        p.used_bytes_unknown)
                             for p in g.processes)) for g in answer.gpus}
 
+    async def verify_start_token(self, claim_uid: str, token: str) -> bool:
+        """Whether ``token`` is the start-gate token the driver gave ``claim_uid``."""
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(f"unix://{self.socket}")
+        try:
+            answer: pb.VerifyStartTokenResponse = await unary_client(
+                self._channel, SERVICE, "VerifyStartToken")(
+                pb.VerifyStartTokenRequest(claim_uid=claim_uid, token=token),
+                timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise DeviceError(f"inspection API at {self.socket}: {exc.code().name}: "
+                              f"{exc.details()}") from exc
+        return bool(answer.valid)
+
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close(None)

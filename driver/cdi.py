@@ -28,7 +28,10 @@ values are comma-separated lists:
   engine can size its KV cache from a fixed number (``--kv-cache-memory-bytes``) rather
   than from whatever memory is free when it starts;
 - with an engine config: ``ROTA_MODEL``, ``ROTA_SLEEP_LEVEL``, ``ROTA_ENGINE_PORT``,
-  ``ROTA_ENGINE_ADAPTER``.
+  ``ROTA_ENGINE_ADAPTER``;
+- with an engine config and the start gate on: ``ROTA_START_SOCKET`` and
+  ``ROTA_START_TOKEN`` (the claim's own token), and a read-only mount of the start-gate
+  directory (host path = container path); see :mod:`driver.startgate`.
 
 With the fake NVML backend, the driver adds :func:`fake_nvml_edits`: a mount of its process
 registry directory and ``ROTA_FAKE_NVML_PROC_DIR`` naming it, so an engine in a container
@@ -54,6 +57,7 @@ from typing import Any
 
 from driver.claims import AllocatedShare, ClaimPlan, PublishedDevice
 from driver.disk import OS_DISK, Disk, atomic_write, fsync_dir, remove_temp_files
+from driver.startgate import StartGate
 
 __all__ = [
     "CDI_CLASS",
@@ -157,7 +161,8 @@ def _joined(values: list[str]) -> str:
     return ",".join(dict.fromkeys(values))
 
 
-def _environment(plan: ClaimPlan, extra: Mapping[str, str]) -> list[str]:
+def _environment(plan: ClaimPlan, extra: Mapping[str, str],
+                 start_gate: StartGate | None) -> list[str]:
     gpus = ",".join(plan.gpu_uuids)
     env = {
         "NVIDIA_VISIBLE_DEVICES": gpus,
@@ -176,6 +181,8 @@ def _environment(plan: ClaimPlan, extra: Mapping[str, str]) -> list[str]:
         env["ROTA_SLEEP_LEVEL"] = str(plan.config.sleep_level)
         env["ROTA_ENGINE_PORT"] = str(plan.config.engine_port)
         env["ROTA_ENGINE_ADAPTER"] = plan.config.adapter
+        if start_gate is not None:
+            env.update(start_gate.environment(plan.uid))
     env.update(extra)
     return [f"{key}={value}" for key, value in sorted(env.items())]
 
@@ -207,6 +214,7 @@ def build_claim_spec(
     dev_view: str | None = None,
     extra: ExtraEdits | None = None,
     node_exists: Callable[[str], bool] = os.path.exists,
+    start_gate: StartGate | None = None,
 ) -> dict[str, Any]:
     """The CDI spec of one claim: one device per share, edits as the module docstring says.
 
@@ -220,14 +228,18 @@ def build_claim_spec(
             are looked for there. None: at ``dev_root`` itself.
         extra: edits added to every device (the fake NVML's registry mount).
         node_exists: whether a device node exists (a node that does not is left out).
+        start_gate: the start gate's socket directory and key (None: no start gate); only
+            claims with an engine config get it.
 
     Raises:
         ValueError: a share names an unknown device, or a name is not valid in CDI.
     """
     edits = extra or ExtraEdits()
-    env = _environment(plan, edits.env)
+    env = _environment(plan, edits.env, start_gate)
     mounts = [{"hostPath": m.host_path, "containerPath": m.container_path,
                "options": list(m.options)} for m in edits.mounts]
+    if start_gate is not None and plan.config is not None:
+        mounts.append(start_gate.mount())
     cdi_devices: list[dict[str, Any]] = []
     for share in plan.shares:
         device = devices.get(share.device)

@@ -14,6 +14,9 @@ driver is told to (``pods_from_environment``: the fake NVML backend, whose simul
 engines run outside any pod cgroup, or inside the cgroup of whatever pod the whole
 simulation runs in). There a process's ``ROTA_POD_UID`` wins, the cgroup's pod serving
 only processes that name none.
+
+``VerifyStartToken`` tells the controller whether a start-gate token is a claim's own
+(:mod:`driver.startgate`); the key never leaves the driver.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from driver.errors import NvmlError
 from driver.nvml.api import NvmlBackend
 from driver.pb.rota.v1 import inspect_pb2 as pb
 from driver.rpc.services import generic_handler
+from driver.startgate import StartGate
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +62,15 @@ class InspectionService:
     """Serves ``rota.v1.NodeInspection`` from an NVML backend."""
 
     def __init__(self, *, backend: NvmlBackend, gpus: list[GpuDevice], proc_root: Path,
-                 pods_from_environment: bool = False) -> None:
+                 pods_from_environment: bool = False,
+                 start_gate: StartGate | None = None) -> None:
         """``pods_from_environment``: take a process's ``ROTA_POD_UID`` as its pod. Only for
         simulated nodes (the fake NVML backend): any process can set its environment."""
         self.backend = backend
         self.gpus = gpus
         self.proc_root = proc_root
         self.pods_from_environment = pods_from_environment
+        self.start_gate = start_gate
 
     def read(self, uuids: set[str]) -> pb.InspectGpusResponse:
         """One blocking NVML read of the selected GPUs (all when ``uuids`` is empty)."""
@@ -104,5 +110,15 @@ class InspectionService:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"NVML: {exc}")
         raise AssertionError("unreachable")
 
+    async def verify_start_token(self, request: pb.VerifyStartTokenRequest,
+                                 context: grpc.aio.ServicerContext[Any, Any]
+                                 ) -> pb.VerifyStartTokenResponse:
+        gate = self.start_gate
+        valid = gate is not None and gate.verify(request.claim_uid, request.token)
+        if not valid:
+            log.warning("start-gate token refused", extra={"claim": request.claim_uid[:64]})
+        return pb.VerifyStartTokenResponse(valid=valid)
+
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
-        return generic_handler(SERVICE, {"InspectGpus": self.inspect})
+        return generic_handler(SERVICE, {"InspectGpus": self.inspect,
+                                         "VerifyStartToken": self.verify_start_token})

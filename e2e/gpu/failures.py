@@ -124,6 +124,8 @@ async def scenario_abandoned_sleep(bench: Bench) -> dict[str, Any]:
             bench, victim, limit_bytes=0, timeout_s=bench.bound(20), pids=pids)
         if bench.state.holder == victim:
             bench.state.holder = None
+    if bench.unsettled:  # rota left the victim unsettled: reconciliation would settle it
+        result["still_unsettled_after_settling"] = await bench.settle()
     if bench.state.holder is None:
         result["holder_back"] = await bench.handoff("a", label="after the abandoned sleep: "
                                                                "A back")

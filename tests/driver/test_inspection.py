@@ -52,9 +52,10 @@ def nvml(tmp_path: Path) -> Iterator[FakeNvml]:
         fake.shutdown()
 
 
-def _read(nvml: FakeNvml, proc_root: Path, **kwargs: bool) -> dict[int, pb.GpuProcess]:
+def _read(nvml: FakeNvml, proc_root: Path, *, pods_from_environment: bool = False
+          ) -> dict[int, pb.GpuProcess]:
     service = InspectionService(backend=nvml, gpus=discover(nvml), proc_root=proc_root,
-                                **kwargs)
+                                pods_from_environment=pods_from_environment)
     (gpu,) = service.read(set()).gpus
     return {p.pid: p for p in gpu.processes}
 

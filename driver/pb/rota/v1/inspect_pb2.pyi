@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class VerifyStartTokenRequest(_message.Message):
+    __slots__ = ("claim_uid", "token")
+    CLAIM_UID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    claim_uid: str
+    token: str
+    def __init__(self, claim_uid: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class VerifyStartTokenResponse(_message.Message):
+    __slots__ = ("valid",)
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    valid: bool
+    def __init__(self, valid: _Optional[bool] = ...) -> None: ...
+
 class InspectGpusRequest(_message.Message):
     __slots__ = ("gpu_uuids",)
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
