@@ -19,9 +19,30 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["PATH", "ActivateAnswer", "ActivateRequest", "ErrorBody", "ErrorDetail"]
+from controller.engines.probe import ProbeReason
+
+__all__ = ["OTHER_REASON", "PATH", "SWITCH_FAILURE_REASONS", "ActivateAnswer", "ActivateRequest",
+           "ErrorBody", "ErrorDetail"]
 
 PATH = "/v1/activate"
+
+OTHER_REASON = "other"
+"""The failure label of an error no reason below names (its text stays in the Lease's
+``last_error`` and the log)."""
+SWITCH_FAILURE_REASONS = frozenset({
+    # The engine errors (controller.engines.errors).
+    "unreachable", "timeout", "rejected", "gpu_oom", "host_oom", "unauthorized", "ack_error",
+    "engine_dead", "state_unknown", "lied", "bad_response", "engine_error",
+    # The correctness probe (controller.engines.probe; a probe with no reason is "failed").
+    *(f"probe_{reason.value}" for reason in ProbeReason), "probe_failed",
+    # The NVML check before a wake (controller.device; inspect_failed: the read failed).
+    "memory_not_returned", "unknown_process", "insufficient_memory", "inspect_failed",
+    # Start-up admission (controller.admission) and a switch found unfinished (controller.gpu).
+    "start_failed", "start_timeout", "start_not_taken", "controller_crash",
+    OTHER_REASON,
+})
+"""Every reason a switch may fail with: the 503 error types of the activation API and the
+values of ``rota_controller_switch_failures_total{reason}``."""
 
 
 class ActivateRequest(BaseModel):

@@ -17,29 +17,14 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from controller.engines.probe import ProbeReason
+from controller.activation_api import OTHER_REASON as OTHER_REASON
+from controller.activation_api import SWITCH_FAILURE_REASONS as SWITCH_FAILURE_REASONS
 from driver.metrics_registry import new_registry, package_version
 
 REGISTRY = new_registry()
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-OTHER_REASON = "other"
-"""The failure label of an error no reason below names (its text stays in the Lease's
-``last_error`` and the log)."""
-SWITCH_FAILURE_REASONS = frozenset({
-    # The engine errors (controller.engines.errors).
-    "unreachable", "timeout", "rejected", "gpu_oom", "host_oom", "unauthorized", "ack_error",
-    "engine_dead", "state_unknown", "lied", "bad_response", "engine_error",
-    # The correctness probe (controller.engines.probe; a probe with no reason is "failed").
-    *(f"probe_{reason.value}" for reason in ProbeReason), "probe_failed",
-    # The NVML check before a wake (controller.device; inspect_failed: the read failed).
-    "memory_not_returned", "unknown_process", "insufficient_memory", "inspect_failed",
-    # Start-up admission (controller.admission) and a switch found unfinished (controller.gpu).
-    "start_failed", "start_timeout", "start_not_taken", "controller_crash",
-    OTHER_REASON,
-})
-"""Every value of ``rota_controller_switch_failures_total{reason}``."""
 SWITCH_OUTCOMES = ("ok", "failed")
 START_OUTCOMES = ("ok", "refused", "failed")
 RECONCILE_REASONS = ("two_awake", "unknown", "asleep")

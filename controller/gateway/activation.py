@@ -30,7 +30,13 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from controller.activation_api import PATH, ActivateAnswer, ActivateRequest, ErrorBody
+from controller.activation_api import (
+    PATH,
+    SWITCH_FAILURE_REASONS,
+    ActivateAnswer,
+    ActivateRequest,
+    ErrorBody,
+)
 from controller.gateway.credentials import SecretFile
 from controller.gateway.errors import Unavailable
 from controller.gateway.metrics import GatewayMetrics
@@ -46,8 +52,6 @@ _BACKOFF_S = 0.2
 _BACKOFF_MAX_S = 2.0
 _UNSAFE = re.compile(r"[^a-z0-9_]")
 
-_PROBE_REASONS = ("wrong_content", "no_done", "no_usage", "stream_error", "timeout",
-                  "http_error", "unreachable", "failed")
 KNOWN_OUTCOMES = frozenset({
     # Answers of the gateway itself.
     "switched", "already_awake", "error", "controller_unreachable", "bad_activation_request",
@@ -56,13 +60,8 @@ KNOWN_OUTCOMES = frozenset({
     # The activation API's own errors (controller.activation).
     "invalid_request", "unauthorized", "unknown_model", "not_leader", "switch_failed",
     "min_residency",
-    # Switch failure reasons: the engine errors (controller.engines.errors), the NVML check
-    # before a wake (controller.device) and the switch itself (controller.switch).
-    "unreachable", "timeout", "rejected", "gpu_oom", "host_oom", "ack_error", "engine_error",
-    "engine_dead", "state_unknown", "lied", "bad_response",
-    *(f"probe_{reason}" for reason in _PROBE_REASONS),
-    "memory_not_returned", "unknown_process", "insufficient_memory", "inspect_failed",
-    "controller_crash", "fenced", "not_serving",
+    # Every reason a switch may fail with (the activation API's contract).
+    *SWITCH_FAILURE_REASONS, "fenced", "not_serving",
     # Everything else a controller may say.
     "other",
 })

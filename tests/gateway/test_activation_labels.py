@@ -99,3 +99,14 @@ def test_every_reason_the_controller_reports_is_known() -> None:
                           "invalid_request", "switch_failed", "not_serving"}
     assert engine_reasons | controller_reasons <= KNOWN_OUTCOMES
     assert "other" in KNOWN_OUTCOMES
+
+
+def test_every_switch_failure_reason_of_the_controller_keeps_its_label() -> None:
+    """The gateway labels an activation by the same set of reasons the controller counts
+    its failures by (one home: controller.activation_api); start-up admission's reasons
+    were once 'other' on the gateway's side."""
+    from controller import metrics
+    from controller.gateway.activation import KNOWN_OUTCOMES
+
+    assert metrics.SWITCH_FAILURE_REASONS <= KNOWN_OUTCOMES
+    assert {"start_failed", "start_timeout", "start_not_taken"} <= KNOWN_OUTCOMES
