@@ -5,6 +5,7 @@ fits the longest request, a generated activation token that is never a placehold
 from __future__ import annotations
 
 import base64
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import pytest
 
 from controller.gateway.credentials import PLACEHOLDERS
 from driver.settings import DriverSettings
-from e2e.chart import CHART, Rendered, render, run_tool
+from e2e.chart import CHART, KUBE_VERSION, Rendered, render, run_tool
+from tests.chart.minimal import ENGINE_NAMESPACE, MINIMAL
 
 VALUE_SETS = sorted((CHART / "ci").glob("*-values.yaml"))
 
@@ -29,7 +31,8 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def default(chart_bin: Path) -> Rendered:
-    return render(bin_dir=chart_bin)
+    """Every value at its default but the one an install must set (engineNamespaces)."""
+    return render(set_values=MINIMAL, bin_dir=chart_bin)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +48,11 @@ def test_there_are_two_non_default_value_sets() -> None:
 
 @pytest.mark.parametrize("values", [None, *VALUE_SETS], ids=lambda p: p.name if p else "default")
 def test_helm_lint(chart_bin: Path, values: Path | None) -> None:
-    args = ["lint", str(CHART), "--strict", "--kube-version", "1.37.2"]
+    args = ["lint", str(CHART), "--strict", "--kube-version", KUBE_VERSION]
     if values is not None:
         args += ["--values", str(values)]
+    else:
+        args += [f"--set={k}={v}" for k, v in MINIMAL.items()]
     done = run_tool("helm", args, bin_dir=chart_bin)
     assert "0 chart(s) failed" in done.stdout
 
@@ -55,8 +60,9 @@ def test_helm_lint(chart_bin: Path, values: Path | None) -> None:
 def test_the_schema_refuses_unknown_and_wrong_values(chart_bin: Path) -> None:
     for bad in ("sharing.mode=everything", "nvml.source=guess", "ipFamily=IPv5",
                 "driver.colour=blue", "nodeSelection.mode=nvidia"):
-        done = run_tool("helm", ["template", "x", str(CHART), "--kube-version", "1.37.2",
-                                 "--set", bad], bin_dir=chart_bin, check=False)
+        done = run_tool("helm", ["template", "x", str(CHART), "--kube-version", KUBE_VERSION,
+                                 "--set", bad, *(f"--set={k}={v}" for k, v in MINIMAL.items())],
+                        bin_dir=chart_bin, check=False)
         assert done.returncode != 0, bad
         assert "schema" in done.stderr, (bad, done.stderr)
 
@@ -158,7 +164,8 @@ def test_the_gateway_grace_period_fits_the_longest_request(default: Rendered,
 def test_the_activation_token_is_random_and_never_a_placeholder(chart_bin: Path) -> None:
     tokens = []
     for _ in range(2):
-        [secret] = render(bin_dir=chart_bin).find("Secret", "rota-activation-token")
+        [secret] = render(set_values=MINIMAL, bin_dir=chart_bin).find(
+            "Secret", "rota-activation-token")
         token = base64.b64decode(secret["data"]["token"]).decode()
         assert token not in PLACEHOLDERS
         assert len(token) == 48
@@ -169,7 +176,8 @@ def test_the_activation_token_is_random_and_never_a_placeholder(chart_bin: Path)
 
 def test_an_existing_activation_secret_is_used_not_generated(hardened: Rendered,
                                                              chart_bin: Path) -> None:
-    rendered = render(set_values={"activation.existingSecret": "mine"}, bin_dir=chart_bin)
+    rendered = render(set_values={**MINIMAL, "activation.existingSecret": "mine"},
+                      bin_dir=chart_bin)
     assert rendered.find("Secret") == []
     for kind, name in (("DaemonSet", "rota-controller"), ("Deployment", "rota-gateway")):
         pod = _pod(rendered, kind, name)
@@ -216,10 +224,59 @@ def test_ipv6_urls_are_bracketed(hardened: Rendered) -> None:
 
 def test_engine_namespaces_get_network_policies_and_namespaced_pod_reads(
         default: Rendered, hardened: Rendered) -> None:
-    assert default.find("NetworkPolicy", "rota-engines") == []
+    assert [p["metadata"]["namespace"] for p in default.find("NetworkPolicy", "rota-engines")] \
+        == [ENGINE_NAMESPACE]
     policies = hardened.find("NetworkPolicy", "prod-rota-engines")
     assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
     [cluster_role] = hardened.find("ClusterRole", "prod-rota-gateway")
     assert all("pods" not in r["resources"] for r in cluster_role["rules"])
     roles = hardened.find("Role", "prod-rota-gateway-pods")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+
+
+# -- the engines' control endpoints (review-2 M5) -----------------------------------------
+
+
+def _template(chart_bin: Path, *sets: str) -> subprocess.CompletedProcess[str]:
+    args = ["template", "rota", str(CHART), "--namespace", "rota-system",
+            "--kube-version", KUBE_VERSION]
+    for item in sets:
+        args += ["--set", item]
+    return run_tool("helm", args, bin_dir=chart_bin, check=False)
+
+
+def test_an_install_without_engine_namespaces_is_refused_unless_left_open_explicitly(
+        chart_bin: Path) -> None:
+    refused = _template(chart_bin)
+    assert refused.returncode != 0
+    assert "engineNamespaces is empty" in refused.stderr, refused.stderr
+    assert "networkPolicy.enginesOpen=true" in refused.stderr, refused.stderr
+
+    left_open = _template(chart_bin, "networkPolicy.enginesOpen=true")
+    assert left_open.returncode == 0, left_open.stderr
+    assert Rendered(left_open.stdout).find("NetworkPolicy", "rota-engines") == []
+    # Turning every NetworkPolicy off is an explicit choice too.
+    assert _template(chart_bin, "networkPolicy.enabled=false").returncode == 0
+
+
+def test_the_engine_policy_covers_every_pod_of_an_engine_namespace(
+        default: Rendered, chart_bin: Path) -> None:
+    [policy] = default.find("NetworkPolicy", "rota-engines")
+    spec = policy["spec"]
+    # Every pod but those labelled out: an engine pod without the label is covered too.
+    assert spec["podSelector"] == {"matchExpressions": [
+        {"key": "gpu.rota.dev/engine", "operator": "NotIn", "values": ["false"]}]}
+    assert spec["policyTypes"] == ["Ingress"]
+    [rule] = spec["ingress"]
+    assert "ports" not in rule
+    [peer] = rule["from"]
+    assert peer["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "rota-system"}}
+    assert {e["key"]: e["values"] for e in peer["podSelector"]["matchExpressions"]} == {
+        "app.kubernetes.io/name": ["rota"], "app.kubernetes.io/instance": ["rota"],
+        "app.kubernetes.io/component": ["controller", "gateway"]}
+
+    labelled = render(set_values={**MINIMAL, "networkPolicy.enginePods": "labelled"},
+                      bin_dir=chart_bin)
+    [policy] = labelled.find("NetworkPolicy", "rota-engines")
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"gpu.rota.dev/engine": "true"}}
