@@ -280,3 +280,37 @@ def test_the_engine_policy_covers_every_pod_of_an_engine_namespace(
                       bin_dir=chart_bin)
     [policy] = labelled.find("NetworkPolicy", "rota-engines")
     assert policy["spec"]["podSelector"] == {"matchLabels": {"gpu.rota.dev/engine": "true"}}
+
+
+# -- the gateway's Secret reads (review-2 minor 9) ----------------------------------------
+
+
+def _secret_rules(rendered: Rendered, gateway: str) -> dict[str, list[dict[str, Any]]]:
+    """Namespace ("" for the ClusterRole) -> the gateway's rules on Secrets there."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for kind in ("ClusterRole", "Role"):
+        for role in rendered.find(kind):
+            if not role["metadata"]["name"].startswith(gateway):
+                continue
+            rules = [r for r in role["rules"] if "secrets" in r["resources"]]
+            if rules:
+                out.setdefault(role["metadata"].get("namespace", ""), []).extend(rules)
+    return out
+
+
+def test_the_gateway_reads_only_the_named_engine_key_secrets(hardened: Rendered,
+                                                             default: Rendered,
+                                                             chart_bin: Path) -> None:
+    # hardened-values names one Secret: readable by that name in each engine namespace.
+    want = [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["engine-api-key"],
+             "verbs": ["get"]}]
+    assert _secret_rules(hardened, "prod-rota-gateway") == {"team-a": want, "team-b": want}
+    # None named: no Secret is readable, in no namespace (NOTES says what that means).
+    assert _secret_rules(default, "rota-gateway") == {}
+    # Engines in any namespace (explicitly open): the named Secrets in every namespace.
+    everywhere = render(set_values={"networkPolicy.enginesOpen": "true",
+                                    "gateway.engineApiKeySecrets": "{llama-key,omni-key}"},
+                        bin_dir=chart_bin)
+    assert _secret_rules(everywhere, "rota-gateway") == {"": [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["llama-key", "omni-key"],
+         "verbs": ["get"]}]}
