@@ -216,10 +216,30 @@ def test_node_selection_needs_no_feature_discovery(default: Rendered,
     assert nfd["nodeSelector"] == {"node-pool": "gpu"}
 
 
-def test_ipv6_urls_are_bracketed(hardened: Rendered) -> None:
-    env = _env(_pod(hardened, "DaemonSet", "prod-rota-controller")["containers"][0])
-    assert env["ROTA_ADVERTISE_URL"] == "http://[$(POD_IP)]:8090"
-    assert env["ROTA_LISTEN"] == ":::8090"
+def _listeners(rendered: Rendered, prefix: str) -> dict[str, str]:
+    envs = {name: _env(_pod(rendered, kind, f"{prefix}{name}")["containers"][0])
+            for kind, name in (("DaemonSet", "driver"), ("DaemonSet", "controller"),
+                               ("Deployment", "gateway"))}
+    return {"driver": envs["driver"]["ROTA_HTTP_ADDRESS"],
+            "controller": envs["controller"]["ROTA_LISTEN"],
+            "gateway": envs["gateway"]["ROTA_GATEWAY_HOST"]}
+
+
+def test_every_listener_is_dual_stack_and_the_controller_advertises_its_pod_ip(
+        default: Rendered, hardened: Rendered, chart_bin: Path) -> None:
+    """IPv4, IPv6 and dual-stack clusters alike, with no setting (review-2 minor 12: the
+    listeners bound 0.0.0.0 unless ipFamily said IPv6)."""
+    for rendered, prefix in ((default, "rota-"), (hardened, "prod-rota-"),
+                             (render(set_values={**MINIMAL, "ipFamily": "IPv6"},
+                                     bin_dir=chart_bin), "rota-")):
+        assert _listeners(rendered, prefix) == {"driver": "[::]:8081",
+                                                "controller": "[::]:8090", "gateway": "::"}
+        [container] = _pod(rendered, "DaemonSet", f"{prefix}controller")["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        # The pod IP as the kubelet gives it; the controller brackets an IPv6 one.
+        assert env["ROTA_ADVERTISE_HOST"]["valueFrom"] == {
+            "fieldRef": {"fieldPath": "status.podIP"}}
+        assert "ROTA_ADVERTISE_URL" not in env
 
 
 def test_engine_namespaces_get_network_policies_and_namespaced_pod_reads(
