@@ -91,7 +91,7 @@ async def activate(request: web.Request) -> web.Response:
 
 async def state(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    claimants = await node.claimants(max_age_s=1.0)
+    claimants = node.claimants()
     return web.json_response({
         "node": node.settings.node_name, "identity": node.settings.identity,
         "leader": node.election.is_leader(),
@@ -99,7 +99,7 @@ async def state(request: web.Request) -> web.Response:
                             "fence": w.lease.fence, "last_error": w.lease.last_error,
                             "last_switch": w.last_switch}
                    for device, w in node.workers.items() if w.lease is not None},
-        "claimants": [{"claim": c.ref, "model": c.model, "device": c.device,
+        "claimants": [{"claim": c.ref, "model": c.model, "device": c.device, "gpu": c.gpu,
                        "endpoint": c.endpoint, "serving": c.serving} for c in claimants],
     })
 
@@ -110,7 +110,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    if node.election.is_leader() and not node.reconciled.is_set():
+    if node.election.is_leader() and not node.reconciled:
         return web.Response(status=503, text="reconciling\n")
     return web.Response(text="ok\n")
 

@@ -1,8 +1,13 @@
 """The lease controller process: wiring, signals, and an orderly stop.
 
 Tasks under one TaskGroup: the election (acquire and renew the node's controller Lease),
-the node controller (reconcile, then serve switches while leading). The activation API
-listens from the start; it answers ``not_leader`` until the instance leads.
+the node controller (its GPU workers reconcile, then serve switches while leading). The
+activation API listens from the start; it answers ``not_leader`` until the instance leads.
+
+Stopping (SIGTERM) goes in this order: the workers stop taking work and answer every
+waiter; the step in flight finishes within ``--shutdown-grace-s`` while the election keeps
+renewing the Lease; then the Lease is released, or, when a step had to be cut short, left
+to expire so that the next instance waits until what was sent has landed.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from controller import starts
 from controller.activation import make_app
+from controller.cache import NodeCache
 from controller.device import DeviceReader
 from controller.election import Election
 from controller.gateway.credentials import ApiKeys, SecretFile, reload_forever
@@ -24,6 +31,7 @@ from controller.kube import ControllerKube
 from controller.node import NodeController
 from controller.settings import LeaseSettings
 from controller.urls import advertised_url
+from controller.visible_state_writer import VisibleStateKube, VisibleStateWriter
 from driver.kube import load_api_client
 from driver.listen import DUAL_STACK, split_host_port, start_site
 
@@ -57,17 +65,26 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
     kube = ControllerKube(api, timeout_s=settings.timeouts.lease_s)
     await kube.ensure_namespace(settings.namespace)
     device = DeviceReader(settings.inspect_socket, timeout_s=settings.timeouts.inspect_s)
+    cache = NodeCache(api, node=settings.node_name, api_timeout_s=settings.timeouts.lease_s)
+    cache.start()
     timeout = aiohttp.ClientTimeout(total=None, connect=5)
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         host, port = split_host_port(settings.listen)
         runner: web.AppRunner | None = None
+        gate: web.AppRunner | None = None
         try:
             election = Election(kube=kube, namespace=settings.namespace,
                                 node=settings.node_name, identity=settings.identity,
                                 duration_s=settings.election_lease_s, activation_url="")
+            visible = None
+            if settings.visible_state:
+                visible = VisibleStateWriter(
+                    VisibleStateKube(api, timeout_s=settings.timeouts.lease_s),
+                    instance=settings.identity)
             node = NodeController(settings=settings, kube=kube, election=election,
-                                  device=device, session=session, engine_token=engine_token)
+                                  device=device, session=session, cache=cache,
+                                  engine_token=engine_token, visible=visible)
             app = make_app(node, callers=ApiKeys(callers))
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
@@ -80,18 +97,34 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
             log.info("lease controller listening", extra={"node": settings.node_name,
                                                           "url": life.url,
                                                           "identity": settings.identity})
+            if settings.start_socket is not None:
+                gate = await starts.serve(node, settings.start_socket)
+            released = asyncio.Event()
             async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(election.run(life.stop), name="election")
+                tasks.create_task(election.run(released), name="election")
                 tasks.create_task(node.run(life.stop), name="node-controller")
+                tasks.create_task(cache.wait_synced(), name="cache-sync")
+                visible_stop = asyncio.Event()
+                if visible is not None:  # off the switch's path; flushed after the drain
+                    tasks.create_task(visible.run(visible_stop), name="visible-state")
                 if callers is not None:  # a rotated Secret reaches the volume, not the process
                     reload = tasks.create_task(reload_forever([callers], settings.token_reload_s),
                                                name="token-reload")
                 life.ready.set()
                 await life.stop.wait()
+                log.info("stopping: no new work; letting the step in flight finish",
+                         extra={"node": settings.node_name,
+                                "grace_s": settings.shutdown_grace_s})
+                election.keep_on_exit = not await node.drain(settings.shutdown_grace_s)
+                visible_stop.set()
+                released.set()
                 if callers is not None:
                     reload.cancel()
         finally:
+            if gate is not None:
+                await gate.cleanup()
             if runner is not None:
                 await runner.cleanup()
+            await cache.stop()
             await device.close()
             api.close()

@@ -99,6 +99,21 @@ def _override(config: EngineConfig, pod: Mapping[str, Any] | None) -> tuple[str,
     return model, port, level
 
 
+def device_memory_of(slices: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """The published ``memory`` capacity of every device of ``slices``, by device name."""
+    found: dict[str, int] = {}
+    for item in slices:
+        for device in (item.get("spec") or {}).get("devices") or []:
+            value = ((device.get("capacity") or {}).get("memory") or {}).get("value")
+            if value is None:
+                continue
+            try:
+                found[str(device.get("name"))] = parse_quantity(value)
+            except ValueError:
+                continue
+    return found
+
+
 def _reserved_pod(claim: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]], *,
                   node: str) -> Mapping[str, Any] | None:
     """The pod the claim is reserved for, only if it really is that pod: same namespace as
@@ -125,12 +140,18 @@ def _reserved_pod(claim: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]
 
 def claimants_from(claims: Iterable[Mapping[str, Any]],
                    pods: Mapping[str, Mapping[str, Any]], *,
-                   node: str | None = None, driver: str = DRIVER) -> list[Claimant]:
+                   node: str | None = None, driver: str = DRIVER,
+                   device_memory: Mapping[str, int] | None = None) -> list[Claimant]:
     """Every claimant among ``claims`` (on ``node`` when given).
 
     ``pods`` maps pod uid to pod. A claim without an engine config is a plain GPU share
     and no claimant; a claim whose config is invalid is skipped with a warning (the driver
     refused to prepare it already). Sorted by (node, device, namespace, name).
+
+    A claim's resident footprint is the memory it consumed from a shared device. A claim
+    of a plain device (a fixed partition, or an exclusive GPU) holds it whole, as the
+    driver counts it: its resident footprint is the device's published memory, taken from
+    ``device_memory`` (device name to bytes, see :func:`device_memory_of`).
     """
     found: list[Claimant] = []
     for claim in claims:
@@ -154,7 +175,8 @@ def claimants_from(claims: Iterable[Mapping[str, Any]],
         model, port, level = _override(config, pod)
         consumed = (result.get("consumedCapacity") or {}).get("memory")
         try:
-            resident = parse_quantity(consumed) if consumed is not None else 0
+            resident = (parse_quantity(consumed) if consumed is not None
+                        else (device_memory or {}).get(str(result.get("device", "")), 0))
         except ValueError:
             resident = 0
         pod_meta = (pod or {}).get("metadata", {})

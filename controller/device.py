@@ -22,7 +22,11 @@ class GpuProcess:
     pid: int
     used_bytes: int
     claim_uid: str
+    """The claim the process names in its own environment (anyone can set it)."""
     pod_uid: str
+    """The pod the kernel puts the process in (its cgroup); empty for none."""
+    used_bytes_unknown: bool = False
+    """NVML cannot tell what the process holds (``used_bytes`` is then 0): anything."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class GpuSnapshot:
     processes: tuple[GpuProcess, ...]
 
     def used_by(self, claim_uid: str) -> int:
+        """Memory of the processes that name ``claim_uid`` themselves: a report, not proof
+        (:func:`check_before_wake` attributes by pod, see :func:`owner_of`)."""
         return sum(p.used_bytes for p in self.processes if p.claim_uid == claim_uid)
 
 
@@ -64,8 +70,23 @@ class DeviceReader:
         return {g.device: GpuSnapshot(
             uuid=g.uuid, device=g.device, total_bytes=g.total_bytes, used_bytes=g.used_bytes,
             free_bytes=g.free_bytes,
-            processes=tuple(GpuProcess(p.pid, p.used_bytes, p.claim_uid, p.pod_uid)
+            processes=tuple(GpuProcess(p.pid, p.used_bytes, p.claim_uid, p.pod_uid,
+                                       p.used_bytes_unknown)
                             for p in g.processes)) for g in answer.gpus}
+
+    async def verify_start_token(self, claim_uid: str, token: str) -> bool:
+        """Whether ``token`` is the start-gate token the driver gave ``claim_uid``."""
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(f"unix://{self.socket}")
+        try:
+            answer: pb.VerifyStartTokenResponse = await unary_client(
+                self._channel, SERVICE, "VerifyStartToken")(
+                pb.VerifyStartTokenRequest(claim_uid=claim_uid, token=token),
+                timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise DeviceError(f"inspection API at {self.socket}: {exc.code().name}: "
+                              f"{exc.details()}") from exc
+        return bool(answer.valid)
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -81,32 +102,71 @@ class HandbackProblem:
     message: str
 
 
+def owner_of(process: GpuProcess, claimants: Sequence[Claimant]) -> Claimant | None:
+    """The claimant a process on the GPU belongs to, or None (a stranger).
+
+    The process must run in the claimant's pod, by the pod uid the kernel gives it (its
+    cgroup) and the claim's own reservation: a process can write any ``ROTA_CLAIM_UID``
+    into its environment, not its cgroup. A process that names a claim is that claim's only
+    in the claim's pod; one that names none (a child that dropped its environment) is the
+    claimant's whose pod it runs in, if exactly one claimant's."""
+    if not process.pod_uid:
+        return None
+    in_pod = [c for c in claimants if c.pod_uid == process.pod_uid]
+    if process.claim_uid:
+        return next((c for c in in_pod if c.claim_uid == process.claim_uid), None)
+    return in_pod[0] if len(in_pod) == 1 else None
+
+
 def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
                       claimants: Sequence[Claimant], tolerance_bytes: int,
                       unknown_limit_bytes: int) -> HandbackProblem | None:
     """The NVML check of step 4: every other claimant is down to its resident footprint,
-    no unknown process holds memory, and free memory covers the target's wake."""
-    known = {c.claim_uid: c for c in claimants}
+    no unknown process holds memory, and free memory covers the target's wake. Processes
+    are attributed by :func:`owner_of`. A process whose size NVML cannot tell may hold
+    anything: a stranger's stops the wake, another claimant's has not handed its memory
+    back, and the target's own counts as nothing held (its whole wake must fit)."""
+    everyone = [*claimants] + ([] if any(c.claim_uid == target.claim_uid for c in claimants)
+                               else [target])
+    owners = [(p, owner_of(p, everyone)) for p in snapshot.processes]
+
+    def used_by(claimant: Claimant) -> int:
+        return sum(p.used_bytes for p, owner in owners
+                   if owner is not None and owner.claim_uid == claimant.claim_uid)
+
     for claimant in claimants:
         if claimant.claim_uid == target.claim_uid:
             continue
-        used = snapshot.used_by(claimant.claim_uid)
+        used = used_by(claimant)
         limit = claimant.resident_bytes + tolerance_bytes
+        if any(p.used_bytes_unknown for p, owner in owners
+               if owner is not None and owner.claim_uid == claimant.claim_uid):
+            return HandbackProblem(
+                "memory_not_returned",
+                f"{claimant.ref} ({claimant.model}) has a process on {snapshot.device} that "
+                f"holds an unknown amount (NVML cannot tell): its memory may not be handed "
+                f"back")
         if used > limit:
             return HandbackProblem(
                 "memory_not_returned",
                 f"{claimant.ref} ({claimant.model}) holds {format_bytes(used)} on "
                 f"{snapshot.device}, above its resident {format_bytes(claimant.resident_bytes)}"
                 f" + {format_bytes(tolerance_bytes)}: its memory was not handed back")
-    strangers = [p for p in snapshot.processes if p.claim_uid not in known]
+    strangers = [p for p, owner in owners if owner is None]
     held = sum(p.used_bytes for p in strangers)
+    unsized = [p for p in strangers if p.used_bytes_unknown]
+    if unsized:
+        return HandbackProblem(
+            "unknown_process",
+            f"processes that belong to no claimant hold an unknown amount (NVML cannot "
+            f"tell) on {snapshot.device}: {', '.join(str(p.pid) for p in unsized[:5])}")
     if held > unknown_limit_bytes:
         pids = ", ".join(f"{p.pid} ({format_bytes(p.used_bytes)})" for p in strangers[:5])
         return HandbackProblem(
             "unknown_process",
             f"processes that belong to no claimant hold {format_bytes(held)} on "
             f"{snapshot.device}: {pids}")
-    needed = max(0, target.config.awake_memory - snapshot.used_by(target.claim_uid))
+    needed = max(0, target.config.awake_memory - used_by(target))
     if needed > snapshot.free_bytes:
         return HandbackProblem(
             "insufficient_memory",

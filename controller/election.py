@@ -4,7 +4,20 @@ One Lease per node names the acting instance. An instance acquires it when it is
 expired, renews it every third of its duration, and considers itself leader only until a
 local deadline (``renewed at + duration - margin``, measured on the monotonic clock) so
 that an instance cut off from the API server stops acting before anyone else may start.
-Losing the Lease sets :attr:`Election.lost`, which cancels every switch in progress.
+
+Losing the Lease sets :attr:`Election.lost`: the node controller stops taking work at once
+and every switch stops at its next fencing check (the call in flight is not cancelled: a
+wake cannot be called back from an engine).
+
+Each process writes a fresh instance id next to its identity. A restarted process with the
+same identity (a container restart keeps the pod name) is therefore *not* the holder: it
+waits for the Lease to expire like any other instance, so that calls its predecessor sent
+have landed or timed out before it acts. An instance that stops cleanly releases the
+Lease, and its successor acquires it at once; one that stops with a step still in flight
+(:attr:`Election.keep_on_exit`) leaves it to expire.
+
+Expiry compares the holder's ``renewTime`` with this machine's wall clock, as every
+Kubernetes leader election does: instances must share a clock that is not stepped.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ import asyncio
 import datetime as dt
 import logging
 import time
+import uuid
 from typing import Any
 
 from controller import naming
@@ -41,6 +55,10 @@ class Election:
         self.lost = asyncio.Event()
         self._valid_until = 0.0
         self.term = 0
+        self.instance = uuid.uuid4().hex
+        """This process's id in the Lease (see the module docstring)."""
+        self.keep_on_exit = False
+        """Set when stopping with work in flight: the Lease is then left to expire."""
 
     def is_leader(self) -> bool:
         return time.monotonic() < self._valid_until
@@ -65,6 +83,7 @@ class Election:
                        naming.LABEL_KIND: naming.KIND_CONTROLLER,
                        naming.LABEL_NODE: naming.label_value(self.node)},
             "annotations": {naming.ACTIVATION_URL: self.activation_url,
+                            naming.INSTANCE: self.instance,
                             naming.NODE_NAME: self.node},
         }
         if resource_version:
@@ -87,8 +106,14 @@ class Election:
         renewed = parse_micro_time(spec.get("renewTime"))
         duration = float(spec.get("leaseDurationSeconds") or self.duration_s)
         expired = renewed is None or (dt.datetime.now(dt.UTC) - renewed).total_seconds() > duration
-        ours = holder == self.identity
+        instance = ((current.get("metadata") or {}).get("annotations") or {}).get(
+            naming.INSTANCE, "")
+        ours = holder == self.identity and instance == self.instance
         if holder and not ours and not expired:
+            if holder == self.identity and not self.acquired.is_set():
+                log.info("an earlier process of this identity holds the controller lease; "
+                         "waiting for it to expire", extra={"node": self.node,
+                                                            "identity": self.identity})
             return self._set(False)
         transitions = int(spec.get("leaseTransitions") or 0) + (0 if ours else 1)
         try:
@@ -126,13 +151,18 @@ class Election:
                 await self.try_acquire_or_renew()
             except KubeError as exc:
                 log.warning("controller lease call failed", extra={"error": str(exc)})
-                if not self.is_leader():
-                    self._set(False)
+            if self.acquired.is_set() and not self.is_leader():
+                self._set(False)  # no renewal in time: stop acting before anyone may start
             period = self.duration_s / 3 if self.acquired.is_set() else self.duration_s / 5
             try:
                 await asyncio.wait_for(stop.wait(), timeout=period)
             except TimeoutError:
                 pass
+        if self.keep_on_exit:
+            log.warning("stopping with a step in flight; the controller lease is left to "
+                        "expire", extra={"node": self.node, "identity": self.identity})
+            self._set(False)
+            return
         await self.release()
 
     async def release(self) -> None:
@@ -141,7 +171,9 @@ class Election:
         self._set(False)
         try:
             current = await self.kube.get_lease(self.namespace, self.name)
-            if (current.get("spec") or {}).get("holderIdentity") == self.identity:
+            annotations = (current.get("metadata") or {}).get("annotations") or {}
+            if ((current.get("spec") or {}).get("holderIdentity") == self.identity
+                    and annotations.get(naming.INSTANCE) == self.instance):
                 body = self._body(current["metadata"]["resourceVersion"],
                                   int(current["spec"].get("leaseTransitions") or 0), False)
                 body["spec"].pop("holderIdentity")

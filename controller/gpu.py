@@ -1,30 +1,62 @@
-"""One worker per shared GPU: the activation queue, the policy, and the switches.
+"""One worker per physical GPU: the activation queue, reconciliation, policy and switches.
+
+Everything that acts on one GPU runs in its worker, under its lock, one step at a time:
+reconciliation (:mod:`controller.reconcile`), switches (:mod:`controller.switch`) and the
+idle TTL. Reconciliation runs first whenever the worker opens (the instance gained the
+node), whenever the node's claimants change, soon after a switch left an engine
+unsettled, and at least every ``resync_s`` *even while activations queue*: a steady load
+never starves it.
 
 Activations are queued per GPU and served one switch at a time. Every caller waiting for
 the same claimant shares one switch (coalescing), and claimants are served in the order
 their first request arrived. Policy against thrash: the holder keeps the GPU for at least
 ``min_residency_s`` before a switch away (its requests keep flowing meanwhile), and an
 optional idle TTL puts a holder without work to sleep.
+
+Closing (leadership lost, or the controller stopping) answers every waiter at once and
+refuses new work; the step in flight is not cancelled here (a wake cannot be called back
+from an engine): it ends at its next fencing check or when it is done, and its waiters
+get its outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from controller import naming
+from controller import metrics, naming
+from controller.admission import StartSwitch, StartTicket
 from controller.claimants import Claimant
 from controller.engines.base import EngineAdapter
 from controller.engines.errors import EngineError
 from controller.kube import ControllerKube
 from controller.leases import GpuLease, lease_body
+from controller.reconcile import Seen, classify, plan
 from controller.switch import Fenced, Switcher, SwitchResult
-from driver.aio import wait_any
+from controller.visibility import GpuVisibility
+from driver.aio import Backoff, wait_any
 from driver.errors import KubeConflictError, KubeNotFoundError
 
 log = logging.getLogger(__name__)
+
+HOLDERS = metrics.SeriesSet(metrics.HOLDER)
+
+
+def _unsettled_backoff() -> Backoff:
+    """How soon reconciliation looks again at engines in an unknown state."""
+    return Backoff(first_s=0.2, max_s=5.0)
+
+
+def _failed_step_backoff() -> Backoff:
+    return Backoff(first_s=0.2, max_s=10.0)
+
+
+def _failed_start_backoff() -> Backoff:
+    """After a failed start, the claim's next start waits this long (growing): a
+    crash-looping engine must not keep the holder asleep; it serves its waiters between."""
+    return Backoff(first_s=5.0, max_s=300.0)
 
 
 @dataclass(frozen=True)
@@ -39,22 +71,22 @@ class Activation:
 
 
 class KubeLeasePort:
-    """The GPU Lease of one device, read and written with compare-and-swap."""
+    """The GPU Lease of one physical GPU, read and written with compare-and-swap."""
 
-    def __init__(self, kube: ControllerKube, namespace: str, node: str, device: str) -> None:
+    def __init__(self, kube: ControllerKube, namespace: str, node: str, gpu: str) -> None:
         self.kube = kube
         self.namespace = namespace
         self.node = node
-        self.device = device
-        self.name = naming.gpu_lease_name(node, device)
+        self.gpu = gpu
+        self.name = naming.gpu_lease_name(node, gpu)
 
     async def read(self) -> GpuLease:
         try:
             return GpuLease.from_object(await self.kube.get_lease(self.namespace, self.name))
         except KubeNotFoundError:
-            fresh = GpuLease(name=self.name, node=self.node, device=self.device)
+            fresh = GpuLease(name=self.name, node=self.node, device=self.gpu)
             body = lease_body(fresh, self.namespace, labels_node=self.node,
-                              labels_device=self.device)
+                              labels_device=self.gpu)
             try:
                 return GpuLease.from_object(await self.kube.create_lease(self.namespace, body))
             except KubeConflictError:
@@ -63,7 +95,7 @@ class KubeLeasePort:
 
     async def write(self, lease: GpuLease) -> GpuLease:
         body = lease_body(lease, self.namespace, labels_node=self.node,
-                          labels_device=self.device)
+                          labels_device=self.gpu)
         try:
             return GpuLease.from_object(await self.kube.replace_lease(self.namespace, body))
         except KubeConflictError as exc:
@@ -76,37 +108,96 @@ class _Waiting:
     futures: list[asyncio.Future[Activation]]
 
 
+@dataclass(frozen=True)
+class Policy:
+    min_residency_s: float = 0.0
+    idle_sleep_s: float = 0.0
+    coalesce_window_s: float = 0.0
+    resync_s: float = 10.0
+    tolerance_bytes: int = 512 * 1024**2
+
+
 class GpuWorker:
-    def __init__(self, *, device: str, lease_port: KubeLeasePort, switcher: Switcher,
-                 claimants: Callable[[], Awaitable[list[Claimant]]],
-                 engine: Callable[[Claimant], EngineAdapter], min_residency_s: float,
-                 idle_sleep_s: float, clock: Callable[[], float],
-                 coalesce_window_s: float = 0.0) -> None:
-        self.device = device
+    def __init__(self, *, gpu: str, lease_port: KubeLeasePort, switcher: Switcher,
+                 claimants: Callable[[], list[Claimant]],
+                 engine: Callable[[Claimant], EngineAdapter], policy: Policy,
+                 clock: Callable[[], float], identity: str = "",
+                 starter: StartSwitch | None = None,
+                 visibility: GpuVisibility | None = None) -> None:
+        self.gpu = gpu
+        self.visibility = visibility
+        """Events, pod labels and claim conditions (None: nothing is shown)."""
         self.lease_port = lease_port
         self.switcher = switcher
+        self.starter = starter
+        self._starts: dict[str, StartTicket] = {}
+        self._start_backoff: dict[str, tuple[float, Backoff]] = {}
+        """Claims whose last start failed: not before this time, and their pauses."""
         self.claimants = claimants
         self.engine = engine
-        self.min_residency_s = min_residency_s
-        self.coalesce_window_s = coalesce_window_s
-        self.idle_sleep_s = idle_sleep_s
+        self.policy = policy
         self.clock = clock
+        self.identity = identity
         self.lease: GpuLease | None = None
         self.last_switch: dict[str, object] = {}
         """Outcome and timings of the latest switch, for /v1/state."""
+        self.unsettled: dict[str, Claimant] = {}
+        """Engines that may be awake although nobody woke them under this fence (a sleep
+        that may still fire, an engine that did not answer): no wake on this GPU until
+        reconciliation knows them again."""
         self._queue: dict[str, _Waiting] = {}
         self._wakeup = asyncio.Event()
         self._switching = False
+        self._accepting = False
+        self._closed = ("not_leader", "this instance does not act for the node")
+        self._dirty = False
+        self._new_term = False
+        self._next_reconcile = clock()
+        self._unsettled_pauses = _unsettled_backoff()
         self.lock = asyncio.Lock()
         """Held by every switch and by reconciliation of this GPU: one actor at a time."""
         self._holder_since = clock()
         self._last_busy = clock()
 
+    @property
+    def device(self) -> str:
+        return self.gpu
+
+    # -- opening and closing -----------------------------------------------------------
+
+    def open(self) -> None:
+        """Take work (this instance now leads the node): reconcile first."""
+        self._accepting = True
+        self._new_term = True
+        self.mark_dirty()
+
+    def close(self, reason: str, message: str) -> None:
+        """Refuse new work and answer every waiter now; the step in flight goes on."""
+        self._accepting = False
+        self._closed = (reason, message)
+        self._fail_all(reason, message)
+        for ticket in self._starts.values():
+            ticket.refuse()
+        self.lease = None
+        self._wakeup.set()
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def mark_dirty(self) -> None:
+        """Reconcile before the next switch (claimants changed, or a new term)."""
+        self._dirty = True
+        self._wakeup.set()
+
     # -- callers ---------------------------------------------------------------------------
 
     async def activate(self, claimant: Claimant) -> Activation:
+        if not self._accepting:
+            return Activation(False, claimant, switched=False, fence=0,
+                              reason=self._closed[0], message=self._closed[1])
         lease = self.lease
-        if (lease is not None and lease.holder == claimant.ref
+        if (lease is not None and lease.holder == claimant.ref and not self._dirty
                 and lease.state == naming.STATE_AWAKE and not self._switching):
             # The holder serves now, even while a switch away waits for its residency.
             return Activation(True, claimant, switched=False, fence=lease.fence)
@@ -118,76 +209,311 @@ class GpuWorker:
     def pending(self) -> int:
         return sum(len(w.futures) for w in self._queue.values())
 
+    async def request_start(self, claimant: Claimant, *, hold_s: float) -> bool:
+        """One long poll of ``claimant``'s start gate: True when it may start now; False
+        when it should ask again (held up to ``hold_s``)."""
+        if not self._accepting or self.starter is None:
+            return False
+        now = self.clock()
+        ticket = self._starts.get(claimant.claim_uid)
+        if ticket is not None and ticket.granted:
+            # Its container was granted a start and asks again: it exited and restarted.
+            ticket.restarted.set()
+            ticket = None
+        if ticket is None:
+            ticket = StartTicket(claimant.claim_uid, created=now, last_poll=now)
+            self._starts[claimant.claim_uid] = ticket
+            log.info("engine waiting at the start gate", extra={
+                "device": self.gpu, "claim": claimant.ref, "model": claimant.model})
+            if self.visibility is not None:
+                self.visibility.start_waiting(claimant, self.lease.holder if self.lease else "")
+            self._wakeup.set()
+        poll = ticket.attach(now)
+        done, _ = await asyncio.wait({poll}, timeout=hold_s)
+        if not done:
+            if ticket.poll is poll:
+                ticket.poll = None
+            poll.cancel()
+            return False
+        return poll.result()
+
     # -- the loop --------------------------------------------------------------------------
 
-    async def run(self, stop: asyncio.Event, *, poll_s: float) -> None:
+    def _reconcile_due(self) -> bool:
+        return self._dirty or self.clock() >= self._next_reconcile
+
+    async def run(self, stop: asyncio.Event) -> None:
+        failures = _failed_step_backoff()
         while not stop.is_set():
-            if not self._queue:
-                await wait_any(self._wakeup, stop, timeout_s=poll_s)
+            if not self._accepting or not (self._queue or self._start_ready()
+                                           or self._reconcile_due()):
+                wait = max(0.0, min(self._next_reconcile, self._next_start()) - self.clock())
+                await wait_any(self._wakeup, stop, timeout_s=wait if self._accepting else None)
                 self._wakeup.clear()
-            if stop.is_set():
-                break
+            if stop.is_set() or not self._accepting:
+                continue
             try:
                 async with self.lock:
-                    if self._queue:
+                    if not self._accepting:
+                        continue
+                    if self._reconcile_due():
+                        await self.reconcile()
+                    if self._start_ready():
+                        await self._serve_start()
+                    elif self._queue:
                         await self._serve_next(stop)
-                    elif self.idle_sleep_s > 0:
+                    elif self.policy.idle_sleep_s > 0:
                         await self._idle_check()
+                failures.reset()
             except Fenced as exc:
-                log.warning("switch fenced off; another writer moved the lease",
-                            extra={"device": self.device, "error": str(exc)})
-                self._fail_all("fenced", str(exc))
+                log.warning("GPU step fenced off; another writer moved the lease or this "
+                            "instance no longer leads", extra={"device": self.gpu,
+                                                                "error": str(exc)})
                 self.lease = None
+                self._dirty = True
+                await failures.sleep(stop)
             except Exception as exc:
-                log.exception("GPU worker step failed", extra={"device": self.device})
+                log.exception("GPU worker step failed", extra={"device": self.gpu})
+                self._dirty = True
                 self._fail_all(type(exc).__name__.lower(), str(exc))
+                await failures.sleep(stop)
         self._fail_all("stopping", "the controller is stopping")
 
     def _fail_all(self, reason: str, message: str) -> None:
         for waiting in self._queue.values():
-            for future in waiting.futures:
-                if not future.done():
-                    future.set_result(Activation(False, waiting.claimant, switched=False,
-                                                 fence=self.lease.fence if self.lease else 0,
-                                                 reason=reason, message=message))
+            self._resolve(waiting, Activation(False, waiting.claimant, switched=False,
+                                              fence=self.lease.fence if self.lease else 0,
+                                              reason=reason, message=message))
         self._queue.clear()
+
+    @staticmethod
+    def _resolve(waiting: _Waiting, activation: Activation) -> None:
+        for future in waiting.futures:
+            if not future.done():
+                future.set_result(activation)
+
+    def _on_gpu(self) -> list[Claimant]:
+        """Claimants of this GPU whose engine may run (their pod has an address)."""
+        return [c for c in self.claimants() if c.gpu == self.gpu and c.pod_ip]
+
+    # -- reconciliation --------------------------------------------------------------------
+
+    async def _sleeping(self, claimant: Claimant) -> bool | None:
+        ticket = self._starts.get(claimant.claim_uid)
+        if ticket is not None and not ticket.granted:
+            return None  # held at its start gate: no engine runs yet
+        try:
+            return await self.engine(claimant).is_sleeping()
+        except (EngineError, TimeoutError, ValueError) as exc:
+            log.warning("claimant did not say whether it sleeps",
+                        extra={"claim": claimant.ref, "device": self.gpu, "error": str(exc)})
+            return None
+
+    async def reconcile(self) -> None:
+        """At most one engine awake on this GPU, a Lease that says who, and every engine
+        whose state is unknown remembered as possibly awake. Call with the lock held."""
+        timings: dict[str, float] = {}
+        self._dirty = False
+        lease = self.lease = await self.lease_port.read()
+        on_gpu = self._on_gpu()
+        unfinished = lease.state in (naming.STATE_SWITCHING, naming.STATE_STARTING)
+        if unfinished:
+            # Nobody switches while this worker's lock is held: a switch was cut short by
+            # the crash (or the loss of leadership) of the instance that ran it; the
+            # calls it sent may still land.
+            metrics.FAILURES.labels("controller_crash").inc()
+            log.warning("found a switch its controller never finished",
+                        extra={"device": self.gpu, "fence": lease.fence,
+                               "controller": lease.controller or None,
+                               "target": lease.target_model or None})
+        snapshot = await self.switcher.snapshot(self.gpu, timings)
+        answers = await asyncio.gather(*(self._sleeping(c) for c in on_gpu))
+        holders_of = {p.claim_uid for p in snapshot.processes}
+        seen = {c.claim_uid: classify(answer, used_bytes=snapshot.used_by(c.claim_uid),
+                                      has_process=c.claim_uid in holders_of,
+                                      resident_bytes=c.resident_bytes,
+                                      tolerance_bytes=self.policy.tolerance_bytes)
+                for c, answer in zip(on_gpu, answers, strict=True)}
+        suspects = {c.claim_uid for c in on_gpu if unfinished and c.model and c.model in (
+            lease.target_model, lease.draining_model)} | set(self.unsettled)
+        decision = plan(on_gpu, seen, lease.holder, suspects=suspects)
+        if self._new_term or unfinished or decision.put_to_sleep:
+            # A new fencing number first: whatever an earlier instance was doing is over,
+            # and its next engine call is refused.
+            lease = await self.switcher.write(lease.with_(fence=lease.fence + 1,
+                                                          controller=self.identity), timings)
+            self._new_term = False
+        for extra in decision.put_to_sleep:
+            seen[extra.claim_uid] = await self._put_to_sleep(extra, lease.fence,
+                                                             seen[extra.claim_uid])
+        keep = decision.keep
+        # A suspect stays unsettled until a sleep of ours completed (it is then ASLEEP).
+        self.unsettled = {c.claim_uid: c for c in on_gpu if c is not keep and (
+            seen[c.claim_uid] is Seen.UNKNOWN
+            or (c.claim_uid in suspects and c not in decision.put_to_sleep
+                and seen[c.claim_uid] is not Seen.ABSENT))}
+        wanted = (keep.ref if keep else "", naming.STATE_AWAKE if keep else naming.STATE_IDLE)
+        if (lease.holder, lease.state) != wanted or unfinished:
+            if keep:
+                lease = Switcher.serving(lease, keep).with_(controller=self.identity)
+            else:
+                lease = lease.with_(holder="", holder_model="", holder_claim_uid="",
+                                    state=naming.STATE_IDLE,
+                                    target_model="", draining_model="",
+                                    controller=self.identity)
+            lease = await self.switcher.write(lease, timings)
+            log.info("lease reconciled", extra={"device": self.gpu, "holder": wanted[0],
+                                                "state": wanted[1], "fence": lease.fence})
+        self.lease = lease
+        if self.visibility is not None:
+            self.visibility.settled(on_gpu, lease, unknown=self.unsettled.keys())
+        HOLDERS.set(self.gpu, {(self.gpu, snapshot.uuid, c.ref, c.model): 1.0 if keep is c
+                               else 0.0 for c in on_gpu})
+        if self.unsettled:
+            self._next_reconcile = self.clock() + self._unsettled_pauses.next_delay()
+            log.warning("engines in an unknown state; no wake on this GPU until they are "
+                        "known", extra={"device": self.gpu,
+                                        "claims": sorted(c.ref for c in self.unsettled.values())})
+        else:
+            self._unsettled_pauses = _unsettled_backoff()
+            self._next_reconcile = self.clock() + self.policy.resync_s
+
+    async def _put_to_sleep(self, claimant: Claimant, fence: int, was: Seen) -> Seen:
+        log.warning("engine awake (or possibly awake) beside the holder; putting it to sleep",
+                    extra={"device": self.gpu, "claim": claimant.ref, "seen": str(was)})
+        if not await self.switcher.settle(claimant, fence, {}):
+            log.error("could not put an engine to sleep; it stays possibly awake",
+                      extra={"claim": claimant.ref, "device": self.gpu})
+            return Seen.UNKNOWN
+        metrics.RECONCILES.labels("two_awake" if was is Seen.AWAKE else str(was)).inc()
+        return Seen.ASLEEP
+
+    # -- start-up admission ----------------------------------------------------------------
+
+    def _start_allowed_at(self, uid: str) -> float:
+        return self._start_backoff[uid][0] if uid in self._start_backoff else 0.0
+
+    def _start_ready(self) -> str | None:
+        """The first waiting start that its back-off lets through now."""
+        now = self.clock()
+        return next((uid for uid in self._starts if self._start_allowed_at(uid) <= now), None)
+
+    def _next_start(self) -> float:
+        return min((self._start_allowed_at(uid) for uid in self._starts), default=float("inf"))
+
+    async def _serve_start(self) -> None:
+        assert self.starter is not None
+        uid = self._start_ready()
+        assert uid is not None
+        ticket = self._starts[uid]
+        newcomer = next((c for c in self.claimants() if c.claim_uid == uid), None)
+        stale = self.clock() - ticket.last_poll > 2 * self.starter.limits.grant_s
+        if newcomer is None or newcomer.gpu != self.gpu or (stale and ticket.poll is None):
+            self._starts.pop(uid, None)  # the gate went away, or so did the claim
+            ticket.refuse()
+            return
+        blockers = [c.ref for c in self.unsettled.values() if c.claim_uid != uid]
+        if blockers:
+            self._starts.pop(uid, None)
+            ticket.refuse()
+            log.warning("start held: engines on the GPU are in an unknown state",
+                        extra={"device": self.gpu, "claim": newcomer.ref, "blockers": blockers})
+            return
+        lease = self.lease if self.lease is not None else await self.lease_port.read()
+        on_gpu = [c for c in self._on_gpu() if c.claim_uid != uid]
+        holder = next((c for c in on_gpu if c.ref == lease.holder), None)
+        if lease.state != naming.STATE_AWAKE:
+            holder = None
+        self._switching = True
+        if self.visibility is not None:
+            self.visibility.switching(holder, newcomer, starting=True)
+        result: SwitchResult | None = None
+        try:
+            result = await self.starter.start(
+                lease, holder=holder, newcomer=newcomer, claimants=on_gpu, ticket=ticket,
+                wanted=lambda: uid in self._queue)
+        finally:
+            self._switching = False
+            if self._starts.get(uid) is ticket:
+                self._starts.pop(uid)
+            if result is None:
+                ticket.refuse()
+                self._dirty = True
+        self._switched(result, holder, newcomer, start=True)
+        if result.ok:
+            self._start_backoff.pop(uid, None)
+        else:
+            _, pauses = self._start_backoff.get(uid, (0.0, _failed_start_backoff()))
+            pause = pauses.next_delay()
+            self._start_backoff[uid] = (self.clock() + pause, pauses)
+            log.warning("start failed; its next attempt waits", extra={
+                "device": self.gpu, "claim": newcomer.ref, "reason": result.reason,
+                "pause_s": round(pause, 1)})
+
+    # -- activations -----------------------------------------------------------------------
 
     async def _serve_next(self, stop: asyncio.Event) -> None:
         uid = next(iter(self._queue))
-        current = await self.claimants()
-        by_uid = {c.claim_uid: c for c in current}
-        target = by_uid.get(uid)
         waiting = self._queue[uid]
+        by_uid = {c.claim_uid: c for c in self.claimants()}
+        target = by_uid.get(uid)
         if target is None or not target.serving:
             self._queue.pop(uid)
             self._resolve(waiting, Activation(False, waiting.claimant, False, 0,
                                               "not_serving", f"{waiting.claimant.ref} has no "
                                               "running, ready pod on this node"))
             return
-        lease = self.lease = await self.lease_port.read()
-        holder = next((c for c in current if c.ref == lease.holder), None)
+        blockers = [c.ref for c in self.unsettled.values() if c.claim_uid != uid]
+        if blockers:
+            self._queue.pop(uid)
+            self._resolve(waiting, Activation(
+                False, target, False, self.lease.fence if self.lease else 0, "state_unknown",
+                f"engines on {self.gpu} are in an unknown state (possibly awake): "
+                f"{', '.join(blockers)}; no wake until they are known"))
+            return
+        # The Lease as this worker last wrote or read it: a writer that moved it since
+        # makes the switch's first compare-and-swap fail (Fenced: reconcile, then retry).
+        lease = self.lease if self.lease is not None else await self.lease_port.read()
+        self.lease = lease
+        on_gpu = self._on_gpu()
+        holder = next((c for c in on_gpu if c.ref == lease.holder), None)
         if holder is not None and holder.claim_uid == uid and lease.state == naming.STATE_AWAKE:
             self._queue.pop(uid)
             self._resolve(waiting, Activation(True, target, False, lease.fence))
             return
         if holder is not None and lease.state == naming.STATE_AWAKE:
-            remaining = self._holder_since + self.min_residency_s - self.clock()
+            remaining = self._holder_since + self.policy.min_residency_s - self.clock()
             if remaining > 0:
                 log.info("holding the switch for minimum residency", extra={
-                    "device": self.device, "holder": holder.ref, "wait_s": round(remaining, 3)})
+                    "device": self.gpu, "holder": holder.ref, "wait_s": round(remaining, 3)})
                 if await wait_any(stop, timeout_s=remaining):
                     return
-            if self.coalesce_window_s > 0 and await self._coalesce(holder, stop):
+            if self.policy.coalesce_window_s > 0 and await self._coalesce(holder, stop):
                 return
         self._queue.pop(uid)
-        on_gpu = [c for c in current if c.device == self.device and c.node == target.node]
         self._switching = True
+        if self.visibility is not None:
+            self.visibility.switching(holder if lease.state != naming.STATE_IDLE else None,
+                                      target)
+        result: SwitchResult | None = None
         try:
-            result: SwitchResult = await self.switcher.switch(
+            result = await self.switcher.switch(
                 lease, holder=holder if lease.state != naming.STATE_IDLE else None,
                 target=target, claimants=on_gpu)
         finally:
             self._switching = False
+            if result is None:  # fenced, failed or cancelled: its waiters get an answer
+                self._resolve(waiting, Activation(False, target, False, lease.fence,
+                                                  "interrupted", "the switch was cut short "
+                                                  "(fenced off, or the controller stopping)"))
+                self._dirty = True
+        self._switched(result, holder, target)
+        self._resolve(waiting, Activation(result.ok, target, switched=result.ok,
+                                          fence=result.lease.fence, reason=result.reason,
+                                          message=result.message, timings=result.timings))
+
+    def _switched(self, result: SwitchResult, holder: Claimant | None, target: Claimant,
+                  *, start: bool = False) -> None:
         self.lease = result.lease
         self.last_switch = {"ok": result.ok, "from": holder.ref if holder else None,
                             "to": target.ref, "reason": result.reason,
@@ -196,14 +522,17 @@ class GpuWorker:
         if result.lease.holder != (holder.ref if holder else ""):
             self._holder_since = self.clock()
             self._last_busy = self.clock()
-        self._resolve(waiting, Activation(result.ok, target, switched=result.ok,
-                                          fence=result.lease.fence, reason=result.reason,
-                                          message=result.message, timings=result.timings))
+        if result.unsettled:
+            self.unsettled.update({c.claim_uid: c for c in result.unsettled})
+            self._next_reconcile = self.clock() + self._unsettled_pauses.next_delay()
+        if self.visibility is not None:
+            self.visibility.switched(result, holder, target, start=start)
+            self.visibility.settled(self._on_gpu(), result.lease, unknown=self.unsettled.keys())
 
     async def _coalesce(self, holder: Claimant, stop: asyncio.Event) -> bool:
         """Let the holder finish what it is serving (up to the window) before its
         admission closes; True when the controller is stopping."""
-        deadline = self.clock() + self.coalesce_window_s
+        deadline = self.clock() + self.policy.coalesce_window_s
         delay = 0.01
         engine = self.engine(holder)
         while self.clock() < deadline:
@@ -212,40 +541,35 @@ class GpuWorker:
                     return False
             except EngineError as exc:  # the drain step will find out what is going on
                 log.info("holder's load unknown; not waiting for it",
-                         extra={"device": self.device, "error": str(exc)})
+                         extra={"device": self.gpu, "error": str(exc)})
                 return False
             if await wait_any(stop, timeout_s=min(delay, max(0.0, deadline - self.clock()))):
                 return True
             delay = min(delay * 2, 0.25)
         log.info("coalescing window over; switching with work in flight",
-                 extra={"device": self.device, "holder": holder.ref})
+                 extra={"device": self.gpu, "holder": holder.ref})
         return False
-
-    @staticmethod
-    def _resolve(waiting: _Waiting, activation: Activation) -> None:
-        for future in waiting.futures:
-            if not future.done():
-                future.set_result(activation)
 
     async def _idle_check(self) -> None:
         lease = self.lease = await self.lease_port.read()
         if not lease.holder or lease.state != naming.STATE_AWAKE:
             return
-        holder = next((c for c in await self.claimants() if c.ref == lease.holder), None)
+        holder = next((c for c in self._on_gpu() if c.ref == lease.holder), None)
         if holder is None:
             return
         try:
             busy = await self.engine(holder).in_flight()
         except EngineError as exc:
             log.info("holder's load unknown; not putting it to sleep",
-                     extra={"device": self.device, "error": str(exc)})
+                     extra={"device": self.gpu, "error": str(exc)})
             return
         if busy:
             self._last_busy = self.clock()
             return
-        if self.clock() - self._last_busy >= self.idle_sleep_s:
+        if self.clock() - self._last_busy >= self.policy.idle_sleep_s:
             self._switching = True
             try:
-                self.lease = await self.switcher.sleep_holder(lease, holder, reason="idle")
+                result = await self.switcher.sleep_holder(lease, holder, reason="idle")
             finally:
                 self._switching = False
+            self._switched(result, holder, holder)

@@ -1,8 +1,8 @@
 """The lease controller's calls to the Kubernetes API.
 
-It extends the driver's facade (same threads, timeouts and error mapping) with what the
-controller reads and writes: claims and pods to find claimants, and Leases written with a
-compare-and-swap on ``resourceVersion``.
+It extends the driver's facade (same threads, timeouts and error mapping) with the Leases
+the controller reads and writes with a compare-and-swap on ``resourceVersion``. Claims,
+pods and slices are not listed here: :mod:`controller.cache` watches them.
 """
 
 from __future__ import annotations
@@ -13,24 +13,13 @@ from typing import Any
 from kubernetes import client
 
 from driver.errors import KubeConflictError, KubeError
-from driver.kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube, Obj
+from driver.kube import Kube, Obj
 
 
 class ControllerKube(Kube):
     def __init__(self, api: client.ApiClient, *, timeout_s: float = 10.0) -> None:
         super().__init__(api, timeout_s=timeout_s)
         self._coordination = client.CoordinationV1Api(api)
-
-    async def list_claims(self) -> list[Obj]:
-        result = await self._call("list resourceclaims", self._objects.list_cluster_custom_object,
-                                  RESOURCE_GROUP, RESOURCE_VERSION, "resourceclaims")
-        return [dict(item) for item in result.get("items", [])]
-
-    async def list_pods(self, *, node: str) -> list[Obj]:
-        resp = await self._call("list pods", self._core.list_pod_for_all_namespaces,
-                                field_selector=f"spec.nodeName={node}",
-                                _preload_content=False)
-        return list(json.loads(resp.data).get("items", []))
 
     async def get_lease(self, namespace: str, name: str) -> Obj:
         resp = await self._call(f"get lease {namespace}/{name}",

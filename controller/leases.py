@@ -44,7 +44,6 @@ class GpuLease:
     state: str = naming.STATE_IDLE
     holder_model: str = ""
     holder_claim_uid: str = ""
-    holder_endpoint: str = ""
     target_model: str = ""
     draining_model: str = ""
     last_error: str = ""
@@ -63,6 +62,9 @@ class GpuLease:
         def pop(key: str) -> str:
             return str(annotations.pop(key, ""))
 
+        # Written by controllers before 0.2 (traffic never follows a Lease): dropped, so
+        # the next write removes it.
+        annotations.pop(naming.HOLDER_ENDPOINT, None)
         return cls(
             name=meta["name"], node=str(labels.get(naming.LABEL_NODE, "")),
             device=str(labels.get(naming.LABEL_DEVICE, "")),
@@ -70,7 +72,7 @@ class GpuLease:
             fence=int(spec.get("leaseTransitions") or 0),
             state=pop(naming.STATE) or naming.STATE_IDLE,
             holder_model=pop(naming.HOLDER_MODEL), holder_claim_uid=pop(naming.HOLDER_CLAIM_UID),
-            holder_endpoint=pop(naming.HOLDER_ENDPOINT), target_model=pop(naming.TARGET_MODEL),
+            target_model=pop(naming.TARGET_MODEL),
             draining_model=pop(naming.DRAINING_MODEL), last_error=pop(naming.LAST_ERROR),
             controller=pop(naming.ACTING_CONTROLLER), gpu_uuid=pop(naming.GPU_UUID),
             renewed=parse_micro_time(spec.get("renewTime")),
@@ -86,7 +88,6 @@ def lease_body(lease: GpuLease, namespace: str, *, labels_node: str, labels_devi
     annotations = dict(lease.extra_annotations) | {naming.NODE_NAME: labels_node}
     for key, value in ((naming.STATE, lease.state), (naming.HOLDER_MODEL, lease.holder_model),
                        (naming.HOLDER_CLAIM_UID, lease.holder_claim_uid),
-                       (naming.HOLDER_ENDPOINT, lease.holder_endpoint),
                        (naming.TARGET_MODEL, lease.target_model),
                        (naming.DRAINING_MODEL, lease.draining_model),
                        (naming.LAST_ERROR, lease.last_error[:1024]),

@@ -1,49 +1,145 @@
-"""The lease controller's Prometheus metrics (prefix ``rota_``), with the reference
-experiment's timing boundaries:
+"""The lease controller's Prometheus metrics (prefix ``rota_controller_``; docs/metrics.md
+lists them), with the reference experiment's timing boundaries:
 
-- wake call time: from the wake call to its completion (a level-2 wake includes the
+- wake duration: from the wake call to its completion (a level-2 wake includes the
   weight reload and the prefix-cache reset);
-- recovery to first token: wake call time plus the correctness request's time to first
-  token;
-- handoff to first token: from starting to put the holder to sleep until the target's
-  first token (memory hand-back and every check included).
+- recovery duration: wake duration plus the correctness request's time to first token;
+- handoff duration: from starting to put the holder to sleep until the target's first
+  token (memory hand-back and every check included).
+
+``model_name`` is the served model name (the engine config's ``model``, vLLM's
+``model_name`` label), so these series join ``vllm:*{model_name=...}``. Label sets that are
+known in advance (switch failure reasons, outcomes) are created at 0, so a rate or an
+increase over them exists before the first event.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
-REGISTRY = CollectorRegistry(auto_describe=True)
+from controller.engines.probe import ProbeReason
+from driver.metrics_registry import new_registry, package_version
+
+REGISTRY = new_registry()
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-WAKE_CALL = Histogram("rota_wake_call_seconds", "Wake call time.", ["model", "level"],
-                      buckets=_SECONDS, registry=REGISTRY)
-RECOVERY_TO_FIRST_TOKEN = Histogram(
-    "rota_recovery_to_first_token_seconds",
-    "Wake call time plus the correctness request's time to first token.", ["model"],
+OTHER_REASON = "other"
+"""The failure label of an error no reason below names (its text stays in the Lease's
+``last_error`` and the log)."""
+SWITCH_FAILURE_REASONS = frozenset({
+    # The engine errors (controller.engines.errors).
+    "unreachable", "timeout", "rejected", "gpu_oom", "host_oom", "unauthorized", "ack_error",
+    "engine_dead", "state_unknown", "lied", "bad_response", "engine_error",
+    # The correctness probe (controller.engines.probe; a probe with no reason is "failed").
+    *(f"probe_{reason.value}" for reason in ProbeReason), "probe_failed",
+    # The NVML check before a wake (controller.device; inspect_failed: the read failed).
+    "memory_not_returned", "unknown_process", "insufficient_memory", "inspect_failed",
+    # Start-up admission (controller.admission) and a switch found unfinished (controller.gpu).
+    "start_failed", "start_timeout", "start_not_taken", "controller_crash",
+    OTHER_REASON,
+})
+"""Every value of ``rota_controller_switch_failures_total{reason}``."""
+SWITCH_OUTCOMES = ("ok", "failed")
+START_OUTCOMES = ("ok", "refused", "failed")
+RECONCILE_REASONS = ("two_awake", "unknown", "asleep")
+"""What reconciliation saw of an engine it put to sleep: awake beside the holder; holding
+memory without saying whether it sleeps; a suspect of an unfinished switch that says it
+sleeps (its sleep may still be in flight)."""
+
+
+def failure_reason(reason: str) -> str:
+    """``reason`` as a failure label: one of :data:`SWITCH_FAILURE_REASONS`."""
+    return reason if reason in SWITCH_FAILURE_REASONS else OTHER_REASON
+
+
+WAKE = Histogram("rota_controller_wake_duration_seconds", "Wake call time.",
+                 ["model_name", "level"], buckets=_SECONDS, registry=REGISTRY)
+RECOVERY = Histogram(
+    "rota_controller_recovery_duration_seconds",
+    "Wake call time plus the correctness request's time to first token.", ["model_name"],
     buckets=_SECONDS, registry=REGISTRY)
-HANDOFF_TO_FIRST_TOKEN = Histogram(
-    "rota_handoff_to_first_token_seconds",
-    "From starting to sleep the holder to the target's first token.", ["model"],
+HANDOFF = Histogram(
+    "rota_controller_handoff_duration_seconds",
+    "From starting to sleep the holder to the target's first token.", ["model_name"],
     buckets=_SECONDS, registry=REGISTRY)
-DRAIN = Histogram("rota_drain_seconds", "Time the holder took to finish in-flight work.",
-                  ["model"], buckets=_SECONDS, registry=REGISTRY)
-SLEEP_CALL = Histogram("rota_sleep_call_seconds", "Sleep call time (first sleeps are slow).",
-                       ["model", "level", "first"], buckets=_SECONDS, registry=REGISTRY)
-STEP = Histogram("rota_switch_step_seconds", "Each step of the switch protocol.", ["step"],
-                 buckets=_SECONDS, registry=REGISTRY)
-SWITCHES = Counter("rota_switches_total", "Switches by outcome.", ["outcome"],
-                   registry=REGISTRY)
-FAILURES = Counter("rota_switch_failures_total", "Failed switches by reason.", ["reason"],
-                   registry=REGISTRY)
-RECONCILES = Counter("rota_reconcile_actions_total",
-                     "Engines put to sleep by start-up or expiry reconciliation.", ["reason"],
+DRAIN = Histogram("rota_controller_drain_duration_seconds",
+                  "Time the holder took to finish in-flight work.", ["model_name"],
+                  buckets=_SECONDS, registry=REGISTRY)
+SLEEP = Histogram("rota_controller_sleep_duration_seconds",
+                  "Sleep call time (first sleeps are slow: first=\"true\").",
+                  ["model_name", "level", "first"], buckets=_SECONDS, registry=REGISTRY)
+STEP = Histogram("rota_controller_switch_step_duration_seconds",
+                 "Each step of the switch protocol.", ["step"], buckets=_SECONDS,
+                 registry=REGISTRY)
+SWITCHES = Counter("rota_controller_switches_total", "Switches by outcome (ok, failed).",
+                   ["outcome"], registry=REGISTRY)
+FAILURES = Counter("rota_controller_switch_failures_total",
+                   "Failed switches by reason (docs/metrics.md lists them; anything else is "
+                   "other).", ["reason"], registry=REGISTRY)
+FENCED = Counter("rota_controller_fenced_total",
+                 "Engine calls refused because the GPU Lease's fencing number moved.",
+                 registry=REGISTRY)
+STARTS = Counter("rota_controller_starts_total", "Start-up admissions by outcome (ok: "
+                 "started, slept once and the GPU went on; refused: no slot could be made; "
+                 "failed: the engine did not come up).", ["outcome"], registry=REGISTRY)
+START = Histogram("rota_controller_start_duration_seconds", "From a start slot's grant until "
+                  "the engine answered /health.", ["model_name"], buckets=_SECONDS,
+                  registry=REGISTRY)
+RECONCILES = Counter("rota_controller_reconcile_actions_total",
+                     "Engines put to sleep by start-up or expiry reconciliation, by what was "
+                     "seen of them (two_awake: awake beside the holder).", ["reason"],
                      registry=REGISTRY)
-GPU_PROCESS_MEMORY = Gauge("rota_gpu_process_memory_bytes",
-                           "GPU memory per process, as NVML reports it.",
-                           ["gpu", "pid", "claim"], registry=REGISTRY)
-HOLDER = Gauge("rota_lease_holder", "1 for the claimant that holds each GPU.",
-               ["device", "claim"], registry=REGISTRY)
+GPU_MEMORY = Gauge("rota_controller_gpu_memory_bytes",
+                   "GPU memory held by each claim's processes, as NVML reports it (claim "
+                   "\"unknown\": processes of no claim); summed per claim, no pid. Series of "
+                   "claims that left the GPU are removed.",
+                   ["gpu", "gpu_uuid", "claim"], registry=REGISTRY)
+HOLDER = Gauge("rota_controller_lease_holder", "1 for the claimant that holds each GPU, 0 for "
+               "the others on it; series of claimants that left the GPU are removed.",
+               ["gpu", "gpu_uuid", "claim", "model_name"], registry=REGISTRY)
+WATCH_RESTARTS = Counter("rota_controller_watch_restarts_total",
+                         "Lists made again after a failed list or watch, by resource.",
+                         ["resource"], registry=REGISTRY)
 LEADER = Gauge("rota_controller_leader", "1 while this instance acts for the node.",
                registry=REGISTRY)
+VISIBLE_STATE_ERRORS = Counter(
+    "rota_controller_visible_state_errors_total",
+    "Events, pod labels or claim conditions that could not be written, by kind.", ["kind"],
+    registry=REGISTRY)
+VISIBLE_STATE_KINDS = ("event", "pod_label", "claim_conditions")
+INFO = Gauge("rota_controller_info", "1, labelled with the lease controller's version.",
+             ["version"], registry=REGISTRY)
+
+for _reason in SWITCH_FAILURE_REASONS:
+    FAILURES.labels(_reason)
+for _outcome in SWITCH_OUTCOMES:
+    SWITCHES.labels(_outcome)
+for _outcome in START_OUTCOMES:
+    STARTS.labels(_outcome)
+for _reason in RECONCILE_REASONS:
+    RECONCILES.labels(_reason)
+for _kind in VISIBLE_STATE_KINDS:
+    VISIBLE_STATE_ERRORS.labels(_kind)
+INFO.labels(package_version()).set(1)
+
+
+class SeriesSet:
+    """The label sets of one gauge that are current; :meth:`keep` removes the others, so
+    a gauge keyed by claims does not keep series of claims that are gone."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self.gauge = gauge
+        self._live: dict[str, set[tuple[str, ...]]] = {}
+
+    def set(self, scope: str, values: dict[tuple[str, ...], float]) -> None:
+        """Set every series of ``scope`` (a GPU) at once; series of the scope that are
+        not in ``values`` any more are removed."""
+        for labels, value in values.items():
+            self.gauge.labels(*labels).set(value)
+        for labels in self._live.get(scope, set()) - set(values):
+            try:
+                self.gauge.remove(*labels)
+            except KeyError:
+                pass
+        self._live[scope] = set(values)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from enum import StrEnum
 
 DOMAIN = "gpu.rota.dev"
 
@@ -36,11 +37,12 @@ NODE_NAME = f"{DOMAIN}/node-name"
 past 63 characters); the chart's admission policy compares it with the token's node."""
 
 STATE = f"{DOMAIN}/state"
-"""``awake`` (the holder serves), ``switching``, ``idle`` (nobody awake) or ``failed``."""
+"""A :class:`LeaseState`: ``awake``, ``switching``, ``starting``, ``idle`` or ``failed``."""
 HOLDER_MODEL = f"{DOMAIN}/holder-model"
 HOLDER_CLAIM_UID = f"{DOMAIN}/holder-claim-uid"
 HOLDER_ENDPOINT = f"{DOMAIN}/holder-endpoint"
-"""``http://<pod ip>:<port>`` of the awake engine."""
+"""No longer written (older controllers put the holder's address here); a GPU Lease says
+who holds a GPU, never where to send traffic, and a read drops this annotation."""
 TARGET_MODEL = f"{DOMAIN}/target-model"
 """During a switch: the model being woken."""
 DRAINING_MODEL = f"{DOMAIN}/draining-model"
@@ -49,12 +51,32 @@ LAST_ERROR = f"{DOMAIN}/last-error"
 """``<reason>: <message>`` of the last failed switch."""
 ACTING_CONTROLLER = f"{DOMAIN}/controller"
 ACTIVATION_URL = f"{DOMAIN}/activation-url"
+INSTANCE = f"{DOMAIN}/instance"
+"""On the controller Lease: the process that holds it (a fresh id per process start), so
+that a restarted process with the same identity waits for the Lease like anyone else."""
 GPU_UUID = f"{DOMAIN}/gpu-uuid"
 
-STATE_AWAKE = "awake"
-STATE_SWITCHING = "switching"
-STATE_IDLE = "idle"
-STATE_FAILED = "failed"
+class LeaseState(StrEnum):
+    """The :data:`STATE` annotation of a GPU Lease."""
+
+    AWAKE = "awake"
+    """The holder serves."""
+    SWITCHING = "switching"
+    """A switch runs (or was cut short: whoever finds it so reconciles first)."""
+    STARTING = "starting"
+    """A start-up admission runs: the holder sleeps while a new engine initialises."""
+    IDLE = "idle"
+    """Nobody is awake."""
+    FAILED = "failed"
+    """The last switch failed and left nobody awake (``last-error`` says why)."""
+
+
+# The same values as plain strings, for code that compares with what a Lease carries.
+STATE_AWAKE: str = LeaseState.AWAKE
+STATE_SWITCHING: str = LeaseState.SWITCHING
+STATE_STARTING: str = LeaseState.STARTING
+STATE_IDLE: str = LeaseState.IDLE
+STATE_FAILED: str = LeaseState.FAILED
 
 _MAX_NAME = 253
 _MAX_LABEL = 63

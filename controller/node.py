@@ -1,35 +1,57 @@
-"""The lease controller of one node: claimants, one worker per GPU, reconciliation.
+"""The lease controller of one node: claimants, one worker per physical GPU, leadership.
 
-It acts only while it holds the node's controller Lease. Each time it (re)gains it, and at
-every resync, it reconciles before serving anything: every claimant is asked whether it
-sleeps, and all but one awake engine per GPU are put to sleep (see
-:mod:`controller.reconcile`). A holder whose pod is gone is struck from its Lease.
+It acts only while it holds the node's controller Lease. Each time it gains the Lease,
+every GPU worker opens and reconciles before serving anything (see :mod:`controller.gpu`);
+when it loses the Lease, every worker closes at once: waiters are answered, no new engine
+call is made, and a step in flight stops at its next fencing check.
+
+Workers, GPU Leases and reconciliation are keyed by the physical GPU
+(:attr:`controller.claimants.Claimant.gpu`): in ``partitioned`` mode every share of a GPU
+(``gpu-0-share-<k>``) belongs to the one worker of ``gpu-0``.
+
+Stopping (:meth:`NodeController.drain`): workers close and answer their waiters, the step
+in flight finishes within the grace period, and only then may the Lease be released.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 
-from controller import metrics, naming, reconcile
-from controller.claimants import Claimant, claimants_from
+from controller import metrics
+from controller.admission import StartLimits, StartSwitch
+from controller.cache import NodeCache
+from controller.claimants import Claimant
 from controller.device import DeviceReader, GpuSnapshot
 from controller.election import Election
 from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
-from controller.engines.errors import EngineError
 from controller.engines.registry import make_adapter
-from controller.gpu import Activation, GpuWorker, KubeLeasePort
+from controller.gpu import Activation, GpuWorker, KubeLeasePort, Policy
 from controller.kube import ControllerKube
 from controller.settings import LeaseSettings
 from controller.switch import Fenced, Limits, Ports, Switcher
+from controller.visibility import GpuVisibility
+from controller.visible_state_writer import VisibleStateWriter
 from driver.aio import wait_any
-from driver.errors import KubeError
 
 log = logging.getLogger(__name__)
+
+MEMORY = metrics.SeriesSet(metrics.GPU_MEMORY)
+
+
+@dataclass(frozen=True)
+class StartAnswer:
+    granted: bool = False
+    status: int = 200
+    reason: str = ""
+    message: str = ""
+    retry_after_s: float = 0.0
 
 
 class UnknownModel(LookupError):
@@ -38,38 +60,33 @@ class UnknownModel(LookupError):
 
 class NodeController:
     def __init__(self, *, settings: LeaseSettings, kube: ControllerKube, election: Election,
-                 device: DeviceReader, session: aiohttp.ClientSession,
+                 device: DeviceReader, session: aiohttp.ClientSession, cache: NodeCache,
                  engine_token: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 visible: VisibleStateWriter | None = None) -> None:
         self.settings = settings
         self.kube = kube
         self.election = election
         self.device = device
         self.session = session
+        self.cache = cache
         self.engine_token = engine_token
         self.clock = clock
+        self.visible = visible
         self.engine_timeouts = Timeouts(
             sleep_s=settings.timeouts.sleep_s, wake_level1_s=settings.timeouts.wake_s,
             wake_level2_s=settings.timeouts.wake_s, probe_total_s=settings.timeouts.probe_s)
         self.workers: dict[str, GpuWorker] = {}
-        self._claimants: list[Claimant] = []
-        self._claimants_at = 0.0
-        self._refresh_lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.reconciled = asyncio.Event()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._workers_stop = asyncio.Event()
+        self._leading = False
+        self._stopping = False
 
     # -- claimants and engines --------------------------------------------------------------
 
-    async def claimants(self, *, max_age_s: float = 0.5) -> list[Claimant]:
-        """Claimants on this node, re-read from the API when older than ``max_age_s``."""
-        async with self._refresh_lock:
-            if self.clock() - self._claimants_at > max_age_s:
-                claims = await self.kube.list_claims()
-                pods = {p["metadata"]["uid"]: p for p in
-                        await self.kube.list_pods(node=self.settings.node_name)}
-                self._claimants = claimants_from(claims, pods, node=self.settings.node_name)
-                self._claimants_at = self.clock()
-            return list(self._claimants)
+    def claimants(self) -> list[Claimant]:
+        """Claimants on this node, from the watch-fed cache."""
+        return self.cache.claimants()
 
     def engine(self, claimant: Claimant) -> EngineAdapter:
         if claimant.endpoint is None:
@@ -85,22 +102,25 @@ class NodeController:
             raise Fenced(f"{self.election.identity} no longer leads node "
                          f"{self.settings.node_name}")
 
-    async def _snapshot(self, device: str) -> GpuSnapshot:
+    async def snapshot(self, gpu: str) -> GpuSnapshot:
+        """One GPU read through the driver's inspection API (and its memory metrics)."""
         snapshots = await self.device.read()
         for snap in snapshots.values():
+            held: dict[tuple[str, ...], float] = {}
             for proc in snap.processes:
-                metrics.GPU_PROCESS_MEMORY.labels(snap.device, str(proc.pid),
-                                                  proc.claim_uid or "unknown").set(proc.used_bytes)
-        if device not in snapshots:
-            raise LookupError(f"no GPU {device} on node {self.settings.node_name}")
-        return snapshots[device]
+                key = (snap.device, snap.uuid, proc.claim_uid or "unknown")
+                held[key] = held.get(key, 0.0) + proc.used_bytes
+            MEMORY.set(snap.device, held)
+        if gpu not in snapshots:
+            raise LookupError(f"no GPU {gpu} on node {self.settings.node_name}")
+        return snapshots[gpu]
 
-    def _worker(self, device: str) -> GpuWorker:
-        worker = self.workers.get(device)
+    def _worker(self, gpu: str) -> GpuWorker:
+        worker = self.workers.get(gpu)
         if worker is None:
             s = self.settings
-            lease_port = KubeLeasePort(self.kube, s.namespace, s.node_name, device)
-            snapshot = self._snapshot
+            lease_port = KubeLeasePort(self.kube, s.namespace, s.node_name, gpu)
+            snapshot = self.snapshot
 
             class _Device:
                 async def snapshot(self, device: str) -> GpuSnapshot:
@@ -113,133 +133,134 @@ class NodeController:
                               unknown_limit_bytes=s.unknown_process_bytes,
                               timeouts=s.timeouts),
                 identity=s.identity)
-            worker = GpuWorker(device=device, lease_port=lease_port, switcher=switcher,
-                               claimants=self.claimants, engine=self.engine,
-                               min_residency_s=s.min_residency_s, idle_sleep_s=s.idle_sleep_s,
-                               clock=self.clock, coalesce_window_s=s.coalesce_window_s)
-            self.workers[device] = worker
-            if self._stop is not None:
-                task = asyncio.create_task(worker.run(self._stop, poll_s=s.resync_s),
-                                           name=f"gpu-{device}")
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            starter = StartSwitch(switcher, claimant_of=self.cache.claimant,
+                                  limits=StartLimits(start_s=s.timeouts.start_s,
+                                                     grant_s=s.start_hold_s + 10.0))
+            worker = GpuWorker(
+                gpu=gpu, lease_port=lease_port, switcher=switcher, claimants=self.claimants,
+                engine=self.engine, clock=self.clock, identity=s.identity, starter=starter,
+                visibility=GpuVisibility(self.visible, gpu) if self.visible else None,
+                policy=Policy(min_residency_s=s.min_residency_s, idle_sleep_s=s.idle_sleep_s,
+                              coalesce_window_s=s.coalesce_window_s, resync_s=s.resync_s,
+                              tolerance_bytes=s.resident_tolerance_bytes))
+            self.workers[gpu] = worker
+            self._tasks[gpu] = asyncio.create_task(worker.run(self._workers_stop),
+                                                   name=f"gpu-{gpu}")
+            if self._leading:
+                worker.open()
         return worker
+
+    def _follow_claimants(self) -> None:
+        """A worker for every GPU with claimants; every worker reconciles after a change."""
+        claimants = self.claimants()
+        for gpu in sorted({c.gpu for c in claimants}):
+            self._worker(gpu)
+        if self.visible is not None:
+            self.visible.forget(pod_uids={c.pod_uid for c in claimants if c.pod_uid},
+                                claim_uids={c.claim_uid for c in claimants})
+        for worker in self.workers.values():
+            worker.mark_dirty()
 
     # -- activation ----------------------------------------------------------------------------
 
     async def activate(self, model: str, claim: str | None = None) -> Activation:
-        if not self.election.is_leader():
+        if self._stopping:
+            raise Fenced(f"the controller of node {self.settings.node_name} is stopping")
+        if not self.election.is_leader() or not self._leading:
             raise Fenced(f"this instance does not act for node {self.settings.node_name}")
-        await wait_any(self.reconciled, timeout_s=self.settings.timeouts.lease_s)
-        current = await self.claimants(max_age_s=0.5)
-        matching = [c for c in current if c.model == model and (claim is None or c.ref == claim)
-                    and c.serving]
+        matching = [c for c in self.claimants() if c.model == model
+                    and (claim is None or c.ref == claim) and c.serving]
         if not matching:
             raise UnknownModel(f"no serving claimant for model {model!r} on node "
                                f"{self.settings.node_name}")
         holders = {w.lease.holder for w in self.workers.values() if w.lease}
         target = next((c for c in matching if c.ref in holders), matching[0])
-        return await self._worker(target.device).activate(target)
+        return await self._worker(target.gpu).activate(target)
 
-    # -- reconciliation --------------------------------------------------------------------------
+    async def request_start(self, claim_uid: str, token: str) -> StartAnswer:
+        """One long poll of a start gate (see :mod:`controller.starts`)."""
+        hold = self.settings.start_hold_s
+        if not await self.device.verify_start_token(claim_uid, token):
+            return StartAnswer(status=401, reason="unauthorized",
+                               message="the start token is not this claim's")
+        if self._stopping or not self._leading or not self.election.is_leader():
+            return StartAnswer(reason="not_leader", retry_after_s=1.0,
+                               message="this instance does not act for the node now")
+        present = await self.cache.wait_for(lambda: self.cache.claimant(claim_uid) is not None,
+                                            timeout_s=min(hold, 5.0))
+        claimant = self.cache.claimant(claim_uid)
+        if not present or claimant is None:
+            return StartAnswer(reason="unknown_claim", retry_after_s=1.0,
+                               message=f"no claimant with claim uid {claim_uid} on node "
+                                       f"{self.settings.node_name} (yet)")
+        if await self._worker(claimant.gpu).request_start(claimant, hold_s=hold):
+            return StartAnswer(granted=True)
+        return StartAnswer(reason="waiting", retry_after_s=0.0,
+                           message="another engine holds the GPU; ask again")
 
-    async def _sleeping(self, claimant: Claimant) -> bool | None:
-        try:
-            return await self.engine(claimant).is_sleeping()
-        except (EngineError, Fenced, TimeoutError) as exc:
-            log.warning("claimant did not say whether it sleeps",
-                        extra={"claim": claimant.ref, "error": str(exc)})
-            return None
-
-    async def reconcile(self) -> None:
-        """At most one awake engine per GPU, and Leases that say who it is."""
-        current = [c for c in await self.claimants(max_age_s=0) if c.serving]
-        devices = sorted({c.device for c in current} | set(self.workers))
-        for device in devices:
-            worker = self._worker(device)
-            async with worker.lock:
-                await self._reconcile_device(worker, [c for c in current if c.device == device])
-        self.reconciled.set()
-
-    async def _reconcile_device(self, worker: GpuWorker, on_gpu: list[Claimant]) -> None:
-        device = worker.device
-        lease = await worker.lease_port.read()
-        if lease.state == naming.STATE_SWITCHING:
-            # Nobody switches while this worker's lock is held: a switch was cut short by
-            # the crash (or the loss of leadership) of the instance that ran it.
-            metrics.FAILURES.labels("controller_crash").inc()
-            log.warning("found a switch its controller never finished",
-                        extra={"device": device, "fence": lease.fence,
-                               "controller": lease.controller or None,
-                               "target": lease.target_model or None})
-        states = dict(zip([c.claim_uid for c in on_gpu],
-                          await asyncio.gather(*(self._sleeping(c) for c in on_gpu)),
-                          strict=True))
-        decision = reconcile.plan(on_gpu, states, lease.holder)
-        for extra in decision.put_to_sleep:
-            self._guard()
-            log.warning("two engines awake; putting the non-holder to sleep",
-                        extra={"device": device, "claim": extra.ref,
-                               "keep": decision.keep.ref if decision.keep else None})
-            try:
-                outcome = await self.engine(extra).sleep(extra.sleep_level)
-                worker.switcher.record_sleep(extra, outcome.sleep_s)
-                metrics.RECONCILES.labels("two_awake").inc()
-            except EngineError as exc:
-                log.error("could not put an extra awake engine to sleep",
-                          extra={"claim": extra.ref, "error": str(exc)})
-        keep = decision.keep
-        wanted = (keep.ref if keep else "",
-                  naming.STATE_AWAKE if keep else naming.STATE_IDLE)
-        if (lease.holder, lease.state) != wanted or (
-                keep and lease.holder_endpoint != (keep.endpoint or "")):
-            self._guard()
-            # A new fencing number: whatever an earlier instance was doing is over.
-            lease = lease.with_(fence=lease.fence + 1)
-            if keep:
-                lease = lease.with_(holder=keep.ref, holder_model=keep.model,
-                                    holder_claim_uid=keep.claim_uid,
-                                    holder_endpoint=keep.endpoint or "",
-                                    state=naming.STATE_AWAKE, target_model="",
-                                    draining_model="", controller=self.settings.identity)
-            else:
-                lease = lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                    holder_endpoint="", state=naming.STATE_IDLE,
-                                    target_model="", draining_model="",
-                                    controller=self.settings.identity)
-            worker.lease = await worker.lease_port.write(lease)
-            log.info("lease reconciled", extra={"device": device, "holder": wanted[0],
-                                                "state": wanted[1]})
-        else:
-            worker.lease = lease
-        for claimant in on_gpu:
-            metrics.HOLDER.labels(device, claimant.ref).set(
-                1 if keep and claimant.claim_uid == keep.claim_uid else 0)
+    @property
+    def reconciled(self) -> bool:
+        """Leading, and every worker has reconciled since it opened."""
+        return self._leading and all(w.lease is not None for w in self.workers.values())
 
     # -- the loop ----------------------------------------------------------------------------------
 
-    _stop: asyncio.Event | None = None
+    async def _follow_cache(self, stop: asyncio.Event) -> None:
+        seen = -1
+        while not stop.is_set():
+            if self.cache.version != seen:
+                seen = self.cache.version
+                self._follow_claimants()
+            await self.cache.wait_for(functools.partial(self._moved_on, seen, stop),
+                                      timeout_s=self.settings.resync_s)
+
+    def _moved_on(self, seen: int, stop: asyncio.Event) -> bool:
+        return self.cache.version != seen or stop.is_set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._stop = stop
+        """Follow leadership until ``stop``; the workers keep running until :meth:`drain`."""
+        await wait_any(self.cache.synced, stop)
+        follower = asyncio.create_task(self._follow_cache(stop), name="follow-claimants")
         try:
             while not stop.is_set():
-                if not await wait_any(self.election.acquired, stop):
+                if not await wait_any(self.election.acquired, stop) or stop.is_set():
                     continue
-                if stop.is_set():
-                    break
                 metrics.LEADER.set(1)
-                self.reconciled.clear()
-                while self.election.acquired.is_set() and not stop.is_set():
-                    if not any(w.pending() for w in self.workers.values()):
-                        try:
-                            await self.reconcile()
-                        except (KubeError, Fenced, OSError, LookupError) as exc:
-                            log.warning("reconciliation failed; retrying",
-                                        extra={"error": str(exc)})
-                    await wait_any(self.election.lost, stop, timeout_s=self.settings.resync_s)
+                self._follow_claimants()
+                self._leading = True
+                for worker in self.workers.values():
+                    worker.open()
+                await wait_any(self.election.lost, stop)
+                self._leading = False
                 metrics.LEADER.set(0)
+                if not stop.is_set():
+                    log.warning("lost the node; every worker stops taking work",
+                                extra={"node": self.settings.node_name})
+                    for worker in self.workers.values():
+                        worker.close("not_leader", "this instance no longer acts for node "
+                                     f"{self.settings.node_name}")
         finally:
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stop taking work, answer every waiter, and let the steps in flight finish
+        within ``grace_s``; then end the workers. True when nothing was cut short (the
+        controller Lease may be released); False when a step had to be cancelled."""
+        self._stopping = True
+        self._leading = False
+        for worker in self.workers.values():
+            worker.close("stopping", f"the controller of node {self.settings.node_name} is "
+                         "stopping")
+        self._workers_stop.set()
+        tasks = list(self._tasks.values())
+        if not tasks:
+            return True
+        _done, pending = await asyncio.wait(tasks, timeout=grace_s)
+        for task in pending:
+            log.error("a step was still running at the end of the grace period; cutting it "
+                      "short", extra={"node": self.settings.node_name, "task": task.get_name()})
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        metrics.LEADER.set(0)
+        return not pending

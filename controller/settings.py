@@ -12,7 +12,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from driver.settings import parse_settings
 
@@ -32,6 +32,8 @@ class StepTimeouts(BaseModel):
     wake_s: float = Field(default=300.0, gt=0)
     probe_s: float = Field(default=60.0, gt=0)
     lease_s: float = Field(default=10.0, gt=0)
+    start_s: float = Field(default=900.0, gt=0)
+    """From a start slot's grant until the engine answers /health (a cold start)."""
 
 
 class LeaseSettings(BaseModel):
@@ -76,8 +78,12 @@ class LeaseSettings(BaseModel):
                                      "(its admission stays open meanwhile).")
     idle_sleep_s: float = Field(default=0.0, ge=0, description="Put the holder to sleep "
                                 "after this long without work (0: never).")
-    resync_s: float = Field(default=10.0, gt=0, description="Re-read claimants and the "
-                            "device at least this often.")
+    resync_s: float = Field(default=10.0, gt=0, description="Reconcile each GPU (ask its "
+                            "engines, read the device) at least this often, also under load.")
+    shutdown_grace_s: float = Field(default=25.0, gt=0, description="On SIGTERM, let the "
+                                    "switch in flight finish for up to this long before "
+                                    "releasing the controller Lease (keep it below the pod's "
+                                    "terminationGracePeriodSeconds).")
     resident_tolerance_bytes: int = Field(default=512 * MIB, ge=0, description="How far above "
                                           "its resident budget a sleeping engine may read.")
     unknown_process_bytes: int = Field(default=512 * MIB, ge=0, description="An unknown "
@@ -85,7 +91,21 @@ class LeaseSettings(BaseModel):
     probe_max_tokens: int = Field(default=4, ge=1)
     timeouts: StepTimeouts = Field(default_factory=StepTimeouts,
                                    description="JSON object of per-step timeouts.")
+    start_socket: Path | None = Field(default=Path("/var/run/rota/start/start.sock"),
+                                      description="Unix socket where engines' start gates "
+                                      "ask for a start slot (the driver mounts its directory "
+                                      "into claim containers). Empty: no start-up admission.")
+    start_hold_s: float = Field(default=20.0, gt=0, description="A start gate's question is "
+                                "held this long before it is told to ask again.")
+    visible_state: bool = Field(default=True, description="Show switches where kubectl "
+                                "sees them: Events on engine pods, their gpu.rota.dev/state "
+                                "label and the Awake/Ready conditions of their claims.")
     log_level: str = Field(default="info")
+
+    @field_validator("start_socket", mode="before")
+    @classmethod
+    def _empty_is_off(cls, value: object) -> object:
+        return None if value == "" else value
 
 
 _ALIASES = {"NODE_NAME": "ROTA_NODE_NAME", "POD_NAMESPACE": "ROTA_NAMESPACE"}

@@ -12,11 +12,21 @@ The order is the reference experiment's, each step bounded and measured:
 6. the correctness request (streamed; content, ``[DONE]`` and usage);
 7. record the target as holder and open admission.
 
+Fencing: before every engine call that can change who is awake (every sleep and wake)
+the GPU Lease is read again from the API server, and the call is refused (:class:`Fenced`)
+unless the Lease still carries this switch's fencing number and this instance still leads
+the node. A writer that moved the Lease (a newer instance's reconciliation, another
+switch) stops this one before its next such call. Reads (``/is_sleeping``, the load
+metrics) and the correctness probe, a generation that changes nothing, need only the
+leadership check.
+
 Failure keeps one owner: a target that fails to wake or to answer correctly is put back to
 sleep, and the GPU is read again, before the old holder is woken; an engine whose memory
-is not handed back is never followed by another wake. Every engine call first checks that
-this instance still leads the node and that the Lease still carries this switch's fencing
-number; a call under an old number is refused here, before it reaches an engine.
+is not handed back is never followed by another wake. A sleep whose outcome is unknown (it
+timed out, or its answer was lost) may still fire later (vLLM keeps a ``mode=wait`` sleep
+registered): such an engine is never woken by this switch; it is returned as
+*unsettled*, and the caller confirms through ``/is_sleeping`` and the GPU that it really
+slept before anyone is woken (reconciliation does, in :mod:`controller.gpu`).
 
 Pure protocol over injected ports (:class:`Ports`), so it is tested without Kubernetes.
 """
@@ -28,17 +38,27 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from controller import metrics, naming
 from controller.claimants import Claimant
 from controller.device import GpuSnapshot, HandbackProblem, check_before_wake
 from controller.engines.base import EngineAdapter
-from controller.engines.errors import EngineError
+from controller.engines.errors import EngineError, EngineLied, EngineRejected, EngineUnreachable
 from controller.leases import GpuLease
 from controller.settings import StepTimeouts
+from driver.aio import Backoff
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+GONE_S = 10.0
+"""How long a switch waits for the GPU to show that an engine that stopped answering is
+gone (its process exited) before it counts the engine as unsettled."""
+SLEEP_MARGIN_S = 5.0
+"""The switch waits this much longer for a sleep than the adapter does, so that a slow
+sleep ends with the adapter's own timeout (a known "state unknown"), not a cancelled call."""
 
 
 class Fenced(RuntimeError):
@@ -46,6 +66,9 @@ class Fenced(RuntimeError):
 
 
 class LeasePort(Protocol):
+    async def read(self) -> GpuLease:
+        """The API server's copy of the GPU Lease, read now."""
+
     async def write(self, lease: GpuLease) -> GpuLease:
         """Compare-and-swap write; raises :class:`Fenced` when the Lease moved on."""
 
@@ -78,6 +101,9 @@ class SwitchResult:
     reason: str = ""
     message: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    unsettled: tuple[Claimant, ...] = ()
+    """Engines whose state this switch could not establish (a sleep that may still fire):
+    possibly awake, never to be woken before :meth:`Switcher.settle` confirms them."""
 
     @property
     def holder(self) -> str:
@@ -90,18 +116,32 @@ class SwitchFailed(Exception):
         self.reason = reason
 
 
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, EngineError):
+class SleepUnknown(Exception):
+    """A sleep whose outcome is not known; the engine is unsettled."""
+
+    def __init__(self, claimant: Claimant, cause: BaseException) -> None:
+        super().__init__(f"the sleep of {claimant.ref} may still take effect: "
+                         f"{str(cause) or type(cause).__name__}")
+        self.claimant = claimant
+        self.reason = cause.reason if isinstance(cause, EngineError) else "state_unknown"
+
+
+def reason_of(exc: BaseException) -> str:
+    if isinstance(exc, EngineError | SwitchFailed | SleepUnknown):
         return exc.reason
     if isinstance(exc, TimeoutError):
         return "timeout"
-    if isinstance(exc, SwitchFailed):
-        return exc.reason
     return type(exc).__name__.lower()
 
 
+def _sleep_outcome_known(exc: BaseException) -> bool:
+    """True when a failed sleep cannot still take effect: the engine answered it with an
+    error, or answered success and then contradicted itself."""
+    return isinstance(exc, EngineRejected | EngineLied) and exc.reason != "engine_dead"
+
+
 class Switcher:
-    """Runs switches for one GPU device. Not re-entrant: the caller serialises."""
+    """Runs switches for one GPU. Not re-entrant: the caller serialises."""
 
     def __init__(self, *, ports: Ports, limits: Limits, identity: str) -> None:
         self.ports = ports
@@ -111,8 +151,8 @@ class Switcher:
 
     # -- steps with timeouts and metrics -------------------------------------------------
 
-    async def _step(self, name: str, coro: Awaitable[object], timeout_s: float,
-                    timings: dict[str, float]) -> object:
+    async def _step(self, name: str, coro: Awaitable[T], timeout_s: float,
+                    timings: dict[str, float]) -> T:
         start = self.ports.clock()
         try:
             return await asyncio.wait_for(coro, timeout_s)
@@ -121,23 +161,31 @@ class Switcher:
             timings[name] = timings.get(name, 0.0) + elapsed
             metrics.STEP.labels(name).observe(elapsed)
 
-    def _engine(self, claimant: Claimant, fence: int, lease: GpuLease) -> EngineAdapter:
-        """The adapter, after the fencing checks that make a stale call impossible."""
+    async def fenced_engine(self, claimant: Claimant, fence: int, timings: dict[str, float]
+                      ) -> EngineAdapter:
+        """The adapter, once the API server's copy of the Lease proves that this switch
+        still owns the GPU: the fencing check before every engine call."""
         self.ports.guard()
-        if lease.fence != fence:
-            raise Fenced(f"fence {fence} is stale; the Lease carries {lease.fence}")
+        current = await self._step("fence", self.ports.lease.read(),
+                                   self.limits.timeouts.lease_s, timings)
+        if current.fence != fence:
+            metrics.FENCED.inc()
+            raise Fenced(f"fence {fence} is stale: the GPU Lease {current.name} carries "
+                         f"{current.fence} (written by {current.controller or 'unknown'})")
+        self.ports.guard()
         return self.ports.engine(claimant)
 
-    async def _write(self, lease: GpuLease, timings: dict[str, float]) -> GpuLease:
+    async def write(self, lease: GpuLease, timings: dict[str, float]) -> GpuLease:
         self.ports.guard()
-        written = await self._step("lease", self.ports.lease.write(lease),
-                                   self.limits.timeouts.lease_s, timings)
-        assert isinstance(written, GpuLease)
-        return written
+        return await self._step("lease", self.ports.lease.write(lease),
+                                self.limits.timeouts.lease_s, timings)
 
-    async def _drain(self, claimant: Claimant, lease: GpuLease, timings: dict[str, float]
-                     ) -> None:
-        engine = self._engine(claimant, lease.fence, lease)
+    async def drain(self, claimant: Claimant, fence: int, timings: dict[str, float]
+                    ) -> None:
+        """Wait (bounded) until ``claimant`` has no work; reads only, so leadership is
+        the only check (the sleep that follows is fenced)."""
+        self.ports.guard()
+        engine = self.ports.engine(claimant)
         start = self.ports.clock()
         deadline = start + self.limits.timeouts.drain_s
         delay = 0.01
@@ -154,56 +202,68 @@ class Switcher:
             log.warning("drain timed out; sleeping with mode=wait lets the rest finish",
                         extra={"claim": claimant.ref, "in_flight": busy})
 
-    async def _sleep(self, claimant: Claimant, lease: GpuLease, timings: dict[str, float]
+    async def sleep(self, claimant: Claimant, fence: int, timings: dict[str, float]
                      ) -> None:
-        engine = self._engine(claimant, lease.fence, lease)
-        t = self.limits.timeouts
-        outcome = await self._step("sleep", engine.sleep(claimant.sleep_level), t.sleep_s,
-                                   timings)
-        sleep_s = float(getattr(outcome, "sleep_s", 0.0))
-        first = self.record_sleep(claimant, sleep_s)
-        timings["first_sleep" if first else "later_sleep"] = sleep_s
+        """Sleep and confirm. Raises :class:`SleepUnknown` when the sleep may still
+        fire later (never retried, never followed by a wake of this engine)."""
+        engine = await self.fenced_engine(claimant, fence, timings)
+        try:
+            outcome = await self._step("sleep", engine.sleep(claimant.sleep_level),
+                                       self.limits.timeouts.sleep_s + SLEEP_MARGIN_S, timings)
+        except Exception as exc:
+            if _sleep_outcome_known(exc):
+                raise
+            raise SleepUnknown(claimant, exc) from exc
+        first = self.record_sleep(claimant, outcome.sleep_s)
+        timings["first_sleep" if first else "later_sleep"] = outcome.sleep_s
 
     def record_sleep(self, claimant: Claimant, sleep_s: float) -> bool:
         """Measure one sleep of ``claimant`` (also those reconciliation makes); True when it
         was the engine's first, which is slow (pinned host buffers are allocated)."""
         first = claimant.claim_uid not in self._slept_before
         self._slept_before.add(claimant.claim_uid)
-        metrics.SLEEP_CALL.labels(claimant.model, str(claimant.sleep_level),
-                                  str(first).lower()).observe(sleep_s)
+        metrics.SLEEP.labels(claimant.model, str(claimant.sleep_level),
+                             str(first).lower()).observe(sleep_s)
         return first
 
-    async def _check_device(self, target: Claimant, claimants: Sequence[Claimant],
-                            lease: GpuLease, timings: dict[str, float]
-                            ) -> HandbackProblem | None:
+    async def snapshot(self, gpu: str, timings: dict[str, float]) -> GpuSnapshot:
         self.ports.guard()
-        snapshot = await self._step("inspect", self.ports.device.snapshot(target.device),
-                                    self.limits.timeouts.inspect_s, timings)
-        assert isinstance(snapshot, GpuSnapshot)
+        return await self._step("inspect", self.ports.device.snapshot(gpu),
+                                self.limits.timeouts.inspect_s, timings)
+
+    async def check_device(self, target: Claimant, claimants: Sequence[Claimant],
+                            timings: dict[str, float]) -> HandbackProblem | None:
+        snapshot = await self.snapshot(target.gpu, timings)
         return check_before_wake(snapshot, target=target, claimants=claimants,
                                  tolerance_bytes=self.limits.tolerance_bytes,
                                  unknown_limit_bytes=self.limits.unknown_limit_bytes)
 
-    async def _wake_and_probe(self, target: Claimant, lease: GpuLease,
+    async def wake_and_probe(self, target: Claimant, fence: int,
                               timings: dict[str, float]) -> float:
         """Wake and prove it; returns the monotonic time of the first token."""
-        engine = self._engine(target, lease.fence, lease)
+        engine = await self.fenced_engine(target, fence, timings)
         t = self.limits.timeouts
         outcome = await self._step("wake", engine.wake(target.sleep_level), t.wake_s, timings)
-        wake_s = float(getattr(outcome, "wake_s", timings["wake"]))
+        wake_s = outcome.wake_s
         timings["wake_call"] = wake_s
-        metrics.WAKE_CALL.labels(target.model, str(target.sleep_level)).observe(wake_s)
-        engine = self._engine(target, lease.fence, lease)
+        metrics.WAKE.labels(target.model, str(target.sleep_level)).observe(wake_s)
+        return await self.probe(target, fence, timings, wake_s=wake_s)
+
+    async def probe(self, target: Claimant, fence: int, timings: dict[str, float], *,
+                     wake_s: float = 0.0) -> float:
+        self.ports.guard()  # a generation changes nothing: leadership is enough
+        engine = self.ports.engine(target)
         probe_start = self.ports.clock()
-        result = await self._step("probe", engine.probe(), t.probe_s, timings)
-        if not getattr(result, "ok", False):
-            raise SwitchFailed(f"probe_{getattr(result, 'reason', 'failed')}",
+        result = await self._step("probe", engine.probe(), self.limits.timeouts.probe_s,
+                                  timings)
+        if not result.ok:
+            raise SwitchFailed(f"probe_{result.reason or 'failed'}",
                                f"{target.ref} woke but the correctness request failed: "
-                               f"{getattr(result, 'detail', '') or getattr(result, 'reason', '')}")
-        ttft = float(getattr(result, "ttft_s", 0.0) or 0.0)
+                               f"{result.detail or result.reason}")
+        ttft = float(result.ttft_s or 0.0)
         timings["probe_ttft"] = ttft
         timings["recovery_to_first_token"] = wake_s + ttft
-        metrics.RECOVERY_TO_FIRST_TOKEN.labels(target.model).observe(wake_s + ttft)
+        metrics.RECOVERY.labels(target.model).observe(wake_s + ttft)
         return probe_start + ttft
 
     # -- the protocol --------------------------------------------------------------------
@@ -213,7 +273,7 @@ class Switcher:
         """Make ``target`` the awake engine of the GPU that ``lease`` describes."""
         timings: dict[str, float] = {}
         begin = self.ports.clock()
-        lease = await self._write(lease.with_(
+        lease = await self.write(lease.with_(
             state=naming.STATE_SWITCHING, fence=lease.fence + 1, target_model=target.model,
             draining_model=holder.model if holder else "", controller=self.identity,
             last_error=""), timings)
@@ -224,26 +284,28 @@ class Switcher:
         handoff_start = self.ports.clock()
         try:
             if holder is not None:
-                await self._drain(holder, lease, timings)
+                await self.drain(holder, fence, timings)
                 handoff_start = self.ports.clock()
-                await self._sleep(holder, lease, timings)
-            problem = await self._check_device(target, claimants, lease, timings)
+                await self.sleep(holder, fence, timings)
+            problem = await self.check_device(target, claimants, timings)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
         except Fenced:
             raise
+        except SleepUnknown as exc:
+            return await self.unsettled(lease, exc, timings)
         except Exception as exc:
-            return await self._restore(lease, holder, target, claimants, exc, timings)
+            return await self.restore(lease, holder, exc, timings)
         try:
-            first_token_at = await self._wake_and_probe(target, lease, timings)
+            first_token_at = await self.wake_and_probe(target, fence, timings)
         except Fenced:
             raise
         except Exception as exc:
             return await self._back_out(lease, holder, target, claimants, exc, timings)
         handoff = first_token_at - handoff_start
         timings["handoff_to_first_token"] = handoff
-        metrics.HANDOFF_TO_FIRST_TOKEN.labels(target.model).observe(handoff)
-        lease = await self._write(self._serving(lease, target), timings)
+        metrics.HANDOFF.labels(target.model).observe(handoff)
+        lease = await self.write(self.serving(lease, target), timings)
         timings["total"] = self.ports.clock() - begin
         metrics.SWITCHES.labels("ok").inc()
         log.info("switch done", extra={"device": lease.device, "fence": fence,
@@ -252,83 +314,141 @@ class Switcher:
         return SwitchResult(True, lease, timings=timings)
 
     @staticmethod
-    def _serving(lease: GpuLease, claimant: Claimant) -> GpuLease:
+    def serving(lease: GpuLease, claimant: Claimant) -> GpuLease:
         return lease.with_(holder=claimant.ref, holder_model=claimant.model,
                            holder_claim_uid=claimant.claim_uid,
-                           holder_endpoint=claimant.endpoint or "", state=naming.STATE_AWAKE,
+                           state=naming.STATE_AWAKE,
                            target_model="", draining_model="")
 
-    async def _fail(self, lease: GpuLease, reason: str, message: str, *,
-                    restored: Claimant | None, timings: dict[str, float]) -> SwitchResult:
+    async def fail(self, lease: GpuLease, reason: str, message: str, *,
+                    restored: Claimant | None, timings: dict[str, float],
+                    unsettled: tuple[Claimant, ...] = ()) -> SwitchResult:
         metrics.SWITCHES.labels("failed").inc()
-        metrics.FAILURES.labels(reason).inc()
+        metrics.FAILURES.labels(metrics.failure_reason(reason)).inc()
         if restored is not None:
-            lease = self._serving(lease, restored).with_(last_error=f"{reason}: {message}")
+            lease = self.serving(lease, restored).with_(last_error=f"{reason}: {message}")
         else:
             # target-model stays, so gateways can tell which model failed to come up.
             lease = lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                holder_endpoint="", state=naming.STATE_FAILED,
+                                state=naming.STATE_FAILED,
                                 draining_model="", last_error=f"{reason}: {message}")
-        lease = await self._write(lease, timings)
+        lease = await self.write(lease, timings)
         log.error("switch failed", extra={"device": lease.device, "fence": lease.fence,
                                           "reason": reason, "error": message,
-                                          "holder": lease.holder or None})
-        return SwitchResult(False, lease, reason, message, timings)
+                                          "holder": lease.holder or None,
+                                          "unsettled": [c.ref for c in unsettled] or None})
+        return SwitchResult(False, lease, reason, message, timings, unsettled)
 
-    async def _restore(self, lease: GpuLease, holder: Claimant | None, target: Claimant,
-                       claimants: Sequence[Claimant], exc: BaseException,
+    async def unsettled(self, lease: GpuLease, exc: SleepUnknown,
+                         timings: dict[str, float]) -> SwitchResult:
+        """The holder's sleep may still fire: nobody is woken, the GPU has no holder, and
+        the engine stays unsettled until :meth:`settle` confirms where it is."""
+        return await self.fail(lease, exc.reason, str(exc), restored=None, timings=timings,
+                                unsettled=(exc.claimant,))
+
+    async def restore(self, lease: GpuLease, holder: Claimant | None, exc: BaseException,
                        timings: dict[str, float]) -> SwitchResult:
-        """The target was never woken: give the GPU back to the old holder."""
-        reason, message = _reason(exc), str(exc) or type(exc).__name__
+        """The target was never woken: give the GPU back to the old holder, whose sleep
+        completed (or was refused: it never began)."""
+        reason, message = reason_of(exc), str(exc) or type(exc).__name__
         if holder is None:
-            return await self._fail(lease, reason, message, restored=None, timings=timings)
+            return await self.fail(lease, reason, message, restored=None, timings=timings)
         # Even when the holder kept its memory while claiming to sleep, waking it is the
         # way back to a serving GPU: the target holds no more than its resident budget.
         try:
-            await self._wake_and_probe(holder, lease, timings)
+            await self.wake_and_probe(holder, lease.fence, timings)
         except Fenced:
             raise
         except Exception as again:
-            return await self._fail(lease, reason, f"{message}; waking {holder.ref} back "
+            return await self.fail(lease, reason, f"{message}; waking {holder.ref} back "
                                     f"failed too: {again}", restored=None, timings=timings)
-        return await self._fail(lease, reason, message, restored=holder, timings=timings)
+        return await self.fail(lease, reason, message, restored=holder, timings=timings)
 
     async def _back_out(self, lease: GpuLease, holder: Claimant | None, target: Claimant,
                         claimants: Sequence[Claimant], exc: BaseException,
                         timings: dict[str, float]) -> SwitchResult:
         """The target was (maybe partly) woken and failed: sleep it, confirm, then restore."""
-        reason, message = _reason(exc), str(exc) or type(exc).__name__
+        reason, message = reason_of(exc), str(exc) or type(exc).__name__
         try:
-            await self._sleep(target, lease, timings)
+            await self.sleep(target, lease.fence, timings)
         except Fenced:
             raise
+        except SleepUnknown as unknown:
+            if not (isinstance(unknown.__cause__, EngineUnreachable)
+                    and await self.gone(target, timings)):
+                return await self.fail(lease, reason, f"{message}; {unknown}", restored=None,
+                                       timings=timings, unsettled=(target,))
+            log.warning("the failed target is gone (no process on the GPU)",
+                        extra={"claim": target.ref, "device": target.gpu})
         except Exception as sleep_exc:
             log.warning("could not put the failed target back to sleep",
                         extra={"claim": target.ref, "error": str(sleep_exc)})
         if holder is None:
-            return await self._fail(lease, reason, message, restored=None, timings=timings)
+            return await self.fail(lease, reason, message, restored=None, timings=timings)
         # Never wake the old holder while the target's memory is not handed back.
         try:
-            problem = await self._check_device(holder, claimants, lease, timings)
+            problem = await self.check_device(holder, claimants, timings)
+        except Fenced:
+            raise
         except Exception as read_exc:
             problem = HandbackProblem("inspect_failed", str(read_exc))
         if problem is not None:
-            return await self._fail(lease, reason, f"{message}; the old holder stays asleep: "
+            return await self.fail(lease, reason, f"{message}; the old holder stays asleep: "
                                     f"{problem.message}", restored=None, timings=timings)
-        return await self._restore(lease, holder, target, claimants, exc, timings)
+        return await self.restore(lease, holder, exc, timings)
+
+    async def gone(self, claimant: Claimant, timings: dict[str, float],
+                   within_s: float = GONE_S) -> bool:
+        """True once the GPU shows no process of ``claimant`` (an engine that does not
+        answer and holds nothing is not running: it cannot be awake, nor wake later);
+        waits up to ``within_s`` for a dying process to let go."""
+        pauses = Backoff(first_s=0.05, max_s=1.0)
+        deadline = self.ports.clock() + within_s
+        while True:
+            snapshot = await self.snapshot(claimant.gpu, timings)
+            if not any(p.claim_uid == claimant.claim_uid for p in snapshot.processes):
+                return True
+            if self.ports.clock() >= deadline:
+                return False
+            await pauses.sleep()
+
+    async def settle(self, claimant: Claimant, fence: int, timings: dict[str, float]
+                     ) -> bool:
+        """Settle an engine a switch left unsettled: a sleep of ours that completes
+        (engines handle control calls in order, so whatever was sent before has been
+        done, and the engine is asleep), or no process of it on the GPU. False: it is
+        still unsettled (never wake anyone beside it)."""
+        try:
+            await self.sleep(claimant, fence, timings)
+            return True
+        except Fenced:
+            raise
+        except (SleepUnknown, EngineError) as exc:
+            if isinstance(exc.__cause__ or exc, EngineUnreachable):
+                return await self.gone(claimant, timings)
+            return False
 
     async def sleep_holder(self, lease: GpuLease, holder: Claimant, *, reason: str
-                           ) -> GpuLease:
+                           ) -> SwitchResult:
         """Put the holder to sleep and leave the GPU idle (idle TTL, or a vanished target)."""
         timings: dict[str, float] = {}
-        lease = await self._write(lease.with_(state=naming.STATE_SWITCHING,
+        lease = await self.write(lease.with_(state=naming.STATE_SWITCHING,
                                               fence=lease.fence + 1,
                                               draining_model=holder.model, target_model="",
                                               controller=self.identity), timings)
-        await self._drain(holder, lease, timings)
-        await self._sleep(holder, lease, timings)
+        try:
+            await self.drain(holder, lease.fence, timings)
+            await self.sleep(holder, lease.fence, timings)
+        except Fenced:
+            raise
+        except SleepUnknown as exc:
+            return await self.unsettled(lease, exc, timings)
+        except Exception as exc:
+            return await self.fail(lease, reason_of(exc), str(exc) or type(exc).__name__,
+                                    restored=holder, timings=timings)
         log.info("holder put to sleep", extra={"device": lease.device, "claim": holder.ref,
                                                "reason": reason})
-        return await self._write(lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                             holder_endpoint="", state=naming.STATE_IDLE,
-                                             draining_model=""), timings)
+        lease = await self.write(lease.with_(holder="", holder_model="", holder_claim_uid="",
+                                              state=naming.STATE_IDLE,
+                                              draining_model=""), timings)
+        return SwitchResult(True, lease, timings=timings)

@@ -4,7 +4,7 @@ A switch never waits for an Event, a label or a condition: callers hand their ch
 :class:`VisibleStateWriter`, which keeps only the latest wanted value per object (a newer
 state of a pod replaces an older one not yet sent) and writes them from one background
 task. A failed write is retried a few times with the shared backoff and then dropped with a
-warning and a count (``rota_visible_state_errors_total{kind}``); the next change of that
+warning and a count (``rota_controller_visible_state_errors_total{kind}``); the next change of that
 object writes it again.
 """
 
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client
-from prometheus_client import Counter
 
 from controller import metrics
 from controller.claimants import Claimant
@@ -41,13 +40,6 @@ from driver.kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube
 __all__ = ["VisibleStateKube", "VisibleStateWriter"]
 
 log = logging.getLogger(__name__)
-
-ERRORS = Counter("rota_visible_state_errors_total",
-                 "Events, pod labels or claim conditions that could not be written.",
-                 ["kind"], registry=metrics.REGISTRY)
-for _kind in ("event", "pod_label", "claim_conditions"):
-    ERRORS.labels(_kind)
-
 
 class VisibleStateKube(Kube):
     """The three writes, through the shared facade (threads, timeouts, error mapping)."""
@@ -221,7 +213,7 @@ class VisibleStateWriter:
                             backoff=Backoff(first_s=0.1, max_s=1.0, attempts=self.attempts - 1),
                             transient=_transient)
             except KubeError as exc:
-                ERRORS.labels(_error_kind(key[0])).inc()
+                metrics.VISIBLE_STATE_ERRORS.labels(_error_kind(key[0])).inc()
                 log.warning("could not write visible state", extra={
                     "kind": key[0], "object": key[1], "error": str(exc)})
         self.idle.set()

@@ -37,6 +37,7 @@ from driver.rpc.registration import RegistrationService
 from driver.rpc.sockets import UnixServer, drop_link, point_link
 from driver.settings import DriverSettings, NvmlBackendKind
 from driver.slices import SharingMode
+from driver.startgate import StartGate, load_or_create_key
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +98,24 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
     await asyncio.to_thread(settings.plugin_data_dir.mkdir, mode=0o750, parents=True,
                             exist_ok=True)
     boot_id = await asyncio.to_thread(current_boot_id, settings.proc_root)
+    start_gate = None if settings.start_gate_dir is None else StartGate(
+        settings.start_gate_dir,
+        await asyncio.to_thread(load_or_create_key, settings.start_gate_key_path))
     preparer = Preparer(kube=kube, ledger=Ledger(settings.ledger_path, boot_id=boot_id),
                         cdi_root=settings.cdi_root, dev_root=settings.dev_root,
                         driver_name=DRIVER_NAME, pool=settings.node_name,
                         devices=publisher.devices, lock_path=settings.lock_path,
-                        lock_timeout_s=settings.lock_timeout_s, cdi_edits=cdi_edits(settings))
+                        lock_timeout_s=settings.lock_timeout_s, cdi_edits=cdi_edits(settings),
+                        dev_view=settings.dev_root_mount, start_gate=start_gate)
     await preparer.restore()
     collector = LedgerCollector(preparer=preparer, kube=kube, node_name=settings.node_name,
                                 driver=DRIVER_NAME, pool=settings.node_name)
     health = HealthMonitor(backend=backend, pool=settings.node_name, devices=publisher.devices,
                            on_change=publisher.set_health)
-    inspection = InspectionService(backend=backend, gpus=gpus, proc_root=settings.proc_root)
+    inspection = InspectionService(
+        backend=backend, gpus=gpus, proc_root=settings.proc_root,
+        pods_from_environment=settings.nvml_backend is NvmlBackendKind.FAKE,
+        start_gate=start_gate)
     registration = RegistrationService(driver_name=DRIVER_NAME, dra_endpoint=settings.dra_socket)
 
     dra_server = UnixServer(settings.dra_socket,

@@ -11,8 +11,12 @@ Each CDI device gives the container the GPU's device nodes (``/dev/nvidia<minor>
 ``/dev/nvidiactl``, ``/dev/nvidia-uvm``, ``/dev/nvidia-uvm-tools``; host paths under a
 configurable device root), those of them that exist on the node: the container runtime
 stats every node a spec lists and fails the container when one is missing (many GPU nodes
-have no ``nvidia-uvm-tools``). Then an environment. The driver libraries come from the image or
-the NVIDIA container toolkit, which reads ``NVIDIA_VISIBLE_DEVICES``. Every environment
+have no ``nvidia-uvm-tools``). Existence is checked in a live view of the host's device
+root (``dev_view``: a read-only mount of it in the driver's container), not in the
+container's own ``/dev``, a copy made when it started: ``/dev/nvidia-uvm`` is often created
+on first CUDA use, or by a driver container that starts after rota's. Then an
+environment. The driver libraries come from the image or the NVIDIA container toolkit,
+which reads ``NVIDIA_VISIBLE_DEVICES``. Every environment
 value is a property of the whole claim and is the same in each of its CDI devices, so the
 order in which a runtime merges them cannot matter; with several GPUs or shares the
 values are comma-separated lists:
@@ -24,7 +28,10 @@ values are comma-separated lists:
   engine can size its KV cache from a fixed number (``--kv-cache-memory-bytes``) rather
   than from whatever memory is free when it starts;
 - with an engine config: ``ROTA_MODEL``, ``ROTA_SLEEP_LEVEL``, ``ROTA_ENGINE_PORT``,
-  ``ROTA_ENGINE_ADAPTER``.
+  ``ROTA_ENGINE_ADAPTER``;
+- with an engine config and the start gate on: ``ROTA_START_SOCKET`` and
+  ``ROTA_START_TOKEN`` (the claim's own token), and a read-only mount of the start-gate
+  directory (host path = container path); see :mod:`driver.startgate`.
 
 With the fake NVML backend, the driver adds :func:`fake_nvml_edits`: a mount of its process
 registry directory and ``ROTA_FAKE_NVML_PROC_DIR`` naming it, so an engine in a container
@@ -50,6 +57,7 @@ from typing import Any
 
 from driver.claims import AllocatedShare, ClaimPlan, PublishedDevice
 from driver.disk import OS_DISK, Disk, atomic_write, fsync_dir, remove_temp_files
+from driver.startgate import StartGate
 
 __all__ = [
     "CDI_CLASS",
@@ -153,7 +161,8 @@ def _joined(values: list[str]) -> str:
     return ",".join(dict.fromkeys(values))
 
 
-def _environment(plan: ClaimPlan, extra: Mapping[str, str]) -> list[str]:
+def _environment(plan: ClaimPlan, extra: Mapping[str, str],
+                 start_gate: StartGate | None) -> list[str]:
     gpus = ",".join(plan.gpu_uuids)
     env = {
         "NVIDIA_VISIBLE_DEVICES": gpus,
@@ -172,18 +181,20 @@ def _environment(plan: ClaimPlan, extra: Mapping[str, str]) -> list[str]:
         env["ROTA_SLEEP_LEVEL"] = str(plan.config.sleep_level)
         env["ROTA_ENGINE_PORT"] = str(plan.config.engine_port)
         env["ROTA_ENGINE_ADAPTER"] = plan.config.adapter
+        if start_gate is not None:
+            env.update(start_gate.environment(plan.uid))
     env.update(extra)
     return [f"{key}={value}" for key, value in sorted(env.items())]
 
 
-def _device_nodes(device: PublishedDevice, dev_root: str,
+def _device_nodes(device: PublishedDevice, dev_root: str, dev_view: str,
                   node_exists: Callable[[str], bool]) -> list[dict[str, str]]:
     minor = device.gpu_minor if device.gpu_minor is not None else device.gpu_index
     nodes: list[dict[str, str]] = []
     for node in (f"nvidia{minor}", *_SHARED_NODES):
         entry = {"path": f"/dev/{node}"}
         host_path = f"{dev_root.rstrip('/')}/{node}"
-        if not node_exists(host_path):
+        if not node_exists(f"{dev_view.rstrip('/')}/{node}"):
             if host_path not in _missing_logged:
                 _missing_logged.add(host_path)
                 log.info("device node missing on this node; not listed in CDI specs",
@@ -200,8 +211,10 @@ def build_claim_spec(
     devices: Mapping[str, PublishedDevice],
     *,
     dev_root: str = "/dev",
+    dev_view: str | None = None,
     extra: ExtraEdits | None = None,
     node_exists: Callable[[str], bool] = os.path.exists,
+    start_gate: StartGate | None = None,
 ) -> dict[str, Any]:
     """The CDI spec of one claim: one device per share, edits as the module docstring says.
 
@@ -211,23 +224,29 @@ def build_claim_spec(
             there).
         dev_root: where the NVIDIA device nodes are on the host (``/dev``, or the driver
             root of a containerised driver such as ``/run/nvidia/driver/dev``).
+        dev_view: where this process sees ``dev_root`` live (a mount of it); device nodes
+            are looked for there. None: at ``dev_root`` itself.
         extra: edits added to every device (the fake NVML's registry mount).
         node_exists: whether a device node exists (a node that does not is left out).
+        start_gate: the start gate's socket directory and key (None: no start gate); only
+            claims with an engine config get it.
 
     Raises:
         ValueError: a share names an unknown device, or a name is not valid in CDI.
     """
     edits = extra or ExtraEdits()
-    env = _environment(plan, edits.env)
+    env = _environment(plan, edits.env, start_gate)
     mounts = [{"hostPath": m.host_path, "containerPath": m.container_path,
                "options": list(m.options)} for m in edits.mounts]
+    if start_gate is not None and plan.config is not None:
+        mounts.append(start_gate.mount())
     cdi_devices: list[dict[str, Any]] = []
     for share in plan.shares:
         device = devices.get(share.device)
         if device is None:
             raise ValueError(f"claim {plan.uid} holds unknown device {share.device!r}")
         container_edits: dict[str, Any] = {"env": list(env)}
-        nodes = _device_nodes(device, dev_root, node_exists)
+        nodes = _device_nodes(device, dev_root, dev_view or dev_root, node_exists)
         if nodes:
             container_edits["deviceNodes"] = nodes
         if mounts:

@@ -14,7 +14,9 @@ collector:
 2. keeps every suspect that a pod bound to this node still references (by namespace and
    claim name, in ``spec.resourceClaims`` or ``status.resourceClaimStatuses``): the
    kubelet may hold it (containers still running, a pod terminating, a kubelet that
-   re-sends prepares after a restart);
+   re-sends prepares after a restart). Not a ``replaced`` one: a pod names claims by
+   name, and that name is now another claim, the one the pod holds (a claim cannot be
+   deleted while it is reserved for a pod, so no running pod holds the old uid);
 3. collects a suspect once it has been one for ``grace_s`` (so, with the default, across
    two passes or more), under the preparer's locks (the same as prepare's), and not if
    the preparer answered it prepared since the pass began: the kubelet holds it then.
@@ -134,9 +136,9 @@ class LedgerCollector:
                 result.suspects[record.uid] = found
         if result.suspects:
             held = claims_held_by_pods(await self.kube.list_pods_on_node(self.node_name))
-            for uid in list(result.suspects):
+            for uid, why in list(result.suspects.items()):
                 record = state.claims[uid]
-                if (record.namespace, record.name) in held:
+                if why != "replaced" and (record.namespace, record.name) in held:
                     result.held.append(uid)
                     del result.suspects[uid]
         for uid in list(self._suspect_since):

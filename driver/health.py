@@ -81,7 +81,7 @@ class HealthMonitor:
                 health=api.HEALTHY if health.healthy else api.UNHEALTHY,
                 last_updated_time=int(health.since or time.time()),
                 message=health.message[:1024])
-            metrics.DEVICE_HEALTHY.labels(name).set(1 if health.healthy else 0)
+            metrics.DEVICE_HEALTHY.labels(name, device.gpu_uuid).set(1 if health.healthy else 0)
         return response
 
     def _mark(self, gpu_uuid: str, healthy: bool, message: str, label: str) -> None:

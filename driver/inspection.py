@@ -1,10 +1,22 @@
 """The node inspection API: what is on each GPU right now.
 
 The lease controller calls it before every wake. Each call reads NVML afresh (memory and
-compute processes take microseconds) and attributes every process: to a pod by its
-cgroup, and to a claim by the ``ROTA_CLAIM_UID`` that rota's CDI spec put in the engine's
-environment. A process neither names stays unattributed, which is what the controller
-needs to see: memory held by something that is not a claimant.
+compute processes take microseconds) and reports, for every process, the pod the kernel
+puts it in (its cgroup, :mod:`driver.cgroups`) and the claim it names itself: the
+``ROTA_CLAIM_UID`` that rota's CDI spec put in the engine's environment. The pod is the
+fact; the claim uid is the process's word, which any process can forge. It is reported
+only for a process in a pod, and the controller counts a process as a claimant's only when
+it runs in the pod the claim is reserved for (``controller.device.owner_of``). A process in
+no pod names no claim: memory held by something that is not a claimant.
+
+``ROTA_POD_UID`` from a process's environment is never taken as its pod, except where the
+driver is told to (``pods_from_environment``: the fake NVML backend, whose simulated
+engines run outside any pod cgroup, or inside the cgroup of whatever pod the whole
+simulation runs in). There a process's ``ROTA_POD_UID`` wins, the cgroup's pod serving
+only processes that name none.
+
+``VerifyStartToken`` tells the controller whether a start-gate token is a claim's own
+(:mod:`driver.startgate`); the key never leaves the driver.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from driver.errors import NvmlError
 from driver.nvml.api import NvmlBackend
 from driver.pb.rota.v1 import inspect_pb2 as pb
 from driver.rpc.services import generic_handler
+from driver.startgate import StartGate
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +61,16 @@ def process_environment(pid: int, proc_root: Path) -> dict[str, str]:
 class InspectionService:
     """Serves ``rota.v1.NodeInspection`` from an NVML backend."""
 
-    def __init__(self, *, backend: NvmlBackend, gpus: list[GpuDevice], proc_root: Path) -> None:
+    def __init__(self, *, backend: NvmlBackend, gpus: list[GpuDevice], proc_root: Path,
+                 pods_from_environment: bool = False,
+                 start_gate: StartGate | None = None) -> None:
+        """``pods_from_environment``: take a process's ``ROTA_POD_UID`` as its pod. Only for
+        simulated nodes (the fake NVML backend): any process can set its environment."""
         self.backend = backend
         self.gpus = gpus
         self.proc_root = proc_root
+        self.pods_from_environment = pods_from_environment
+        self.start_gate = start_gate
 
     def read(self, uuids: set[str]) -> pb.InspectGpusResponse:
         """One blocking NVML read of the selected GPUs (all when ``uuids`` is empty)."""
@@ -65,11 +84,14 @@ class InspectionService:
             for proc in self.backend.compute_processes(gpu.index):
                 pod = pod_of_pid(proc.pid, self.proc_root)
                 env = process_environment(proc.pid, self.proc_root)
+                pod_uid = pod.pod_uid if pod else ""
+                if self.pods_from_environment:
+                    pod_uid = env.get("ROTA_POD_UID") or pod_uid
                 state.processes.add(
-                    pid=proc.pid, used_bytes=proc.used_bytes,
-                    pod_uid=pod.pod_uid if pod else env.get("ROTA_POD_UID", ""),
+                    pid=proc.pid, used_bytes=proc.used_bytes or 0,
+                    used_bytes_unknown=proc.used_bytes is None, pod_uid=pod_uid,
                     container_id=(pod.container_id or "") if pod else "",
-                    claim_uid=env.get("ROTA_CLAIM_UID", ""))
+                    claim_uid=env.get("ROTA_CLAIM_UID", "") if pod_uid else "")
         return response
 
     async def inspect(self, request: pb.InspectGpusRequest,
@@ -88,5 +110,15 @@ class InspectionService:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"NVML: {exc}")
         raise AssertionError("unreachable")
 
+    async def verify_start_token(self, request: pb.VerifyStartTokenRequest,
+                                 context: grpc.aio.ServicerContext[Any, Any]
+                                 ) -> pb.VerifyStartTokenResponse:
+        gate = self.start_gate
+        valid = gate is not None and gate.verify(request.claim_uid, request.token)
+        if not valid:
+            log.warning("start-gate token refused", extra={"claim": request.claim_uid[:64]})
+        return pb.VerifyStartTokenResponse(valid=valid)
+
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
-        return generic_handler(SERVICE, {"InspectGpus": self.inspect})
+        return generic_handler(SERVICE, {"InspectGpus": self.inspect,
+                                         "VerifyStartToken": self.verify_start_token})

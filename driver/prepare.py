@@ -67,6 +67,7 @@ from driver.ledger import (
     PrepareState,
     file_lock,
 )
+from driver.startgate import StartGate
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +109,17 @@ class Preparer:
                  lock_path: Path, lock_timeout_s: float = 10.0,
                  fetch_concurrency: int = 16, disk: Disk = OS_DISK,
                  cdi_edits: cdi.ExtraEdits | None = None,
-                 calls: CallBook | None = None) -> None:
+                 calls: CallBook | None = None, dev_view: Path | None = None,
+                 start_gate: StartGate | None = None) -> None:
+        """``dev_root``: the host's device node directory, named in CDI specs; ``dev_view``:
+        where this process sees it live (default: ``dev_root``)."""
         self.kube = kube
         self.ledger = ledger
         self.cdi_root = cdi_root
         self.dev_root = dev_root
+        self.dev_view = dev_view
         self.cdi_edits = cdi_edits
+        self.start_gate = start_gate
         self.driver_name = driver_name
         self.pool = pool
         self.devices = devices
@@ -354,8 +360,10 @@ class Preparer:
         done: list[tuple[ClaimPlan, ClaimRecord]] = []
         for plan, record in admitted:
             try:
-                spec = cdi.build_claim_spec(plan, devices, dev_root=str(self.dev_root),
-                                            extra=self.cdi_edits)
+                spec = cdi.build_claim_spec(
+                    plan, devices, dev_root=str(self.dev_root),
+                    dev_view=str(self.dev_view) if self.dev_view else None,
+                    extra=self.cdi_edits, start_gate=self.start_gate)
                 cdi.write_spec(self.cdi_root, plan.uid, spec, disk=self.disk)
             except (OSError, ValueError) as exc:
                 outcomes[plan.uid] = _node_error("prepare", exc)

@@ -112,8 +112,7 @@ class SlicePublisher:
             self._changed.set()
 
     def _set_mode_metric(self) -> None:
-        for mode in SharingMode:
-            metrics.PUBLISHED_MODE.labels(mode.value).set(1 if mode is self.mode else 0)
+        metrics.set_sharing_mode(self.mode.value, (mode.value for mode in SharingMode))
 
     # -- one reconciliation --------------------------------------------------------------
 

@@ -51,6 +51,11 @@ class DriverSettings(BaseModel):
     cdi_root: Path = Field(default=Path("/var/run/cdi"), description="Where CDI specs go.")
     dev_root: Path = Field(default=Path("/dev"), description="Device node directory named in "
                                                              "CDI specs.")
+    dev_root_mount: Path | None = Field(default=None, description="Where this driver sees "
+                                        "--dev-root live (a read-only mount of the host's "
+                                        "directory); device nodes are looked for there. "
+                                        "Default: --dev-root itself, which in a container is "
+                                        "a copy made when it started.")
     proc_root: Path = Field(default=Path("/proc"), description="procfs, for process cgroups.")
     nvml_backend: NvmlBackendKind = Field(default=NvmlBackendKind.REAL,
                                           description="real (pynvml) or fake (a JSON fixture).")
@@ -71,7 +76,16 @@ class DriverSettings(BaseModel):
                                 "API). When set, the registration and DRA sockets carry it, "
                                 "so two driver pods can overlap during a rolling update. Env "
                                 "POD_UID works too.")
+    start_gate_dir: Path | None = Field(default=Path("/var/run/rota/start"), description=(
+        "Directory of the start-gate socket (the lease controller listens there); mounted "
+        "read-only into the containers of every claim with an engine config, with the "
+        "claim's token in ROTA_START_TOKEN. Empty: no start gate."))
     log_level: str = Field(default="info", description="debug | info | warning | error")
+
+    @field_validator("start_gate_dir", mode="before")
+    @classmethod
+    def _empty_is_off(cls, value: object) -> object:
+        return None if value == "" else value
 
     @field_validator("sharing_mode")
     @classmethod
@@ -119,6 +133,11 @@ class DriverSettings(BaseModel):
     @property
     def lock_path(self) -> Path:
         return self.plugin_data_dir / "prepare.lock"
+
+    @property
+    def start_gate_key_path(self) -> Path:
+        """The node key of start-gate tokens (never mounted into any container)."""
+        return self.plugin_data_dir / "start-gate.key"
 
 
 _ENV_ALIASES = {"node_name": ("NODE_NAME",), "pod_uid": ("POD_UID",)}

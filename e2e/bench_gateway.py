@@ -201,7 +201,7 @@ def _gateway_first_token(gateway_url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     found = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r"^rota_gateway_time_to_first_token_seconds_(count|sum)\{[^}]*\} (\S+)$", text, re.M)}
+        r"^rota_gateway_first_token_duration_seconds_(count|sum)\{[^}]*\} (\S+)$", text, re.M)}
     return found
 
 

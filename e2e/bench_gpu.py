@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import importlib
 import importlib.util
 import json
@@ -75,6 +74,7 @@ from driver.nvml.api import NvmlBackend
 from driver.opaque import API_VERSION, KIND, parse_engine_config
 from driver.quantity import parse_quantity
 from driver.rpc.sockets import UnixServer
+from e2e.ports import MemoryLeasePort, ReaderDevice
 from e2e.stats import summary_s
 
 log = logging.getLogger("e2e.bench_gpu")
@@ -227,7 +227,7 @@ def _spawn(sim: Sim, args: argparse.Namespace, env: dict[str, str], gpu: GpuDevi
                "--dev-mode", "--log-level", "warning"]
     if fake_dir is not None:
         command += ["--fake-nvml-dir", str(fake_dir)]
-    child_env = dict(env, ROTA_CLAIM_UID=sim.claim_uid)
+    child_env = dict(env, ROTA_CLAIM_UID=sim.claim_uid, ROTA_POD_UID=sim.claim_uid)
     setpriv = shutil.which("setpriv")
     if setpriv:  # the simulator gets SIGKILL if this process dies: no GPU memory left held
         command = [setpriv, "--pdeathsig", "KILL", "--", *command]
@@ -289,37 +289,6 @@ async def _sim_state(sim: Sim, session: aiohttp.ClientSession) -> dict[str, Any]
 # -- controller pieces ------------------------------------------------------------------
 
 
-class MemoryLeasePort:
-    """The GPU Lease kept in memory: compare-and-swap on ``resource_version``, no apiserver."""
-
-    def __init__(self, lease: GpuLease) -> None:
-        self.current = lease.with_(resource_version="0")
-        self.writes = 0
-
-    async def write(self, lease: GpuLease) -> GpuLease:
-        if lease.resource_version != self.current.resource_version:
-            raise Fenced(f"lease resourceVersion {lease.resource_version} is stale; "
-                         f"the lease is at {self.current.resource_version}")
-        version = int(self.current.resource_version or "0") + 1
-        self.current = lease.with_(resource_version=str(version),
-                                   renewed=dt.datetime.now(dt.UTC))
-        self.writes += 1
-        return self.current
-
-
-class ReaderDevice:
-    """The switch's device port on the real inspection client."""
-
-    def __init__(self, reader: DeviceReader) -> None:
-        self.reader = reader
-
-    async def snapshot(self, device: str) -> GpuSnapshot:
-        snapshots = await self.reader.read()
-        if device not in snapshots:
-            raise BenchError(f"the inspection API reports no GPU {device}: {sorted(snapshots)}")
-        return snapshots[device]
-
-
 def _claimant(sim: Sim, gpu: GpuDevice, allowance: int) -> Claimant:
     """What ``claimants_from`` would build from the claim, its opaque config and its pod."""
     config = parse_engine_config({
@@ -330,7 +299,7 @@ def _claimant(sim: Sim, gpu: GpuDevice, allowance: int) -> Claimant:
         claim_uid=sim.claim_uid, namespace=NAMESPACE, claim_name=f"claim-{sim.key}",
         node=NODE, device=gpu.name, share_id=None, config=config, model=sim.model,
         port=sim.port, sleep_level=1, resident_bytes=sim.resident + allowance,
-        pod_name=f"engine-{sim.key}", pod_uid=None, pod_ip="127.0.0.1", pod_ready=True,
+        pod_name=f"engine-{sim.key}", pod_uid=sim.claim_uid, pod_ip="127.0.0.1", pod_ready=True,
         pod_deleting=False)
 
 
@@ -436,7 +405,9 @@ async def _protocol(run: Run, args: argparse.Namespace, backend: NvmlBackend,
     gpu = run.gpu
     assert gpu is not None
     a, b = run.sims
-    service = InspectionService(backend=backend, gpus=[gpu], proc_root=Path("/proc"))
+    # The simulators run in no pod: each names a simulated one (its claim uid).
+    service = InspectionService(backend=backend, gpus=[gpu], proc_root=Path("/proc"),
+                                pods_from_environment=True)
     server = UnixServer(socket, [service.handler()])
     await server.start()
     reader = DeviceReader(socket, timeout_s=10.0)
@@ -474,15 +445,16 @@ async def _protocol(run: Run, args: argparse.Namespace, backend: NvmlBackend,
 
             # Start-up reconciliation: A is the Lease holder, B must sleep first.
             run.stage = "reconciliation (putting B to sleep)"
-            sleeping = {c.claim_uid: await engine(c).is_sleeping() for c in claimants}
-            plan = reconcile.plan(claimants, sleeping, ca.ref)
+            seen = {c.claim_uid: reconcile.Seen.ASLEEP if await engine(c).is_sleeping()
+                    else reconcile.Seen.AWAKE for c in claimants}
+            plan = reconcile.plan(claimants, seen, ca.ref)
             if plan.keep is not ca or plan.put_to_sleep != (cb,):
                 raise BenchError(f"unexpected reconciliation plan: keep "
                                  f"{plan.keep.ref if plan.keep else None}, sleep "
                                  f"{[c.ref for c in plan.put_to_sleep]}")
             await port.write(port.current.with_(
                 holder=ca.ref, holder_model=ca.model, holder_claim_uid=ca.claim_uid,
-                holder_endpoint=ca.endpoint or "", state=naming.STATE_AWAKE,
+                state=naming.STATE_AWAKE,
                 controller="bench-gpu"))
             outcome = await asyncio.wait_for(engine(cb).sleep(1), args.sleep_timeout_s + 15)
             run.first_sleep_s["b"] = round(outcome.sleep_s, 4)
@@ -794,6 +766,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
                                         if p)
     env.pop("ROTA_CLAIM_UID", None)
+    env.pop("ROTA_POD_UID", None)
     _say(f"rota GPU switch benchmark -- {_note(bool(args.fake_nvml))}")
     error: str | None = None
     backend: NvmlBackend | None = None

@@ -105,7 +105,9 @@ def with_fake_gpu(daemonset: Mapping[str, Any], fake: FakeGpu) -> dict[str, Any]
                if "libnvidia-ml" in m["mountPath"]}
     driver["env"] = [e for e in driver.get("env", []) if e["name"] != "LD_LIBRARY_PATH"]
     _set_env(driver, {"ROTA_NVML_BACKEND": "fake", "ROTA_FAKE_NVML_FIXTURE": fake.fixture,
-                      "ROTA_FAKE_NVML_PROC_DIR": fake.proc_dir, "ROTA_DEV_ROOT": fake.dev_root})
+                      "ROTA_FAKE_NVML_PROC_DIR": fake.proc_dir, "ROTA_DEV_ROOT": fake.dev_root,
+                      # mounted below at its own path, live
+                      "ROTA_DEV_ROOT_MOUNT": fake.dev_root})
     mounts = {"fake-nvml": fake.proc_dir, "fake-gpu-dev": fake.dev_root}
     drop = library | set(mounts)
     driver["volumeMounts"] = [m for m in driver.get("volumeMounts", [])

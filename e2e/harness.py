@@ -68,6 +68,11 @@ class NodeDirs:
     def inspect_socket(self) -> Path:
         return self.plugin / "inspect.sock"
 
+    @property
+    def start_gate(self) -> Path:
+        """The start-gate directory (the controller's socket, mounted into engines)."""
+        return self.root / "start"
+
 
 @dataclass
 class GpuNode:
@@ -91,7 +96,7 @@ class GpuNode:
         # Short: unix socket paths must stay under 108 bytes.
         self.dirs = NodeDirs(Path(tempfile.mkdtemp(prefix="rn-", dir="/tmp")))
         for d in (self.dirs.registry, self.dirs.plugin, self.dirs.cdi, self.dirs.procs,
-                  self.dirs.logs):
+                  self.dirs.logs, self.dirs.start_gate):
             d.mkdir(parents=True, exist_ok=True)
         create_node(self.api, self.name)
 
@@ -112,6 +117,7 @@ class GpuNode:
                 "--nvml-backend=fake", f"--fake-nvml-fixture={self.fixture_file}",
                 f"--fake-nvml-proc-dir={self.dirs.procs}",
                 f"--sharing-mode={self.sharing_mode}",
+                f"--start-gate-dir={self.dirs.start_gate}",
                 # Every address, as the chart has it; reached over IPv4 loopback.
                 f"--http-address=[::]:{self.http_port}", "--slice-resync-s=5",
                 *self.driver_args, *(extra or [])]
@@ -175,7 +181,10 @@ class GpuNode:
                 # Every address, as the chart has it; advertised and reached over IPv4.
                 f"--listen=[::]:{port}", "--advertise-host=127.0.0.1",
                 "--namespace=rota-system",
-                "--election-lease-s=4", "--resync-s=2", *(extra or [])]
+                f"--start-socket={self.dirs.start_gate / 'start.sock'}",
+                "--election-lease-s=4", "--resync-s=2",
+                # below ManagedProcess.stop's wait, so a test's clean stop stays clean
+                "--shutdown-grace-s=10", *(extra or [])]
         proc = ManagedProcess(name=f"controller-{identity}", argv=argv,
                               log_path=self.dirs.logs / f"controller-{identity}.log",
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})

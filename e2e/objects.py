@@ -42,21 +42,26 @@ def claim(name: str, **kwargs: Any) -> dict[str, Any]:
 
 
 def engine_pod(name: str, *, node: str, claim_name: str, args: list[str] | None = None,
-               labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+               labels: Mapping[str, str] | None = None, gated: bool = False
+               ) -> dict[str, Any]:
+    """An engine pod; ``gated`` puts rota's start gate in front of the engine."""
+    container: dict[str, Any] = {
+        "name": "engine", "image": "rota/engine-simulator:latest",
+        "args": list(args or []),
+        "env": [{"name": "ROTA_POD_UID",
+                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                # vLLM serves its sleep routes only in development mode.
+                {"name": "VLLM_SERVER_DEV_MODE", "value": "1"}],
+        "resources": {"claims": [{"name": "gpu"}]},
+    }
+    if gated:
+        container["command"] = ["rota-engine-gate", "--"]
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "labels": dict(labels or {"app": name})},
         "spec": {
             "nodeSelector": {"kubernetes.io/hostname": node},
-            "containers": [{
-                "name": "engine", "image": "rota/engine-simulator:latest",
-                "args": list(args or []),
-                "env": [{"name": "ROTA_POD_UID",
-                         "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
-                        # vLLM serves its sleep routes only in development mode.
-                        {"name": "VLLM_SERVER_DEV_MODE", "value": "1"}],
-                "resources": {"claims": [{"name": "gpu"}]},
-            }],
+            "containers": [container],
             "resourceClaims": [{"name": "gpu", "resourceClaimName": claim_name}],
         },
     }

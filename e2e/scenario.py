@@ -35,6 +35,8 @@ class EngineSpec:
     sleep_level: int = 1
     adapter: str = "vllm"
     args: tuple[str, ...] = ()
+    gated: bool = False
+    """Start through rota's start gate (start-up admission)."""
     config: tuple[tuple[str, Any], ...] = ()
     """More EngineConfig fields, e.g. ``(("omniStageIds", [0, 1]),)``."""
 
@@ -73,7 +75,8 @@ def deploy(api: client.ApiClient, namespace: str, node: str, specs: Sequence[Eng
                                                      config=config))
         core.create_namespaced_pod(namespace, engine_pod(spec.name, node=node,
                                                          claim_name=spec.name,
-                                                         args=list(spec.args)))
+                                                         args=list(spec.args),
+                                                         gated=spec.gated))
         engines.append(Engine(spec, namespace, claim_uid=created["metadata"]["uid"]))
     for engine in engines:
         engine.pod_ip = eventually(functools.partial(_ready_ip, core, namespace,

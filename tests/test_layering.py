@@ -14,10 +14,12 @@ IO_LIBRARIES = {"kubernetes", "grpc", "aiohttp", "pynvml", "torch"}
 PURE = ["driver/quantity.py", "driver/opaque.py", "driver/claims.py", "driver/budget.py",
         "driver/slices.py", "driver/devices.py", "driver/cdi.py", "driver/ledger.py",
         "driver/cgroups.py", "driver/nvml/api.py", "controller/claimants.py",
-        "controller/reconcile.py", "controller/naming.py", "controller/leases.py"]
+        "controller/reconcile.py", "controller/naming.py", "controller/leases.py",
+        "driver/aio.py", "driver/startgate.py"]
 SHARED_FROM_DRIVER = {"driver.aio", "driver.claims", "driver.errors", "driver.kube",
-                      "driver.logs", "driver.opaque", "driver.quantity", "driver.settings",
-                      "driver.slices",
+                      "driver.listwatch", "driver.logs", "driver.metrics_registry",
+                      "driver.opaque", "driver.quantity",
+                      "driver.settings", "driver.slices",
                       "driver.rpc.services", "driver.pb.rota.v1", "driver.pb.rota.v1.inspect_pb2"}
 
 

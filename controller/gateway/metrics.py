@@ -1,7 +1,9 @@
-"""The gateway's Prometheus metrics (prefix ``rota_gateway_``).
+"""The gateway's Prometheus metrics (prefix ``rota_gateway_``; docs/metrics.md lists them).
 
 One :class:`GatewayMetrics` per application, on its own registry, so several gateways in
-one process (tests) never share counters. Model labels only ever carry models rota knows:
+one process (tests) never share counters. ``model_name`` is the served model name (vLLM's
+``model_name`` label, the ``model`` of a request). Model labels only ever carry models rota
+knows:
 a client's made-up model name is counted as ``(unknown)``, and the series of a model whose
 last claim is gone are dropped at the next scrape (:meth:`GatewayMetrics.prune`), which
 keeps the label set bounded. Queue and in-flight gauges are read from admission at scrape
@@ -12,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from controller.gateway.admission import GateCounts
+from driver.metrics_registry import new_registry, package_version
 
 __all__ = ["UNKNOWN_MODEL", "GatewayMetrics"]
 
@@ -34,13 +37,14 @@ class _GateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         running = GaugeMetricFamily(
-            "rota_gateway_running", "Requests holding a place for a model on this replica "
-            "(waiting for a switch or being served).", labels=["model"])
+            "rota_gateway_requests_running", "Requests holding a place for a model on this "
+            "replica (waiting for a switch or being served).", labels=["model_name"])
         queued = GaugeMetricFamily(
-            "rota_gateway_queued", "Requests waiting for a place, by model.", labels=["model"])
+            "rota_gateway_requests_queued", "Requests waiting for a place, by model.",
+            labels=["model_name"])
         in_flight = GaugeMetricFamily(
-            "rota_gateway_in_flight", "Requests sent to an engine and not finished, by model.",
-            labels=["model"])
+            "rota_gateway_requests_in_flight", "Requests sent to an engine and not finished, "
+            "by model.", labels=["model_name"])
         for model, counts in self._counts().items():
             running.add_metric([model], counts.running)
             queued.add_metric([model], counts.waiting)
@@ -52,41 +56,41 @@ class GatewayMetrics:
     """Every metric of one gateway application."""
 
     def __init__(self, gate_counts: Callable[[], Mapping[str, GateCounts]]) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry()
         self.requests = Counter(
             "rota_gateway_requests_total", "Requests answered, by model and outcome (ok, "
-            "upstream_<status>, or the gateway's error code).", ["model", "outcome"],
+            "upstream_<status>, or the gateway's error code).", ["model_name", "outcome"],
             registry=self.registry)
         self.queue_wait = Histogram(
-            "rota_gateway_queue_wait_seconds", "Time from a request's arrival until it is sent "
-            "to an engine (queue, switch and held drains included).", ["model"],
+            "rota_gateway_queue_wait_duration_seconds", "Time from a request's arrival until it "
+            "is sent to an engine (queue, switch and held drains included).", ["model_name"],
             buckets=_WAIT_BUCKETS, registry=self.registry)
         self.first_byte = Histogram(
-            "rota_gateway_time_to_first_byte_seconds", "Time from a request's arrival to the "
-            "first byte of the engine's answer sent to the client.", ["model"],
+            "rota_gateway_first_byte_duration_seconds", "Time from a request's arrival to the "
+            "first byte of the engine's answer sent to the client.", ["model_name"],
             buckets=_FIRST_BYTE_BUCKETS, registry=self.registry)
         self.first_token = Histogram(
-            "rota_gateway_time_to_first_token_seconds", "Streamed requests: time from arrival "
-            "to the first chunk carrying generated text sent to the client.", ["model"],
+            "rota_gateway_first_token_duration_seconds", "Streamed requests: time from arrival "
+            "to the first chunk carrying generated text sent to the client.", ["model_name"],
             buckets=_FIRST_BYTE_BUCKETS, registry=self.registry)
         self.activations = Counter(
             "rota_gateway_activations_total", "Activation calls this replica made, by model and "
             "outcome (switched, already_awake, or the failure reason: one of a fixed set, "
-            "anything else a controller says is other).", ["model", "outcome"],
+            "anything else a controller says is other).", ["model_name", "outcome"],
             registry=self.registry)
         self.activation_seconds = Histogram(
-            "rota_gateway_activation_seconds", "Duration of activation calls (a switch when "
-            "one was needed), by model and outcome.", ["model", "outcome"],
+            "rota_gateway_activation_duration_seconds", "Duration of activation calls (a switch "
+            "when one was needed), by model and outcome.", ["model_name", "outcome"],
             buckets=_WAIT_BUCKETS, registry=self.registry)
         self.engine_refusals = Counter(
             "rota_gateway_engine_refusals_total", "Engines that did not take a request routed "
             "to them (answered 503 or could not be reached), before any byte reached the "
-            "client; usually a switch this replica had not yet seen.", ["model", "reason"],
+            "client; usually a switch this replica had not yet seen.", ["model_name", "reason"],
             registry=self.registry)
         self.upstream_retries = Counter(
             "rota_gateway_upstream_retries_total", "Requests sent again because their engine "
             "was no longer serving (it lost the GPU) before any byte reached the client.",
-            ["model"], registry=self.registry)
+            ["model_name"], registry=self.registry)
         self.watch_restarts = Counter(
             "rota_gateway_watch_restarts_total", "Kubernetes watches re-opened after an "
             "error, by resource.", ["resource"], registry=self.registry)
@@ -102,15 +106,19 @@ class GatewayMetrics:
         self._by_model = (self.requests, self.queue_wait, self.first_byte, self.first_token,
                           self.activations, self.activation_seconds, self.engine_refusals,
                           self.upstream_retries)
+        self.info = Gauge("rota_gateway_info", "1, labelled with the gateway's version.",
+                          ["version"], registry=self.registry)
+        self.info.labels(package_version()).set(1)
         self.registry.register(_GateCollector(gate_counts))
 
     def prune(self, known: Collection[str]) -> None:
         """Drop the series of models that no claim serves any more."""
         for metric in self._by_model:
-            seen = {labels["model"] for family in metric.collect() for sample in family.samples
-                    if (labels := sample.labels).get("model") is not None}
+            seen = {labels["model_name"] for family in metric.collect()
+                    for sample in family.samples
+                    if (labels := sample.labels).get("model_name") is not None}
             for model in seen - set(known) - {UNKNOWN_MODEL}:
-                metric.remove_by_labels({"model": model})
+                metric.remove_by_labels({"model_name": model})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

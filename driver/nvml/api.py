@@ -90,10 +90,14 @@ class MemoryInfo:
 
 @dataclass(frozen=True)
 class ProcessInfo:
-    """A compute process on a device: its pid (host namespace) and the bytes it holds."""
+    """A process on a device: its pid (host namespace) and the bytes it holds.
+
+    ``used_bytes`` is None where NVML cannot tell (``usedGpuMemory`` not available): the
+    process holds an unknown amount, which is not the same as none.
+    """
 
     pid: int
-    used_bytes: int
+    used_bytes: int | None
 
 
 class HealthEventKind(enum.StrEnum):
@@ -191,7 +195,8 @@ class NvmlBackend(Protocol):
         ...
 
     def compute_processes(self, index: int) -> list[ProcessInfo]:
-        """Compute processes on the device now, each with the bytes it holds."""
+        """Every process holding memory on the device now, once each, with the bytes it
+        holds: compute processes, and (where NVML lists them) graphics and MPS clients."""
         ...
 
     def wait_health_event(self, timeout_ms: int) -> HealthEvent | None:

@@ -9,6 +9,8 @@ Health events: on the first :meth:`PynvmlBackend.wait_health_event` call the bac
 creates one NVML event set and registers every device for critical XID and double-bit
 ECC events, as far as the device supports them. A device that supports neither is
 logged once and skipped; with no device registered the call just waits out its timeout.
+A registration that fails frees its event set and counts nothing; the next call tries
+again from scratch.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ _ECC_DBE = int(pynvml.nvmlEventTypeDoubleBitEccError)
 _HEALTH_EVENTS = _XID | _ECC_DBE
 _NOT_SUPPORTED = int(pynvml.NVML_ERROR_NOT_SUPPORTED)
 _TIMEOUT = int(pynvml.NVML_ERROR_TIMEOUT)
+_PROCESS_LISTS = (
+    ("nvmlDeviceGetComputeRunningProcesses", False),
+    ("nvmlDeviceGetGraphicsRunningProcesses", True),
+    ("nvmlDeviceGetMPSComputeRunningProcesses", True),
+)
+"""The NVML process lists of a device, and whether the device may have none."""
+_NO_SUCH_LIST = frozenset({reason_for(_NOT_SUPPORTED),
+                           reason_for(int(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND))})
 
 
 def _text(value: object) -> str:
@@ -173,19 +183,57 @@ class PynvmlBackend:
         return int(current), int(pending)
 
     def compute_processes(self, index: int) -> list[ProcessInfo]:
-        procs = self._device(
-            "nvmlDeviceGetComputeRunningProcesses",
-            pynvml.nvmlDeviceGetComputeRunningProcesses,
-            index,
-        )
-        # usedGpuMemory is None where NVML cannot tell (WDDM); count that as 0 bytes.
-        return [ProcessInfo(pid=int(p.pid), used_bytes=int(p.usedGpuMemory or 0)) for p in procs]
+        """Compute, graphics and MPS client processes, merged by pid (a process may have
+        contexts of several kinds). The compute list must answer; the others are skipped
+        where NVML or the binding has none. ``usedGpuMemory`` is None where NVML cannot
+        tell: that stays None (an unknown amount, not 0 bytes); where the lists disagree
+        on a process, unknown wins, then the larger size."""
+        found: dict[int, int | None] = {}
+        for what, optional in _PROCESS_LISTS:
+            fn = getattr(pynvml, what, None)
+            if fn is None:  # an older binding
+                if optional:
+                    continue
+                raise NvmlError(f"pynvml has no {what}", reason="function_not_found")
+            try:
+                procs = self._device(what, fn, index)
+            except NvmlError as err:
+                if optional and err.reason in _NO_SUCH_LIST:
+                    continue
+                raise
+            for proc in procs:
+                pid = int(proc.pid)
+                used = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory)
+                if pid not in found:
+                    found[pid] = used
+                elif found[pid] is not None:
+                    found[pid] = None if used is None else max(used, found[pid] or 0)
+        return [ProcessInfo(pid=pid, used_bytes=used) for pid, used in found.items()]
 
     # health events
 
     def _register_events(self) -> None:
-        """Create the event set and register each device for the events it supports."""
-        self._event_set = _call("nvmlEventSetCreate", pynvml.nvmlEventSetCreate)
+        """Create the event set and register each device for the events it supports.
+
+        All or nothing: when a registration fails, the set is freed and nothing counted, so
+        the next call starts again from scratch (no set leaked per failed attempt, no GPU
+        counted twice)."""
+        event_set = _call("nvmlEventSetCreate", pynvml.nvmlEventSetCreate)
+        try:
+            registered = self._register_devices(event_set)
+        except BaseException:
+            try:
+                _call("nvmlEventSetFree", pynvml.nvmlEventSetFree, event_set)
+            except NvmlError as err:
+                log.warning("could not free the NVML event set", extra={"error": str(err)})
+            raise
+        self._event_set = event_set
+        self._events_registered = registered
+        self._events_ready = True
+
+    def _register_devices(self, event_set: Any) -> int:
+        """Register every device that supports health events in ``event_set``; how many."""
+        registered = 0
         for index in range(self.device_count()):
             handle = self._handle(index)
             try:
@@ -203,14 +251,14 @@ class PynvmlBackend:
                         pynvml.nvmlDeviceRegisterEvents,
                         handle,
                         wanted,
-                        self._event_set,
+                        event_set,
                     )
             except NvmlError as err:
                 if err.reason != reason_for(_NOT_SUPPORTED):
                     raise
                 wanted = 0
             if wanted:
-                self._events_registered += 1
+                registered += 1
                 log.info(
                     "registered for NVML health events",
                     extra={"gpu_index": index, "xid": bool(wanted & _XID),
@@ -221,7 +269,7 @@ class PynvmlBackend:
                     "GPU supports no XID or ECC events; its health is not watched",
                     extra={"gpu_index": index},
                 )
-        self._events_ready = True
+        return registered
 
     def wait_health_event(self, timeout_ms: int) -> HealthEvent | None:
         with self._event_lock:

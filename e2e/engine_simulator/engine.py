@@ -318,8 +318,9 @@ class Engine(Traffic):
                     self.wake_hanging = True
                     self._signal()
                 try:
-                    await self.wait_for(lambda: not self.faults.wake_hangs or self._closing,
-                                        request=request)
+                    # Not given up when the caller leaves: vLLM does not stop a wake when
+                    # its HTTP client goes away; the wake goes on once the fault clears.
+                    await self.wait_for(lambda: not self.faults.wake_hangs or self._closing)
                 finally:
                     async with self._changed:
                         self.wake_hanging = False

@@ -86,7 +86,9 @@ class Faults(BaseModel):
     wake_fails: bool = False
     """``/wake_up`` answers vLLM's HTTP 500 out-of-memory body; memory stays at resident."""
     wake_hangs: bool = False
-    """``/wake_up`` does not return until this fault is cleared or the caller goes away."""
+    """``/wake_up`` does not return until this fault is cleared; then the wake goes on,
+    even when its caller went away meanwhile (as vLLM's does). Only a server that cancels
+    the handlers of departed clients (aiohttp's in-process test server) ends it sooner."""
     sleep_lies: bool = False
     """``/sleep`` answers 200 and ``/is_sleeping`` says true, but no memory is released."""
     sleep_ignored: bool = False

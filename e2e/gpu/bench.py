@@ -212,7 +212,9 @@ async def _run(args: argparse.Namespace, state: BenchState, state_file: Path,
     from e2e.gpu.scenarios import run_scenarios
 
     socket = state_file.parent / f"inspect-{os.getpid()}.sock"
-    service = InspectionService(backend=backend, gpus=[gpu], proc_root=Path("/proc"))
+    # The engines run in no pod: each names its simulated pod (engines.bench_identity).
+    service = InspectionService(backend=backend, gpus=[gpu], proc_root=Path("/proc"),
+                                pods_from_environment=True)
     server = UnixServer(socket, [service.handler()])
     await server.start()
     reader = DeviceReader(socket, timeout_s=10.0)
@@ -284,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         state.h2d = load_h2d(args, state)
         env = dict(os.environ)
         env.pop("ROTA_CLAIM_UID", None)
+        env.pop("ROTA_POD_UID", None)
         launcher: Launcher
         if args.launcher == "vllm":
             # By index, in NVML's (PCI bus) order: parts of vLLM read the variable as numbers.

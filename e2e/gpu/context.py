@@ -41,6 +41,7 @@ from e2e.gpu.engines import (
 from e2e.gpu.instrument import AdapterCall, BenchAdapter, HttpTrace
 from e2e.gpu.sampler import NvmlSampler
 from e2e.gpu.vllm_log import LogCursor, LogEvent, summarise_start
+from e2e.ports import MemoryLeasePort
 
 log = logging.getLogger("e2e.gpu.context")
 
@@ -93,25 +94,6 @@ def mib(n: float | None) -> float | None:
     return None if n is None else round(n / MIB, 1)
 
 
-class MemoryLeasePort:
-    """The GPU Lease kept in memory: compare-and-swap on ``resource_version``."""
-
-    def __init__(self, lease: GpuLease) -> None:
-        self.current = lease.with_(resource_version="0")
-        self.writes = 0
-
-    async def write(self, lease: GpuLease) -> GpuLease:
-        from controller.switch import Fenced
-
-        if lease.resource_version != self.current.resource_version:
-            raise Fenced(f"lease resourceVersion {lease.resource_version} is stale; "
-                         f"the lease is at {self.current.resource_version}")
-        version = int(self.current.resource_version or "0") + 1
-        self.current = lease.with_(resource_version=str(version))
-        self.writes += 1
-        return self.current
-
-
 class ReaderDevice:
     """The switch's device port on the real inspection client."""
 
@@ -153,6 +135,8 @@ class Bench:
     wake_hooks: dict[str, Callable[[], None]] = field(default_factory=dict)
     adapter_timeouts: Timeouts | None = None
     lease_port: MemoryLeasePort = field(init=False)
+    unsettled: list[Claimant] = field(init=False, default_factory=list)
+    """Engines the last switch left unsettled (see :meth:`settle`)."""
     switcher: Switcher = field(init=False)
 
     def __post_init__(self) -> None:
@@ -234,7 +218,8 @@ class Bench:
             claim_uid=record.claim_uid, namespace=NAMESPACE, claim_name=f"claim-{key}",
             node=NODE, device=self.gpu.name, share_id=None, config=config,
             model=record.spec.served_name, port=record.port, sleep_level=sleep_level,
-            resident_bytes=self.resident_budget(key), pod_name=f"engine-{key}", pod_uid=None,
+            resident_bytes=self.resident_budget(key), pod_name=f"engine-{key}",
+            pod_uid=record.claim_uid,
             pod_ip="127.0.0.1", pod_ready=True, pod_deleting=False)
 
     def key_of(self, claimant: Claimant) -> str:
@@ -338,6 +323,17 @@ class Bench:
 
     # -- switches ------------------------------------------------------------------------
 
+    async def settle(self) -> list[str]:
+        """Settle what the last switch left unsettled, as the controller's reconciliation
+        does (a sleep of ours that completes, or no process left); the refs still
+        unsettled."""
+        left = []
+        for claimant in self.unsettled:
+            if not await self.switcher.settle(claimant, self.lease_port.current.fence, {}):
+                left.append(claimant.ref)
+        self.unsettled = []
+        return left
+
     async def handoff(self, target: str, *, label: str, holder_level: int = 1,
                       switcher: Switcher | None = None) -> dict[str, Any]:
         """One switch of the Lease to ``target`` through the real Switcher, measured."""
@@ -357,6 +353,7 @@ class Bench:
                 claimants=self.claimants_on_gpu()),
             self.bound(self.args.sleep_timeout_s + self.args.wake_timeout_s + 120))
         ended = time.monotonic()
+        self.unsettled = list(result.unsettled)
         lease_holder = self.key_of_ref(result.lease.holder) if result.lease.holder else None
         self.state.holder = lease_holder
         if result.ok:
@@ -388,6 +385,7 @@ class Bench:
             "drain_s": t.get("drain"), "inspect_s": t.get("inspect"),
             "sleep_step_s": t.get("sleep"), "wake_step_s": t.get("wake"),
             "probe_step_s": t.get("probe"), "lease_s": t.get("lease"), "total_s": t.get("total"),
+            "unsettled": [c.ref for c in result.unsettled],
         }
         if handoff is not None and sleep_call is not None and wake_call is not None and \
                 ttft is not None:

@@ -63,6 +63,14 @@ VLLM_ENVIRONMENT = {
 """What a vLLM 0.26 server needs on the GPU machine (no network there)."""
 
 
+def bench_identity(claim_uid: str) -> dict[str, str]:
+    """The environment that makes an engine of the bench its claim's: the bench's engines
+    run in no pod, so each names a simulated pod (uid: its claim uid) through
+    ``ROTA_POD_UID``, which the bench's inspection service is told to take
+    (``pods_from_environment``), as the driver does only with the fake NVML backend."""
+    return {"ROTA_CLAIM_UID": claim_uid, "ROTA_POD_UID": claim_uid}
+
+
 class EngineStartError(RuntimeError):
     """An engine did not come up; the message carries the tail of its log."""
 
@@ -202,7 +210,7 @@ class VllmLauncher:
         env.pop("ROTA_CLAIM_UID", None)
         env |= VLLM_ENVIRONMENT
         env["VLLM_CACHE_ROOT"] = str(cache_root)
-        env["ROTA_CLAIM_UID"] = claim_uid
+        env |= bench_identity(claim_uid)
         if self.pythonpath:
             env["PYTHONPATH"] = self.pythonpath
         else:
@@ -245,7 +253,7 @@ class SimulatorLauncher:
     def environment(self, spec: EngineSpec, claim_uid: str, cache_root: Path
                     ) -> dict[str, str]:
         env = dict(self.base_env)
-        env["ROTA_CLAIM_UID"] = claim_uid
+        env |= bench_identity(claim_uid)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the sleep routes, as vLLM serves them only so
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(self.repo_root), env.get("PYTHONPATH", "")) if p)

@@ -29,7 +29,7 @@ from e2e.gpu.context import (
     mib,
     specs,
 )
-from e2e.gpu.engines import EngineSpec, EngineStartError, SimulatorLauncher
+from e2e.gpu.engines import EngineSpec, EngineStartError, SimulatorLauncher, bench_identity
 from e2e.gpu.load import LongStream
 from e2e.gpu.steps import (
     admit,
@@ -124,6 +124,8 @@ async def scenario_abandoned_sleep(bench: Bench) -> dict[str, Any]:
             bench, victim, limit_bytes=0, timeout_s=bench.bound(20), pids=pids)
         if bench.state.holder == victim:
             bench.state.holder = None
+    if bench.unsettled:  # rota left the victim unsettled: reconciliation would settle it
+        result["still_unsettled_after_settling"] = await bench.settle()
     if bench.state.holder is None:
         result["holder_back"] = await bench.handoff("a", label="after the abandoned sleep: "
                                                                "A back")
@@ -261,7 +263,7 @@ class Ballast:
     async def start(self, timeout_s: float) -> None:
         launcher = self.bench.launcher
         env = dict(getattr(launcher, "base_env", {}) or os.environ)
-        env["ROTA_CLAIM_UID"] = self.claim_uid
+        env |= bench_identity(self.claim_uid)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT),
                                                         env.get("PYTHONPATH", "")) if p)
         command = [self.bench.args.vllm_python if not isinstance(launcher, SimulatorLauncher)
@@ -302,7 +304,7 @@ class Ballast:
         return Claimant(claim_uid=self.claim_uid, namespace=NAMESPACE, claim_name="ballast",
                         node=NODE, device=self.bench.gpu.name, share_id=None, config=config,
                         model="bench/ballast", port=1, sleep_level=1, resident_bytes=resident,
-                        pod_name="ballast", pod_uid=None, pod_ip=None, pod_ready=True,
+                        pod_name="ballast", pod_uid=self.claim_uid, pod_ip=None, pod_ready=True,
                         pod_deleting=False)
 
 

@@ -134,7 +134,9 @@ class NvmlSampler:
             by_claim: dict[str, int] = {}
             for proc in processes:
                 claim = self._claim_of(proc.pid)
-                by_claim[claim] = by_claim.get(claim, 0) + proc.used_bytes
+                # A size NVML cannot tell adds nothing to a sample (a measurement, not
+                # the check before a wake, which refuses it).
+                by_claim[claim] = by_claim.get(claim, 0) + (proc.used_bytes or 0)
             known = {uid for uid, _ in self._limits.values()}
             usage = {key: by_claim.get(uid, 0) for key, (uid, _) in self._limits.items()}
             unknown = sum(v for uid, v in by_claim.items() if uid not in known)

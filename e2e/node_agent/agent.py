@@ -269,6 +269,11 @@ class NodeAgent:
         while not runtime.stopping:
             argv = [self.python, "-m", "e2e.engine_simulator", "--host", runtime.ip,
                     *[str(a) for a in container.get("args", []) or []]]
+            command = [str(c) for c in container.get("command", []) or []]
+            if command[:1] == ["rota-engine-gate"]:
+                # rota's start gate in front of the engine, as in a real engine pod
+                gate = command[1:] if "--" in command else [*command[1:], "--"]
+                argv = [self.python, "-m", "controller.engine_gate", *gate, *argv]
             self.log_dir.mkdir(parents=True, exist_ok=True)
             logfile = (self.log_dir / f"{runtime.namespace}_{runtime.name}_{name}.log").open("ab")
             try:
@@ -293,8 +298,11 @@ class NodeAgent:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
 
-    async def _wait_healthy(self, runtime: PodRuntime, port: int, timeout_s: float = 60.0
-                            ) -> bool:
+    async def _wait_healthy(self, runtime: PodRuntime, port: int,
+                            timeout_s: float = 24 * 3600.0) -> bool:
+        """Probe /health until it answers while the process lives (a kubelet's readiness
+        probe does not stop either: an engine held at its start gate becomes ready once
+        it is let through and up)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         delay = 0.05
         timeout = aiohttp.ClientTimeout(total=2)

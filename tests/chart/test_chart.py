@@ -202,6 +202,27 @@ def test_nvml_from_a_host_path_or_the_runtime_class(default: Rendered,
     assert _env(runtime["containers"][0])["NVIDIA_VISIBLE_DEVICES"] == "all"
 
 
+@pytest.mark.parametrize("dev_root", [None, "/run/nvidia/driver/dev"])
+def test_the_driver_looks_for_device_nodes_in_a_live_mount_of_the_host_device_root(
+        chart_bin: Path, dev_root: str | None) -> None:
+    """Not in its own /dev, a copy made when the container started."""
+    rendered = render(set_values={"cdi.devRoot": dev_root} if dev_root else None,
+                      bin_dir=chart_bin)
+    driver = _pod(rendered, "DaemonSet", "rota-driver")
+    [container] = driver["containers"]
+    env = _env(container)
+    settings = DriverSettings(node_name="n", dev_root=Path(env["ROTA_DEV_ROOT"]),
+                              dev_root_mount=Path(env["ROTA_DEV_ROOT_MOUNT"]))
+    assert settings.dev_root == Path(dev_root or "/dev")
+    [volume] = [v for v in driver["volumes"] if v["name"] == "host-dev"]
+    assert volume["hostPath"] == {"path": str(settings.dev_root), "type": "Directory"}
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "host-dev"]
+    assert Path(mount["mountPath"]) == settings.dev_root_mount
+    assert mount["readOnly"] is True
+    # /dev is one devtmpfs, live as mounted; a driver root may be mounted on it later.
+    assert mount.get("mountPropagation") == ("HostToContainer" if dev_root else None)
+
+
 def test_node_selection_needs_no_feature_discovery(default: Rendered,
                                                    hardened: Rendered) -> None:
     for name in ("rota-driver", "rota-controller"):

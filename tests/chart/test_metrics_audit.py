@@ -1,13 +1,11 @@
-"""Every metric the Grafana dashboard and the alerts query exists in what rota's
-components really export, with the labels the queries use; and every dashboard query is
-valid PromQL (promtool parses it).
+"""Every metric the Grafana dashboard, the alerts and the alerts' promtool tests use exists
+in what rota's components really export, with the labels they use (and, for the label sets
+the components fix in advance, with those values); and every dashboard query is valid
+PromQL (promtool parses it).
 
 The exported metrics are read from the components' own registries (the driver's, the lease
 controller's, and a gateway application's), after importing every module that registers
-metrics. The dashboard and the rules are written against the target names of the rename
-in docs/metrics.md; until that rename lands, the names it introduces are listed in
-:data:`EXPECTED_MISSING`. The list must shrink as metrics are renamed: an entry that does
-exist is an error too, so the list never hides a name that is already there.
+metrics. docs/metrics.md lists the same names.
 """
 
 from __future__ import annotations
@@ -27,33 +25,32 @@ from e2e.chart import CHART, run_tool
 
 DASHBOARD = CHART / "files" / "dashboards" / "rota.json"
 RULES = CHART / "files" / "prometheus" / "rules.yaml"
+RULE_TEST_DIRS = (Path(__file__).parent, CHART / "files" / "prometheus")
 
 SCRAPE_LABELS = frozenset({"node", "namespace", "pod", "instance", "job", "container",
                            "service", "endpoint"})
 """Labels the scrape adds (the chart's ServiceMonitor/PodMonitor add ``node``)."""
 
-EXPECTED_MISSING = frozenset({
-    # The rename of docs/metrics.md, not yet done in the components. Metric names, and
-    # "metric{label}" for a label a query uses that the metric does not carry yet.
-    "rota_driver_operation_duration_seconds",
-    "rota_controller_wake_duration_seconds",
-    "rota_controller_sleep_duration_seconds",
-    "rota_controller_recovery_duration_seconds",
-    "rota_controller_handoff_duration_seconds",
-    "rota_controller_drain_duration_seconds",
-    "rota_controller_switch_step_duration_seconds",
-    "rota_controller_switches_total",
-    "rota_controller_switch_failures_total",
-    "rota_controller_reconcile_actions_total",
-    "rota_controller_gpu_memory_bytes",
-    "rota_controller_lease_holder",
-    "rota_gateway_queue_wait_duration_seconds",
-    "rota_gateway_first_token_duration_seconds",
-    "rota_gateway_requests_queued",
-    "rota_gateway_requests_in_flight",
-    "rota_gateway_requests_total{model_name}",
-    "rota_gateway_activations_total{model_name}",
-})
+
+def closed_label_values() -> dict[tuple[str, str], frozenset[str]]:
+    """(series, label) -> every value the components give that label: the label sets
+    they fix in advance (and create at 0)."""
+    from controller import metrics as controller_metrics
+
+    return {
+        ("rota_controller_switches_total", "outcome"):
+            frozenset(controller_metrics.SWITCH_OUTCOMES),
+        ("rota_controller_switch_failures_total", "reason"):
+            controller_metrics.SWITCH_FAILURE_REASONS,
+        ("rota_controller_starts_total", "outcome"):
+            frozenset(controller_metrics.START_OUTCOMES),
+        ("rota_controller_reconcile_actions_total", "reason"):
+            frozenset(controller_metrics.RECONCILE_REASONS),
+        ("rota_controller_visible_state_errors_total", "kind"):
+            frozenset(controller_metrics.VISIBLE_STATE_KINDS),
+        ("rota_controller_sleep_duration_seconds_bucket", "first"):
+            frozenset({"true", "false"}),
+    }
 
 
 def _registries() -> list[CollectorRegistry]:
@@ -94,10 +91,6 @@ def exported() -> dict[str, frozenset[str]]:
     return out
 
 
-def _base(name: str) -> str:
-    return re.sub(r"_(bucket|sum|count)$", "", name)
-
-
 def queries() -> list[tuple[str, str]]:
     """(where, PromQL) of every dashboard panel target, dashboard variable and rule."""
     dashboard = json.loads(DASHBOARD.read_text())
@@ -110,16 +103,40 @@ def queries() -> list[tuple[str, str]]:
     return out
 
 
+def rule_test_files() -> list[Path]:
+    """The promtool unit test files of the rules (``rule_files`` at their top)."""
+    found = []
+    for directory in RULE_TEST_DIRS:
+        for path in sorted(directory.glob("*.yaml")):
+            loaded = yaml.safe_load(path.read_text())
+            if isinstance(loaded, dict) and "rule_files" in loaded:
+                found.append(path)
+    return found
+
+
+def rule_test_series() -> list[tuple[str, str]]:
+    """(where, series selector) of every input series of the rules' promtool tests."""
+    return [(f"{path.name} {case['name']!r}", series["series"])
+            for path in rule_test_files()
+            for case in yaml.safe_load(path.read_text())["tests"]
+            for series in case.get("input_series", [])]
+
+
 def _metrics_in(expr: str) -> set[str]:
     return set(re.findall(r"\b(rota_[a-zA-Z0-9_]+)\b", expr))
 
 
-def _selector_labels(expr: str) -> Iterable[tuple[str, str]]:
+_MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+
+
+def _matchers(expr: str) -> Iterable[tuple[str, str, str, str]]:
+    """(metric, label, operator, value) of every label matcher of a rota metric, and of
+    the label a ``label_values(metric, label)`` variable reads (operator ``""``)."""
     for metric, body in re.findall(r"\b(rota_[a-zA-Z0-9_]+)\{([^}]*)\}", expr):
-        for label in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)", body):
-            yield metric, label
+        for label, operator, value in _MATCHER.findall(body):
+            yield metric, label, operator, value
     for metric, label in re.findall(r"label_values\(\s*(rota_\w+)\s*,\s*(\w+)\s*\)", expr):
-        yield metric, label
+        yield metric, label, "", ""
 
 
 def _grouping_labels(expr: str) -> set[str]:
@@ -134,58 +151,85 @@ def have() -> dict[str, frozenset[str]]:
     return exported()
 
 
+def everything() -> list[tuple[str, str]]:
+    return queries() + rule_test_series()
+
+
 def test_the_audit_sees_the_components_metrics(have: dict[str, frozenset[str]]) -> None:
     # One metric of each component, so an empty registry cannot pass the audit.
     assert "rota_driver_slice_writes_total" in have
     assert "rota_controller_leader" in have
     assert "rota_gateway_requests_total" in have
     assert have["rota_driver_slice_writes_total"] == {"verb"}
+    # And something of each source, so a file that stopped parsing cannot pass either.
+    assert [w for w, _ in queries() if w.startswith("panel")]
+    assert [w for w, _ in queries() if w.startswith("alert")]
+    assert rule_test_series()
+
+
+def test_every_component_reports_its_version_and_process(
+        have: dict[str, frozenset[str]]) -> None:
+    assert have["rota_driver_info"] == {"version", "sharing_mode"}
+    assert have["rota_controller_info"] == {"version"}
+    assert have["rota_gateway_info"] == {"version"}
+    from controller import metrics as controller_metrics
+    from controller.gateway.metrics import GatewayMetrics
+    from driver import metrics as driver_metrics
+
+    for registry in (driver_metrics.REGISTRY, controller_metrics.REGISTRY,
+                     GatewayMetrics(gate_counts=dict).registry):
+        names = {family.name for family in registry.collect()}
+        assert {"process_cpu_seconds", "python_info"} <= names, names
 
 
 def test_every_queried_metric_exists(have: dict[str, frozenset[str]]) -> None:
-    unknown = []
-    for where, expr in queries():
-        for metric in _metrics_in(expr):
-            if metric not in have and _base(metric) not in EXPECTED_MISSING \
-                    and metric not in EXPECTED_MISSING:
-                unknown.append(f"{where}: {metric}")
+    unknown = [f"{where}: {metric}" for where, expr in everything()
+               for metric in _metrics_in(expr) if metric not in have]
     assert not unknown
 
 
 def test_every_queried_label_exists(have: dict[str, frozenset[str]]) -> None:
     unknown = []
-    for where, expr in queries():
-        used = {m for m in _metrics_in(expr) if m in have}
-        for metric, label in _selector_labels(expr):
-            if metric in have and label not in have[metric] | SCRAPE_LABELS \
-                    and f"{metric}{{{label}}}" not in EXPECTED_MISSING:
+    for where, expr in everything():
+        for metric, label, _, _ in _matchers(expr):
+            if metric in have and label not in have[metric] | SCRAPE_LABELS:
                 unknown.append(f"{where}: {metric}{{{label}}}")
-        if used and not [m for m in _metrics_in(expr) if m not in have]:
+        used = [m for m in _metrics_in(expr) if m in have]
+        if used:
             known = set().union(*(have[m] for m in used)) | SCRAPE_LABELS
-            for label in _grouping_labels(expr) - known:
-                if not any(f"{m}{{{label}}}" in EXPECTED_MISSING for m in used):
-                    unknown.append(f"{where}: by ({label})")
+            unknown += [f"{where}: by ({label})" for label in _grouping_labels(expr) - known]
     assert not unknown
 
 
-def test_the_expected_missing_list_holds_nothing_that_exists(
-        have: dict[str, frozenset[str]]) -> None:
-    stale = []
-    for entry in EXPECTED_MISSING:
-        metric, _, label = entry.partition("{")
-        label = label.rstrip("}")
-        names = [n for n in have if _base(n) == metric or n == metric]
-        if not label and names:
-            stale.append(entry)
-        if label and names and any(label in have[n] for n in names):
-            stale.append(entry)
-        if label and not names:
-            stale.append(f"{entry} (the metric itself does not exist)")
-    assert not stale, "renamed: remove these from EXPECTED_MISSING"
-    used = {m for _, e in queries() for m in _metrics_in(e)} | {_base(m) for _, e in queries()
-                                                               for m in _metrics_in(e)}
-    unused = [e for e in EXPECTED_MISSING if e.partition("{")[0] not in used]
-    assert not unused, "nothing queries these"
+def test_every_selected_value_of_a_fixed_label_set_exists() -> None:
+    closed = closed_label_values()
+    unknown = []
+    for where, expr in everything():
+        for metric, label, operator, value in _matchers(expr):
+            values = closed.get((metric, label))
+            if values is None:
+                continue
+            if operator in ("=", "!=") and value not in values:
+                unknown.append(f"{where}: {metric}{{{label}={value!r}}}")
+            if operator in ("=~", "!~"):
+                unknown += [f"{where}: {metric}{{{label}=~{part!r}}}"
+                            for part in value.split("|")
+                            if re.fullmatch(r"\w+", part) and part not in values]
+    assert not unknown
+
+
+def test_the_fixed_label_sets_are_created_at_zero(have: dict[str, frozenset[str]]) -> None:
+    from controller import metrics as controller_metrics
+
+    seen: dict[tuple[str, str], set[str]] = {}
+    for family in controller_metrics.REGISTRY.collect():
+        for sample in family.samples:
+            for label, value in sample.labels.items():
+                seen.setdefault((sample.name, label), set()).add(value)
+    for (series, label), values in closed_label_values().items():
+        if series.endswith("_bucket"):
+            continue  # a histogram's labels come with its first observation
+        assert values <= seen.get((series, label), set()), (series, label)
 
 
 def test_every_dashboard_query_is_valid_promql(chart_bin: Path, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from controller.claimants import Claimant
-from controller.gpu import GpuWorker
+from controller.gpu import GpuWorker, Policy
 from driver.opaque import parse_engine_config
 
 
@@ -44,9 +44,9 @@ def _holder() -> Claimant:
 
 def _worker(engine: _Engine, clock: _Clock, window: float) -> GpuWorker:
     unused: Any = None
-    return GpuWorker(device="gpu-0", lease_port=unused, switcher=unused,
+    return GpuWorker(gpu="gpu-0", lease_port=unused, switcher=unused,
                      claimants=unused, engine=lambda c: engine,  # type: ignore[arg-type,return-value]
-                     min_residency_s=0, idle_sleep_s=0, clock=clock, coalesce_window_s=window)
+                     policy=Policy(coalesce_window_s=window), clock=clock)
 
 
 async def test_the_holder_finishes_its_work_before_the_switch() -> None:

@@ -73,6 +73,26 @@ async def test_a_failed_switch_keeps_one_owner_and_says_why(
     await _recovers(session, url)
 
 
+async def test_a_hung_wake_keeps_every_other_engine_asleep_until_it_lands(
+        serving: tuple[GpuNode, list[Engine], aiohttp.ClientSession]) -> None:
+    node, (a, b), session = serving
+    url = node.controller_url()
+    await set_faults(session, b, wake_hangs=True)
+    with AwakeMonitor(node.dirs.inspect_socket, [a, b]) as monitor:
+        status, body = await activate(session, url, MODEL_B.model)
+        assert status == 503, body
+        assert body["error"]["type"] == "timeout", body
+        # B's wake may still land (an engine does not stop a wake whose caller left):
+        # waking A now could leave two engines awake.
+        status, body = await activate(session, url, MODEL_A.model)
+        assert status == 503, body
+        assert body["error"]["type"] == "state_unknown", body
+        assert (await sim_state(session, a))["sleeping"] is True
+        await set_faults(session, b, wake_hangs=False)
+        await _recovers(session, url)
+    assert monitor.violations == []
+
+
 async def test_an_engine_that_crashes_on_sleep_is_restarted_and_serves_again(
         serving: tuple[GpuNode, list[Engine], aiohttp.ClientSession]) -> None:
     node, (a, _), session = serving

@@ -24,6 +24,7 @@ from driver.cdi import (
     write_spec,
 )
 from driver.claims import ClaimPlan, PublishedDevice, plan_claim
+from driver.settings import load
 
 UID = "0b6f3c1e-6a55-4d1e-9a53-1c2f2f7f0a01"
 SHARE = "6c1b8d0e-54a1-4f07-9e6b-5a0d3e1f2a11"
@@ -294,6 +295,40 @@ def test_device_nodes_missing_on_the_node_are_not_listed(tmp_path: Path) -> None
     nodes = spec["devices"][0]["containerEdits"]["deviceNodes"]
     assert [n["path"] for n in nodes] == ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"]
     assert nodes[0]["hostPath"] == str(tmp_path / "nvidia0")
+
+
+def test_device_nodes_are_looked_for_in_the_hosts_live_view(tmp_path: Path) -> None:
+    """A containerised driver's own /dev is a copy made when it started: a node the host
+    creates later (nvidia-uvm on first CUDA use) would never be listed. The driver looks in
+    a mount of the host's device root instead, and the spec still names host paths."""
+    view = tmp_path / "host-dev"
+    view.mkdir()
+    for name in ("nvidia0", "nvidiactl"):
+        (view / name).touch()
+
+    def listed() -> list[dict[str, str]]:
+        spec = build_claim_spec(make_plan(SHARED_RESULT), DEVICES, dev_root="/dev",
+                                dev_view=str(view))
+        nodes: list[dict[str, str]] = spec["devices"][0]["containerEdits"]["deviceNodes"]
+        return nodes
+
+    assert listed() == [{"path": "/dev/nvidia0"}, {"path": "/dev/nvidiactl"}]
+    (view / "nvidia-uvm").touch()  # created on the host after the driver started
+    assert [n["path"] for n in listed()] == ["/dev/nvidia0", "/dev/nvidiactl",
+                                             "/dev/nvidia-uvm"]
+    # A driver root elsewhere on the host: host paths under it, looked for in the view.
+    spec = build_claim_spec(make_plan(SHARED_RESULT), DEVICES,
+                            dev_root="/run/nvidia/driver/dev", dev_view=str(view))
+    assert spec["devices"][0]["containerEdits"]["deviceNodes"][0] == {
+        "path": "/dev/nvidia0", "hostPath": "/run/nvidia/driver/dev/nvidia0"}
+
+
+def test_the_driver_takes_the_view_of_the_host_device_root_from_its_settings() -> None:
+    settings = load(["--node-name", "n", "--dev-root", "/run/nvidia/driver/dev",
+                     "--dev-root-mount", "/run/rota/host-dev"], environ={})
+    assert settings.dev_root == Path("/run/nvidia/driver/dev")
+    assert settings.dev_root_mount == Path("/run/rota/host-dev")
+    assert load(["--node-name", "n"], environ={}).dev_root_mount is None
 
 
 def test_extra_edits_add_mounts_and_environment() -> None:

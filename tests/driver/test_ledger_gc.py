@@ -103,3 +103,31 @@ async def test_a_claim_prepared_again_during_the_pass_is_kept(
     # A later pass may collect it.
     assert await preparer.collect({ref.uid}, decided_at=time.monotonic()) == [ref.uid]
     assert files.specs() == set()
+
+
+async def test_a_replaced_claim_is_collected_while_a_pod_uses_its_successor(
+        kube_api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    """The pod names the claim by name, and that name is now another claim (another uid):
+    the pod holds the new claim, never the old record's. A claim cannot be deleted while
+    reserved for a pod, so nothing holds the old one."""
+    node = f"gc-{uuid.uuid4().hex[:8]}"
+    old = allocated_claim(kube_api, namespace, "c", pool=node, memory="4Gi", awake="20Gi")
+    files = NodeFiles(tmp_path)
+    kube = Kube(kube_api)
+    preparer = files.preparer(kube, node_devices(node), pool=node)
+    assert not isinstance((await preparer.prepare([old]))[old.uid], Exception)
+    _delete_claim(kube_api, namespace, "c")
+    new = allocated_claim(kube_api, namespace, "c", pool=node, memory="4Gi", awake="20Gi")
+    assert not isinstance((await preparer.prepare([new]))[new.uid], Exception)
+    pod = engine_pod("engine", node=node, claim_name="c")
+    pod["spec"]["nodeName"] = node
+    client.CoreV1Api(kube_api).create_namespaced_pod(namespace, pod)
+
+    collector = LedgerCollector(preparer=preparer, kube=kube, node_name=node,
+                                driver=DRIVER_NAME, pool=node, grace_s=0)
+    result = await collector.collect_once()
+    assert result.suspects == {old.uid: "replaced"}
+    assert result.held == []
+    assert result.collected == [old.uid]
+    assert set(files.records()) == {new.uid}
+    assert files.specs() == {new.uid}

@@ -6,6 +6,7 @@ marked ``gpu`` talks to the real NVML and skips itself where NVML cannot start.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 
 from driver.devices import discover
 from driver.errors import NvmlError
+from driver.inspection import InspectionService
 from driver.nvml import HealthEventKind, NvmlBackend
 from driver.nvml.api import reason_for
 from driver.nvml.real import PynvmlBackend
@@ -52,6 +54,8 @@ def stubbed(monkeypatch: pytest.MonkeyPatch) -> PynvmlBackend:
             SimpleNamespace(pid=416, usedGpuMemory=17819500544),
             SimpleNamespace(pid=417, usedGpuMemory=None),
         ],
+        "nvmlDeviceGetGraphicsRunningProcesses": lambda h: [],
+        "nvmlDeviceGetMPSComputeRunningProcesses": lambda h: [],
     }
     for name, fn in answers.items():
         monkeypatch.setattr(pynvml, name, fn)
@@ -88,10 +92,54 @@ def test_answers_are_decoded_and_typed(stubbed: PynvmlBackend) -> None:
     assert stubbed.numa_node(0) is None
     assert stubbed.mig_mode(0) == (0, 0)
     assert stubbed.memory_info(0).free == 70
+    # usedGpuMemory None: NVML cannot tell. Not 0 bytes: an unknown amount.
     assert [(p.pid, p.used_bytes) for p in stubbed.compute_processes(0)] == [
-        (416, 17819500544), (417, 0)
+        (416, 17819500544), (417, None)
     ]
     assert [d.uuid for d in discover(stubbed)] == ["GPU-0", "GPU-1"]
+
+
+def test_graphics_and_mps_client_processes_are_listed_once_each(
+    stubbed: PynvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process with a graphics context holds memory as a compute one does; under MPS
+    the compute list shows the server and the clients hold the memory. A process in two
+    lists is one process; where the lists disagree on its size, the larger counts, and
+    where one cannot tell, its size is unknown."""
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetGraphicsRunningProcesses", lambda h: [
+        SimpleNamespace(pid=416, usedGpuMemory=17819500544),
+        SimpleNamespace(pid=500, usedGpuMemory=3 * 2**30),
+        SimpleNamespace(pid=502, usedGpuMemory=2**30),
+    ])
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMPSComputeRunningProcesses", lambda h: [
+        SimpleNamespace(pid=501, usedGpuMemory=5 * 2**30),
+        SimpleNamespace(pid=502, usedGpuMemory=None),
+    ])
+    assert sorted((p.pid, p.used_bytes) for p in stubbed.compute_processes(0)) == [
+        (416, 17819500544), (417, None), (500, 3 * 2**30), (501, 5 * 2**30), (502, None)]
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_NOT_SUPPORTED,
+                                  pynvml.NVML_ERROR_FUNCTION_NOT_FOUND])
+def test_graphics_and_mps_lists_are_skipped_where_nvml_has_none(
+    stubbed: PynvmlBackend, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetGraphicsRunningProcesses", _raise(code))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMPSComputeRunningProcesses", _raise(code))
+    assert [p.pid for p in stubbed.compute_processes(0)] == [416, 417]
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", _raise(code))
+    with pytest.raises(NvmlError):  # the compute list is not optional
+        stubbed.compute_processes(0)
+
+
+def test_memory_nvml_cannot_tell_reaches_the_inspection_api_as_unknown(
+    stubbed: PynvmlBackend, tmp_path: Path
+) -> None:
+    service = InspectionService(backend=stubbed, gpus=discover(stubbed)[:1],
+                                proc_root=tmp_path)
+    (gpu,) = service.read(set()).gpus
+    found = {p.pid: (p.used_bytes, p.used_bytes_unknown) for p in gpu.processes}
+    assert found == {416: (17819500544, False), 417: (0, True)}
 
 
 def test_device_error_carries_the_call_and_reason(
@@ -216,3 +264,40 @@ def test_real_gpu() -> None:
         assert event is None or event.gpu_uuid in {d.uuid for d in devices}
     finally:
         backend.shutdown()
+
+
+def test_a_failed_registration_frees_its_event_set_and_counts_nothing(
+    stubbed: PynvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 0 registers, GPU 1 fails (not "not supported"): the call raises, and the event set
+    it created is freed, not left behind for the next attempt to replace. A retry on which
+    no GPU registers must not count GPU 0 of the failed attempt: it just waits."""
+    created: list[object] = []
+    freed: list[object] = []
+
+    def create() -> object:
+        created.append(object())
+        return created[-1]
+
+    monkeypatch.setattr(pynvml, "nvmlEventSetCreate", create)
+    monkeypatch.setattr(pynvml, "nvmlEventSetFree", freed.append)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetSupportedEventTypes",
+                        lambda h: pynvml.nvmlEventTypeAll)
+
+    def register(handle: object, types: int, event_set: object) -> None:
+        if handle is HANDLE1:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceRegisterEvents", register)
+    for _ in range(3):
+        with pytest.raises(NvmlError) as err:
+            stubbed.wait_health_event(0)
+        assert err.value.reason == "unknown"
+    assert len(created) == 3
+    assert freed == created
+    # Now no GPU supports events: nothing is registered, so nothing is waited on.
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetSupportedEventTypes", lambda h: 0)
+    monkeypatch.setattr(pynvml, "nvmlEventSetWait", _raise(pynvml.NVML_ERROR_UNKNOWN))
+    assert stubbed.wait_health_event(0) is None
+    stubbed.shutdown()
+    assert freed == created

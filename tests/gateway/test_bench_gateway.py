@@ -30,3 +30,5 @@ def test_bench_gateway_runs_and_reports(cluster: LocalCluster, kube_api: client.
             assert stats["chunks_per_s"] > 0
         assert phase["ttft_p50_ratio"] > 0
         assert phase["chunks_ratio"] > 0
+    # The gateway's own first-token histogram was read (its name is the benchmark's too).
+    assert result["gateway_metric_ttft_mean_ms"] > 0

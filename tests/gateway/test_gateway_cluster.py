@@ -74,7 +74,7 @@ async def _chat(session: aiohttp.ClientSession, url: str, model: str, *, stream:
 async def _switches(session: aiohttp.ClientSession, controller: str) -> float:
     async with session.get(f"{controller}/metrics") as resp:
         text = await resp.text()
-    match = re.search(r'^rota_switches_total\{outcome="ok"\} (\S+)$', text, re.M)
+    match = re.search(r'^rota_controller_switches_total\{outcome="ok"\} (\S+)$', text, re.M)
     return float(match.group(1)) if match else 0.0
 
 

@@ -74,12 +74,12 @@ async def test_series_of_models_whose_claims_are_gone_are_dropped(
     assert await rig.answer(MODEL_B) == "7"
     assert await rig.answer(MODEL_A) == "7"
     text = await (await rig.gateway.get("/metrics")).text()
-    assert f'model="{MODEL_B}"' in text
+    assert f'model_name="{MODEL_B}"' in text
     rig.apply("claim", "DELETED", claim_obj("claim-b", model=MODEL_B, port=rig.b.port,
                                             pod_uid="pod-b"))
     text = await (await rig.gateway.get("/metrics")).text()
-    assert f'model="{MODEL_B}"' not in text
-    assert f'rota_gateway_requests_total{{model="{MODEL_A}",outcome="ok"}} 1.0' in text
+    assert f'model_name="{MODEL_B}"' not in text
+    assert f'rota_gateway_requests_total{{model_name="{MODEL_A}",outcome="ok"}} 1.0' in text
     assert MODEL_B not in rig.app[keys.ADMISSION].counts()
 
 

@@ -50,7 +50,7 @@ async def test_a_request_held_by_an_engine_put_to_sleep_is_served_after_a_wake(
     await eventually(lambda: rig.a.engine.waiting == 0, "the held request let go")
     metrics = rig.app[keys.METRICS].registry
     assert metrics.get_sample_value("rota_gateway_engine_refusals_total",
-                                    {"model": MODEL_A, "reason": "lost_gpu"}) == 1.0
+                                    {"model_name": MODEL_A, "reason": "lost_gpu"}) == 1.0
 
 
 async def test_a_request_held_while_the_lease_never_moves_is_answered_in_bounded_time(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any
 
 import pytest
@@ -58,7 +59,7 @@ async def test_ready_only_once_the_first_lists_are_in() -> None:
         assert (await resp.json())["error"]["code"] == "not_ready"
         assert resp.headers["Retry-After"]
         metrics = await (await client.get("/metrics")).text()
-        assert 'rota_gateway_requests_total{model="(unknown)",outcome="not_ready"} 1.0' \
+        assert 'rota_gateway_requests_total{model_name="(unknown)",outcome="not_ready"} 1.0' \
             in metrics
     finally:
         await client.close()
@@ -69,8 +70,11 @@ async def test_metrics_cover_queue_wait_and_first_token(make_rig: RigFactory) ->
     resp = await rig.chat(MODEL_B, stream=True)
     await resp.read()
     text = await (await rig.gateway.get("/metrics")).text()
-    for name in ("rota_gateway_queue_wait_seconds_count",
-                 "rota_gateway_time_to_first_byte_seconds_count",
-                 "rota_gateway_time_to_first_token_seconds_count"):
-        assert f'{name}{{model="{MODEL_B}"}} 1.0' in text, name
-    assert f'rota_gateway_in_flight{{model="{MODEL_B}"}} 0.0' in text
+    for name in ("rota_gateway_queue_wait_duration_seconds_count",
+                 "rota_gateway_first_byte_duration_seconds_count",
+                 "rota_gateway_first_token_duration_seconds_count"):
+        assert f'{name}{{model_name="{MODEL_B}"}} 1.0' in text, name
+    assert f'rota_gateway_requests_in_flight{{model_name="{MODEL_B}"}} 0.0' in text
+    assert f'rota_gateway_info{{version="{metadata.version("rota")}"}} 1.0' in text
+    assert "\nprocess_cpu_seconds_total " in text
+    assert "\npython_info{" in text

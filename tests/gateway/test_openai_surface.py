@@ -48,7 +48,7 @@ async def test_each_path_is_routed_by_model_and_switches(
     assert rig.controller.switches == 3
     assert rig.controller.max_awake == 1
     text = await (await rig.gateway.get("/metrics")).text()
-    assert f'rota_gateway_requests_total{{model="{MODEL_B}",outcome="ok"}} 2.0' in text
+    assert f'rota_gateway_requests_total{{model_name="{MODEL_B}",outcome="ok"}} 2.0' in text
 
 
 async def test_the_new_paths_need_a_model_and_a_known_one(make_rig: RigFactory) -> None:

@@ -68,9 +68,10 @@ async def test_a_failed_switch_answers_503_with_the_reason(make_rig: RigFactory)
     assert "gpu_oom" in error["message"]
     assert await rig.answer(MODEL_A) == "7"  # the awake model is not disturbed
     metrics = (await (await rig.gateway.get("/metrics")).read()).decode()
-    assert f'rota_gateway_activations_total{{model="{MODEL_B}",outcome="gpu_oom"}} 1.0' \
+    assert f'rota_gateway_activations_total{{model_name="{MODEL_B}",outcome="gpu_oom"}} 1.0' \
         in metrics
-    assert f'rota_gateway_requests_total{{model="{MODEL_B}",outcome="gpu_oom"}} 1.0' in metrics
+    assert f'rota_gateway_requests_total{{model_name="{MODEL_B}",outcome="gpu_oom"}} 1.0' \
+        in metrics
 
 
 async def test_a_declined_activation_is_asked_again_after_retry_after(

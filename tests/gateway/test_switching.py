@@ -31,9 +31,9 @@ async def test_alternating_requests_switch_and_are_all_answered(make_rig: RigFac
     assert rig.controller.switches == len(models) - 1
     assert rig.controller.max_awake == 1
     metrics = (await (await rig.gateway.get("/metrics")).read()).decode()
-    assert f'rota_gateway_activations_total{{model="{MODEL_B}",outcome="switched"}} 4.0' \
+    assert f'rota_gateway_activations_total{{model_name="{MODEL_B}",outcome="switched"}} 4.0' \
         in metrics
-    assert f'rota_gateway_requests_total{{model="{MODEL_A}",outcome="ok"}} 4.0' in metrics
+    assert f'rota_gateway_requests_total{{model_name="{MODEL_A}",outcome="ok"}} 4.0' in metrics
 
 
 async def test_streamed_requests_alternate_too(make_rig: RigFactory) -> None:
@@ -115,7 +115,7 @@ async def test_a_request_that_lost_its_gpu_wakes_its_model_again(make_rig: RigFa
 
     def refused() -> bool:
         value = metrics.registry.get_sample_value(
-            "rota_gateway_engine_refusals_total", {"model": MODEL_A, "reason": "http_503"})
+            "rota_gateway_engine_refusals_total", {"model_name": MODEL_A, "reason": "http_503"})
         return value == 1.0
 
     await eventually(refused, "the asleep engine refusing the request")
@@ -125,7 +125,7 @@ async def test_a_request_that_lost_its_gpu_wakes_its_model_again(make_rig: RigFa
         assert await request == "7"
     assert rig.controller.switches == 1
     assert metrics.registry.get_sample_value(
-        "rota_gateway_upstream_retries_total", {"model": MODEL_A}) == 1.0
+        "rota_gateway_upstream_retries_total", {"model_name": MODEL_A}) == 1.0
 
 
 async def test_two_replicas_activating_different_models_are_all_answered(

@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class VerifyStartTokenRequest(_message.Message):
+    __slots__ = ("claim_uid", "token")
+    CLAIM_UID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    claim_uid: str
+    token: str
+    def __init__(self, claim_uid: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class VerifyStartTokenResponse(_message.Message):
+    __slots__ = ("valid",)
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    valid: bool
+    def __init__(self, valid: _Optional[bool] = ...) -> None: ...
+
 class InspectGpusRequest(_message.Message):
     __slots__ = ("gpu_uuids",)
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
@@ -38,15 +52,17 @@ class GpuState(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., device: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[GpuProcess, _Mapping]]] = ...) -> None: ...
 
 class GpuProcess(_message.Message):
-    __slots__ = ("pid", "used_bytes", "pod_uid", "container_id", "claim_uid")
+    __slots__ = ("pid", "used_bytes", "pod_uid", "container_id", "claim_uid", "used_bytes_unknown")
     PID_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     POD_UID_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_UID_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     pid: int
     used_bytes: int
     pod_uid: str
     container_id: str
     claim_uid: str
-    def __init__(self, pid: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pod_uid: _Optional[str] = ..., container_id: _Optional[str] = ..., claim_uid: _Optional[str] = ...) -> None: ...
+    used_bytes_unknown: bool
+    def __init__(self, pid: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pod_uid: _Optional[str] = ..., container_id: _Optional[str] = ..., claim_uid: _Optional[str] = ..., used_bytes_unknown: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,167 @@
+"""The lease controller's view of its node, fed by watches instead of repeated lists.
+
+Three list-then-watch streams (:class:`driver.listwatch.ListWatch`), each narrowed as far
+as the API allows:
+
+- ResourceClaims: no field or label selector can say "allocated on this node", so the
+  watch covers the cluster and the cache keeps only claims with a result of
+  ``gpu.rota.dev`` in this node's pool (a claim that stops matching leaves the cache);
+- Pods: ``spec.nodeName=<node>`` on the server;
+- ResourceSlices: ``spec.nodeName=<node>,spec.driver=gpu.rota.dev`` on the server (the
+  published memory of plain devices is the resident footprint of their claims).
+
+The API server sees one list per stream at start (paginated) and after a 410, then one
+long watch each; the switches themselves read nothing but the GPU Lease. Claimants are
+rebuilt from the cache when it changed, never from a new list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client
+
+from controller import metrics
+from controller.claimants import DRIVER, Claimant, claimants_from, device_memory_of
+from driver.kube import RESOURCE_GROUP, RESOURCE_VERSION
+from driver.listwatch import ListWatch, Obj
+
+__all__ = ["NodeCache"]
+
+log = logging.getLogger(__name__)
+
+
+def _allocated_here(node: str) -> Callable[[Obj], bool]:
+    def keep(claim: Obj) -> bool:
+        allocation = (claim.get("status") or {}).get("allocation") or {}
+        return any(r.get("driver") == DRIVER and r.get("pool") == node
+                   for r in (allocation.get("devices") or {}).get("results") or [])
+
+    return keep
+
+
+class _Store:
+    """Objects of one stream by uid, replaced by lists and edited by events."""
+
+    def __init__(self, on_change: Callable[[], None]) -> None:
+        self.items: dict[str, Obj] = {}
+        self._on_change = on_change
+
+    @staticmethod
+    def _uid(obj: Obj) -> str:
+        return str((obj.get("metadata") or {}).get("uid", ""))
+
+    def replace(self, items: list[Obj]) -> None:
+        self.items = {self._uid(o): o for o in items}
+        self._on_change()
+
+    def apply(self, kind: str, obj: Obj) -> None:
+        if kind == "DELETED":
+            self.items.pop(self._uid(obj), None)
+        else:
+            self.items[self._uid(obj)] = obj
+        self._on_change()
+
+
+class NodeCache:
+    """Claims, pods and slices of one node, current within a watch event's delay.
+
+    :meth:`start` begins the watches; :attr:`synced` is set once each has listed.
+    """
+
+    def __init__(self, api: client.ApiClient, *, node: str, api_timeout_s: float = 10.0,
+                 watch_timeout_s: int = 300) -> None:
+        self.api = api
+        self.node = node
+        self.api_timeout_s = api_timeout_s
+        self.watch_timeout_s = watch_timeout_s
+        self.version = 0
+        """Raised by every change; :meth:`claimants` rebuilds only when it moved."""
+        self.synced = asyncio.Event()
+        self._changed = asyncio.Condition()
+        self._claims = _Store(self._touch)
+        self._pods = _Store(self._touch)
+        self._slices = _Store(self._touch)
+        self._watches: list[ListWatch] = []
+        self._built: tuple[int, list[Claimant]] = (-1, [])
+        self._notify: asyncio.Task[None] | None = None
+
+    def _touch(self) -> None:
+        self.version += 1
+        if self._notify is None or self._notify.done():
+            self._notify = asyncio.get_running_loop().create_task(self._wake_waiters(),
+                                                                  name="cache-notify")
+
+    async def _wake_waiters(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        objects = client.CustomObjectsApi(self.api)
+        core = client.CoreV1Api(self.api)
+
+        def watch(name: str, store: _Store, list_fn: Callable[..., Any], *args: Any,
+                  **kwargs: Any) -> ListWatch:
+            return ListWatch(name, list_fn, *args, loop=loop, on_replace=store.replace,
+                             on_event=store.apply, api_timeout_s=self.api_timeout_s,
+                             watch_timeout_s=self.watch_timeout_s,
+                             on_error=lambda exc: metrics.WATCH_RESTARTS.labels(name).inc(),
+                             **kwargs)
+
+        self._watches = [
+            watch("resourceclaims", self._claims, objects.list_cluster_custom_object,
+                  RESOURCE_GROUP, RESOURCE_VERSION, "resourceclaims",
+                  keep=_allocated_here(self.node)),
+            watch("pods", self._pods, core.list_pod_for_all_namespaces,
+                  field_selector=f"spec.nodeName={self.node}"),
+            watch("resourceslices", self._slices, objects.list_cluster_custom_object,
+                  RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices",
+                  field_selector=f"spec.nodeName={self.node},spec.driver={DRIVER}"),
+        ]
+        for w in self._watches:
+            w.start()
+
+    async def wait_synced(self) -> None:
+        """Until every stream has listed once."""
+        for w in self._watches:
+            await w.listed.wait()
+        self.synced.set()
+
+    async def stop(self) -> None:
+        for w in self._watches:
+            w.stop()
+        if self._notify is not None:
+            await asyncio.gather(self._notify, return_exceptions=True)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def claimants(self) -> list[Claimant]:
+        """The claimants on this node, from the cache (rebuilt only after a change)."""
+        version, built = self._built
+        if version != self.version:
+            built = claimants_from(self._claims.items.values(), self._pods.items,
+                                   node=self.node,
+                                   device_memory=device_memory_of(self._slices.items.values()))
+            self._built = (self.version, built)
+        return list(built)
+
+    def claimant(self, claim_uid: str) -> Claimant | None:
+        return next((c for c in self.claimants() if c.claim_uid == claim_uid), None)
+
+    def pod(self, uid: str) -> Obj | None:
+        return self._pods.items.get(uid)
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (bounded) until ``predicate()`` holds after a change; its last value."""
+        try:
+            async with asyncio.timeout(timeout_s), self._changed:
+                await self._changed.wait_for(predicate)
+                return True
+        except TimeoutError:
+            return predicate()

@@ -1,0 +1,130 @@
+"""What kubectl shows about one GPU's engines, from what its worker does.
+
+A :class:`GpuVisibility` turns a GPU worker's steps into the visible state that
+:mod:`controller.visible_state` defines: Events (``SwitchedIn``, ``SwitchedOut``,
+``SwitchFailed`` with a CamelCase cause, ``StartWaiting``, ``StartAdmitted``), the
+``gpu.rota.dev/state`` label of every engine pod on the GPU, and the ``Awake`` and
+``Ready`` conditions of each claim's device. It only queues writes
+(:class:`controller.visible_state_writer.VisibleStateWriter` sends them off the switch's
+path); a failed write never delays or fails a switch.
+
+The labels follow the GPU Lease: after every Lease write the holder of an ``awake`` Lease
+is ``awake``, the model a ``failed`` Lease names and every engine in an unknown state are
+``failed``, every other engine is ``asleep``; while a switch runs its two engines are
+``switching`` (a start's newcomer is ``starting``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from controller import naming
+from controller.claimants import Claimant
+from controller.leases import GpuLease
+from controller.switch import SwitchResult
+from controller.visible_state import (
+    EngineState,
+    EventReason,
+    Occurrence,
+    camel_cause,
+    claim_ref,
+    pod_ref,
+)
+from controller.visible_state_writer import VisibleStateWriter
+
+__all__ = ["GpuVisibility"]
+
+
+class GpuVisibility:
+    """The visible state of the engines of one GPU (``gpu``), written through ``writer``."""
+
+    def __init__(self, writer: VisibleStateWriter, gpu: str) -> None:
+        self.writer = writer
+        self.gpu = gpu
+
+    # -- labels and conditions ------------------------------------------------------------------
+
+    def settled(self, on_gpu: Sequence[Claimant], lease: GpuLease, *,
+                unknown: Collection[str] = ()) -> None:
+        """After a Lease write: every engine's label and conditions from ``lease``;
+        ``unknown`` are the claim uids of engines that may be awake."""
+        for claimant in on_gpu:
+            state = _state_of(claimant, lease, unknown=unknown)
+            self.writer.pod_state(claimant, state)
+            reason, message = self._condition_words(claimant, state, lease)
+            self.writer.claim_conditions(claimant, awake=state is EngineState.AWAKE,
+                                         ready=claimant.serving, reason=reason,
+                                         message=message)
+
+    def switching(self, holder: Claimant | None, target: Claimant, *,
+                  starting: bool = False) -> None:
+        """A switch from ``holder`` to ``target`` begins (a start when ``starting``)."""
+        if holder is not None and holder is not target:
+            self.writer.pod_state(holder, EngineState.SWITCHING)
+        self.writer.pod_state(target, EngineState.STARTING if starting
+                              else EngineState.SWITCHING)
+
+    def _condition_words(self, claimant: Claimant, state: EngineState, lease: GpuLease
+                         ) -> tuple[str, str]:
+        if not claimant.serving:
+            return "NotReady", "the engine's pod is not ready"
+        if state is EngineState.AWAKE:
+            return "Holder", f"awake on {self.gpu} (fencing number {lease.fence})"
+        if state is EngineState.FAILED:
+            return "SwitchFailed", lease.last_error or "the engine's state is unknown"
+        holder = lease.holder if lease.state == naming.STATE_AWAKE else ""
+        return "Asleep", f"asleep; {holder or 'nobody'} holds {self.gpu}"
+
+    # -- events -------------------------------------------------------------------------------
+
+    def switched(self, result: SwitchResult, holder: Claimant | None, target: Claimant, *,
+                 start: bool = False) -> None:
+        """The Events of a finished switch (or start) from ``holder`` to ``target``."""
+        took = _took(result)
+        if not result.ok:
+            self._record(target, EventReason.SWITCH_FAILED,
+                         f"{camel_cause(result.reason)}: {result.message}"
+                         f" (switch to {target.model or target.ref} on {self.gpu})")
+            return
+        if holder is not None and holder is not target:
+            self._record(holder, EventReason.SWITCHED_OUT,
+                         f"put to sleep on {self.gpu} for {target.model or target.ref}{took}")
+        if holder is target and result.lease.holder != target.ref:
+            self._record(target, EventReason.SWITCHED_OUT,
+                         f"put to sleep on {self.gpu} ({result.reason or 'idle'})")
+            return
+        if start:
+            self._record(target, EventReason.START_ADMITTED,
+                         f"started on {self.gpu} and proved by the probe{took}")
+        if result.lease.holder == target.ref:
+            self._record(target, EventReason.SWITCHED_IN,
+                         f"awake on {self.gpu} (fencing number {result.lease.fence}){took}")
+
+    def start_waiting(self, claimant: Claimant, holder: str) -> None:
+        """``claimant``'s start gate asked for a start slot; it waits for one."""
+        self._record(claimant, EventReason.START_WAITING,
+                     f"waiting at the start gate until {holder or 'the GPU'} is put to sleep "
+                     f"on {self.gpu}")
+
+    def _record(self, claimant: Claimant, reason: EventReason, note: str) -> None:
+        claim = claim_ref(claimant)
+        pod = pod_ref(claimant)
+        self.writer.record(Occurrence(pod or claim, reason, note,
+                                      related=claim if pod is not None else None))
+
+
+def _state_of(claimant: Claimant, lease: GpuLease, *, unknown: Collection[str]
+              ) -> EngineState:
+    if lease.state == naming.STATE_AWAKE and lease.holder == claimant.ref:
+        return EngineState.AWAKE
+    if claimant.claim_uid in unknown:
+        return EngineState.FAILED
+    if lease.state == naming.STATE_FAILED and claimant.model and (
+            claimant.model == lease.target_model):
+        return EngineState.FAILED
+    return EngineState.ASLEEP
+
+
+def _took(result: SwitchResult) -> str:
+    total = result.timings.get("total", result.timings.get("start"))
+    return f" in {total:.2f} s" if total is not None else ""
