@@ -206,7 +206,7 @@ def test_nvml_from_a_host_path_or_the_runtime_class(default: Rendered,
 def test_the_driver_looks_for_device_nodes_in_a_live_mount_of_the_host_device_root(
         chart_bin: Path, dev_root: str | None) -> None:
     """Not in its own /dev, a copy made when the container started."""
-    rendered = render(set_values={"cdi.devRoot": dev_root} if dev_root else None,
+    rendered = render(set_values={**MINIMAL, **({"cdi.devRoot": dev_root} if dev_root else {})},
                       bin_dir=chart_bin)
     driver = _pod(rendered, "DaemonSet", "rota-driver")
     [container] = driver["containers"]

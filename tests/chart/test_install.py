@@ -184,9 +184,12 @@ def _expected(release: Release) -> dict[str, dict[str, set[Rule]]]:
               *((rs, "resourceslices", v, "") for v in ("list", "watch", "create", "update",
                                                          "delete"))}
     controller = {(rs, "resourceclaims", "get", ""), (rs, "resourceclaims", "list", ""),
+                  (rs, "resourceclaims", "watch", ""),
+                  (rs, "resourceslices", "list", ""), (rs, "resourceslices", "watch", ""),
                   (rs, "resourceclaims/status", "update", ""),
                   (rs, "resourceclaims/driver", "associated-node:update", "gpu.rota.dev"),
-                  (core, "pods", "list", ""), (core, "pods", "patch", ""),
+                  (core, "pods", "list", ""), (core, "pods", "watch", ""),
+                  (core, "pods", "patch", ""),
                   (ev, "events", "create", ""), (ev, "events", "patch", "")}
     leases_rw = {(coord, "leases", v, "") for v in ("get", "create", "update")}
     gateway = {(rs, "resourceclaims", "list", ""), (rs, "resourceclaims", "watch", "")}
@@ -233,6 +236,10 @@ CAN_I: list[tuple[str, str, str, str, str, bool]] = [
     ("controller", "update", "coordination.k8s.io", "leases", "default", False),
     ("controller", "delete", "coordination.k8s.io", "leases", "@", False),
     ("controller", "list", "", "pods", "", True),
+    ("controller", "watch", "", "pods", "", True),  # with spec.nodeName=<node>: its cache
+    ("controller", "watch", "resource.k8s.io", "resourceclaims", "", True),
+    ("controller", "watch", "resource.k8s.io", "resourceslices", "", True),
+    ("controller", "update", "resource.k8s.io", "resourceslices", "", False),
     ("controller", "patch", "", "pods", "+", True),
     ("controller", "delete", "", "pods", "+", False),
     ("controller", "create", "", "pods", "+", False),

@@ -38,6 +38,10 @@ MUST: dict[str, list[Check]] = {
                  for v in ("list", "watch", "create", "update", "delete")]],
     "controller": [("get", "resource.k8s.io", "resourceclaims", "x"),
                    ("list", "resource.k8s.io", "resourceclaims", ""),
+                   ("watch", "resource.k8s.io", "resourceclaims", ""),
+                   ("list", "resource.k8s.io", "resourceslices", ""),
+                   ("watch", "resource.k8s.io", "resourceslices", ""),
+                   ("watch", "", "pods", ""),  # its node's, by spec.nodeName
                    ("update", "resource.k8s.io", "resourceclaims/status", "x"),
                    ("list", "", "pods", ""), ("patch", "", "pods", "x"),
                    ("create", "events.k8s.io", "events", "x"),
