@@ -1,8 +1,10 @@
 """The activation API: "make model M awake", answered when M serves or the switch failed.
 
 Gateways call it; each node's controller serves it on the address its controller Lease
-advertises. It requires a bearer token when one is configured (a mounted Secret); engine
-control endpoints are never reachable through it.
+advertises, or through the API server's pod proxy (``kubectl rota``). It requires the token
+when one is configured (a mounted Secret), as ``Authorization: Bearer`` or in
+:data:`~controller.activation_api.TOKEN_HEADER`; engine control endpoints are never
+reachable through it.
 
 - ``POST /v1/activate``: the contract is :mod:`controller.activation_api`.
 - ``GET /v1/state``: the GPU Leases this instance knows and its claimants.
@@ -20,7 +22,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from controller import metrics
-from controller.activation_api import PATH, ActivateAnswer, ActivateRequest, ErrorBody, ErrorDetail
+from controller.activation_api import (
+    PATH,
+    STATE_PATH,
+    TOKEN_HEADER,
+    ActivateAnswer,
+    ActivateRequest,
+    ErrorBody,
+    ErrorDetail,
+)
 from controller.gateway.credentials import ApiKeys
 from controller.node import NodeController, UnknownModel
 from controller.switch import Fenced
@@ -39,10 +49,16 @@ def _error(status: int, kind: str, message: str, *, retry_after: int | None = No
     return web.json_response(body.model_dump(), status=status, headers=headers)
 
 
+def _admitted(callers: ApiKeys, request: web.Request) -> bool:
+    if callers.admits(request.headers.get("Authorization")):
+        return True
+    token = request.headers.get(TOKEN_HEADER, "").strip()
+    return bool(token) and " " not in token and callers.admits(f"Bearer {token}")
+
+
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    if request.path.startswith("/v1/") and not request.app[CALLERS].admits(
-            request.headers.get("Authorization")):
+    if request.path.startswith("/v1/") and not _admitted(request.app[CALLERS], request):
         return _error(401, "unauthorized", "a valid bearer token is required")
     response: web.StreamResponse = await handler(request)
     return response
@@ -111,7 +127,7 @@ def make_app(node: NodeController, *, callers: ApiKeys) -> web.Application:
     app[NODE] = node
     app[CALLERS] = callers
     app.router.add_post(PATH, activate)
-    app.router.add_get("/v1/state", state)
+    app.router.add_get(STATE_PATH, state)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_page)

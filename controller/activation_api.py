@@ -3,7 +3,9 @@ it answers. The server (:mod:`controller.activation`) and the client
 (:mod:`controller.gateway.activation`) both use these models; nothing else defines them.
 
 ``POST /v1/activate`` with :class:`ActivateRequest` (and the bearer token of the mounted
-Secret). Answers:
+Secret, in ``Authorization: Bearer <token>`` or in :data:`TOKEN_HEADER`: the API server's
+pod proxy, which ``kubectl rota`` goes through, authenticates its caller with
+``Authorization`` and drops it before forwarding). Answers:
 
 - 200 :class:`ActivateAnswer`: the claimant is the awake holder of its GPU under ``fence``.
   It carries no address: a gateway routes only to pod IPs it watches itself.
@@ -21,10 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from controller.engines.probe import ProbeReason
 
-__all__ = ["OTHER_REASON", "PATH", "SWITCH_FAILURE_REASONS", "ActivateAnswer", "ActivateRequest",
+__all__ = ["OTHER_REASON", "PATH", "STATE_PATH", "SWITCH_FAILURE_REASONS", "TOKEN_HEADER",
+           "ActivateAnswer", "ActivateRequest",
            "ErrorBody", "ErrorDetail"]
 
 PATH = "/v1/activate"
+STATE_PATH = "/v1/state"
+TOKEN_HEADER = "X-Rota-Activation-Token"
+"""The activation token itself (no scheme), for callers whose ``Authorization`` header
+belongs to someone else (the API server's proxy)."""
 
 OTHER_REASON = "other"
 """The failure label of an error no reason below names (its text stays in the Lease's

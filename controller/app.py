@@ -30,9 +30,10 @@ from controller.gateway.credentials import ApiKeys, SecretFile, reload_forever
 from controller.kube import ControllerKube
 from controller.node import NodeController
 from controller.settings import LeaseSettings
-from controller.urls import http_url
+from controller.urls import advertised_url
 from controller.visible_state_writer import VisibleStateKube, VisibleStateWriter
 from driver.kube import load_api_client
+from driver.listen import DUAL_STACK, split_host_port, start_site
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
     timeout = aiohttp.ClientTimeout(total=None, connect=5)
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        host, _, port = settings.listen.rpartition(":")
+        host, port = split_host_port(settings.listen)
         runner: web.AppRunner | None = None
         gate: web.AppRunner | None = None
         try:
@@ -87,10 +88,10 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
             app = make_app(node, callers=ApiKeys(callers))
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
-            site = web.TCPSite(runner, host or "0.0.0.0", int(port))
-            await site.start()
-            bound = runner.addresses[0][1] if runner.addresses else int(port)
-            life.url = settings.advertise_url or http_url(host or "127.0.0.1", bound)
+            await start_site(runner, host or DUAL_STACK, port)
+            bound = runner.addresses[0][1] if runner.addresses else port
+            life.url = settings.advertise_url or advertised_url(
+                host, bound, host=settings.advertise_host)
             # Known only after binding (port 0); the election writes it on its first renew.
             election.activation_url = life.url
             log.info("lease controller listening", extra={"node": settings.node_name,

@@ -10,9 +10,18 @@
 
 Installed as the ``kubectl-rota`` entry point: kubectl finds it on ``PATH``. The pure
 functions below build everything from Lease, claim and answer objects; ``main`` only reads
-the API server and calls the controllers. Controllers are reached at the URL their Lease
-advertises (the pod IP): run it where pod IPs are routable (in the cluster, or through a
-VPN), or add a NetworkPolicy peer for it (``networkPolicy.controllerFrom``).
+the API server and calls the controllers.
+
+Controllers are reached through the API server's pod proxy
+(``/api/v1/namespaces/<namespace>/pods/<pod>:<port>/proxy/...``), with the kubeconfig's
+own credentials: the pod is the one the node's controller Lease names as its holder, in
+the controllers' namespace, and the port the one its advertised URL gives. The user needs
+``get`` (status) and ``create`` (switch) on ``pods/proxy`` there. The API server keeps the
+``Authorization`` header for itself, so the activation token travels in
+``X-Rota-Activation-Token``. ``--direct`` calls the advertised URL (the pod IP) instead,
+from where pod IPs route and the controllers' NetworkPolicy admits the caller. Either way
+an answer that redirects is an error: a redirect is never followed (it would carry the
+token elsewhere).
 """
 
 from __future__ import annotations
@@ -20,25 +29,33 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
+import http.client
 import json
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
+from urllib.parse import quote, urlsplit
 
 from pydantic import ValidationError
 
 from controller import naming
-from controller.activation_api import PATH, ActivateAnswer, ActivateRequest, ErrorBody
+from controller.activation_api import (
+    PATH,
+    STATE_PATH,
+    TOKEN_HEADER,
+    ActivateAnswer,
+    ActivateRequest,
+    ErrorBody,
+)
 from controller.claimants import claimants_from
 from controller.leases import GpuLease, parse_micro_time
 
-__all__ = ["ControllerInfo", "GpuRow", "SwitchOutcome", "controllers_from", "find_claimant",
-           "interpret_activation", "main", "render_status", "render_switch", "status_rows"]
+__all__ = ["Answer", "ControllerInfo", "Direct", "GpuRow", "SwitchOutcome", "ThroughApiServer",
+           "Unreachable", "api_server_refusal", "controllers_from", "find_claimant",
+           "interpret_activation", "main", "proxy_path", "render_status", "render_switch",
+           "status_rows"]
 
-STATE_PATH = "/v1/state"
 DEFAULT_NAMESPACE = "rota-system"
 DEFAULT_SECRET = "rota-activation-token"
 
@@ -57,6 +74,15 @@ class ControllerInfo:
         """The Lease was renewed within its duration."""
         return self.renewed is not None and (now - self.renewed).total_seconds() <= \
             self.duration_s
+
+    @property
+    def port(self) -> int | None:
+        """The port of the advertised URL (the scheme's default when it names none)."""
+        try:
+            parts = urlsplit(self.activation_url)
+            return parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        except ValueError:
+            return None
 
 
 @dataclass(frozen=True)
@@ -151,10 +177,14 @@ def _queue(live: Mapping[str, Any] | None) -> str:
     return "-"
 
 
-def render_status(rows: Sequence[GpuRow], now: dt.datetime) -> str:
-    """A table, one line per GPU, the last error and last switch on indented lines."""
+def render_status(rows: Sequence[GpuRow], now: dt.datetime,
+                  unread: Mapping[str, str] | None = None) -> str:
+    """A table, one line per GPU, the last error and last switch on indented lines; then,
+    per node in ``unread``, why its controller's live data is missing."""
+    notes = "".join(f"live data of node {node} not read: {why}\n"
+                    for node, why in sorted((unread or {}).items()))
     if not rows:
-        return "No GPU Leases: no lease controller has run yet in this namespace.\n"
+        return "No GPU Leases: no lease controller has run yet in this namespace.\n" + notes
     header = ("NODE", "GPU", "STATE", "HOLDER", "MODEL", "FENCE", "CONTROLLER", "RENEWED",
               "QUEUE")
     lines = [header]
@@ -180,10 +210,11 @@ def render_status(rows: Sequence[GpuRow], now: dt.datetime) -> str:
         out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True))
                    .rstrip())
         out += [f"    {d}" for d in details.get(i, [])]
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n" + notes
 
 
-def status_json(rows: Sequence[GpuRow], now: dt.datetime) -> list[dict[str, Any]]:
+def status_json(rows: Sequence[GpuRow], now: dt.datetime,
+                unread: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     return [{"node": r.lease.node, "gpu": r.gpu, "state": r.lease.state,
              "holder": r.lease.holder, "model": r.lease.holder_model, "fence": r.lease.fence,
              "target_model": r.lease.target_model, "last_error": r.lease.last_error,
@@ -192,7 +223,8 @@ def status_json(rows: Sequence[GpuRow], now: dt.datetime) -> list[dict[str, Any]
                  "identity": r.controller.identity, "url": r.controller.activation_url,
                  "alive": r.controller.alive(now)},
              "last_switch": (r.live or {}).get("last_switch"),
-             "queue": (r.live or {}).get("queue")} for r in rows]
+             "queue": (r.live or {}).get("queue"),
+             "live_error": (unread or {}).get(r.lease.node)} for r in rows]
 
 
 def find_claimant(claims: Iterable[Mapping[str, Any]], model: str,
@@ -255,23 +287,160 @@ def render_switch(outcome: SwitchOutcome, model: str) -> str:
     return f"could not switch to {model}: {outcome.error}: {outcome.message}{retry}\n"
 
 
+# -- how a controller is called ------------------------------------------------------------
+
+MAX_ANSWER_BYTES = 1 << 20
+
+
+class Unreachable(Exception):
+    """The controller could not be asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The controller's own answer."""
+
+    status: int
+    body: bytes
+    retry_after: str | None = None
+
+
+def proxy_path(namespace: str, pod: str, port: int, path: str) -> str:
+    """The API server's path that proxies ``path`` to ``pod``'s ``port``."""
+    return (f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/"
+            f"{quote(pod, safe='')}:{port}/proxy{path}")
+
+
+def api_server_refusal(status: int, body: bytes, content_type: str) -> str | None:
+    """What the API server said, when an answer is its own error (a ``Status``) rather
+    than the controller's; None otherwise."""
+    if status < 400 or "json" not in content_type:
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("kind") != "Status" or "error" in doc:
+        return None
+    message = str(doc.get("message") or doc.get("reason") or f"HTTP {status}")[:300]
+    hint = {403: " (the kubeconfig's user needs get and create on pods/proxy in the "
+                 "controllers' namespace)",
+            404: " (the controller Lease's holder is not a pod of this namespace; --direct "
+                 "calls its advertised URL)",
+            503: " (the API server cannot reach the pod: the controllers' NetworkPolicy must "
+                 "admit it, see networkPolicy.controllerFrom)"}.get(status, "")
+    return f"the API server answered {status}: {message}{hint}"
+
+
+def _redirect(status: int) -> str | None:
+    if 300 <= status < 400:
+        return f"the controller answered {status}, a redirect, which is never followed"
+    return None
+
+
+class ControllerCalls(Protocol):
+    def call(self, ctl: ControllerInfo, path: str, *, body: bytes | None,
+             timeout_s: float) -> Answer:
+        """GET (``body`` None) or POST ``path`` of the node's activation API.
+
+        Raises:
+            Unreachable: the controller could not be asked, or its answer redirects.
+        """
+
+
+class ThroughApiServer:
+    """Calls through the API server's pod proxy with the kubeconfig's credentials (the
+    client's own TLS and auth); never follows a redirect."""
+
+    def __init__(self, api: Any, namespace: str, token: str | None) -> None:
+        self._api = api
+        self._namespace = namespace
+        self._token = token
+
+    def call(self, ctl: ControllerInfo, path: str, *, body: bytes | None,
+             timeout_s: float) -> Answer:
+        import urllib3
+
+        if not ctl.identity:
+            raise Unreachable("no controller instance holds the node's Lease")
+        port = ctl.port
+        if port is None:
+            raise Unreachable(f"the advertised URL {ctl.activation_url!r} names no port")
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if self._token:
+            headers[TOKEN_HEADER] = self._token
+        method = "GET" if body is None else "POST"
+        method, url, headers, _, _ = self._api.param_serialize(
+            method, proxy_path(self._namespace, ctl.identity, port, path),
+            header_params=headers, auth_settings=["BearerToken"])
+        try:
+            resp = self._api.rest_client.pool_manager.request(
+                method, url, body=body, headers=headers, redirect=False, retries=False,
+                preload_content=False,
+                timeout=urllib3.Timeout(connect=min(timeout_s, 10.0), read=timeout_s))
+        except urllib3.exceptions.HTTPError as exc:
+            raise Unreachable(f"the API server cannot be reached: {exc}") from exc
+        try:
+            data = resp.read(MAX_ANSWER_BYTES)
+        finally:
+            resp.release_conn()
+        status = int(resp.status)
+        refusal = (_redirect(status)
+                   or api_server_refusal(status, data, resp.headers.get("Content-Type", "")))
+        if refusal is not None:
+            raise Unreachable(refusal)
+        return Answer(status, data, resp.headers.get("Retry-After"))
+
+
+class Direct:
+    """Calls the URL the controller Lease advertises (the pod IP); never follows a
+    redirect (``http.client`` has no notion of one)."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token
+
+    def call(self, ctl: ControllerInfo, path: str, *, body: bytes | None,
+             timeout_s: float) -> Answer:
+        try:
+            parts = urlsplit(ctl.activation_url)
+            host, port = parts.hostname, parts.port
+        except ValueError as exc:
+            raise Unreachable(f"the advertised URL {ctl.activation_url!r}: {exc}") from exc
+        if parts.scheme not in ("http", "https") or not host:
+            raise Unreachable(f"the advertised URL {ctl.activation_url!r} is not http(s)")
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else \
+            http.client.HTTPConnection
+        conn = kind(host, port, timeout=timeout_s)
+        headers = {"Accept": "application/json"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.request("GET" if body is None else "POST", parts.path.rstrip("/") + path,
+                         body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read(MAX_ANSWER_BYTES)
+        except (OSError, http.client.HTTPException) as exc:
+            raise Unreachable(f"{ctl.activation_url} cannot be reached: {exc}") from exc
+        finally:
+            conn.close()
+        refusal = _redirect(resp.status)
+        if refusal is not None:
+            raise Unreachable(refusal)
+        return Answer(int(resp.status), data, resp.getheader("Retry-After"))
+
+
 # -- the thin part: the API server and the controllers -------------------------------------
 
 
-def _http(url: str, *, token: str | None, body: bytes | None, timeout_s: float
-          ) -> tuple[int, bytes, str | None]:
-    headers = {"Accept": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    if body is not None:
-        headers["Content-Type"] = "application/json"
-    request = urllib.request.Request(url, data=body, headers=headers,
-                                     method="POST" if body is not None else "GET")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            return int(resp.status), resp.read(1 << 20), resp.headers.get("Retry-After")
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), exc.read(1 << 20), exc.headers.get("Retry-After")
+def _calls(args: argparse.Namespace, api: Any) -> ControllerCalls:
+    token = _token(args, api)
+    if args.direct:
+        return Direct(token)
+    return ThroughApiServer(api, args.namespace, token)
 
 
 def _token(args: argparse.Namespace, api: Any) -> str | None:
@@ -305,31 +474,50 @@ def _leases(api: Any, namespace: str) -> list[dict[str, Any]]:
     return list(json.loads(resp.data).get("items", []))
 
 
+def _live_state(calls: ControllerCalls, ctl: ControllerInfo, timeout_s: float
+                ) -> Mapping[str, Any]:
+    """The controller's ``/v1/state`` answer.
+
+    Raises:
+        Unreachable: it could not be read (the message says why).
+    """
+    if not ctl.activation_url:
+        raise Unreachable("the controller Lease advertises no URL")
+    answer = calls.call(ctl, STATE_PATH, body=None, timeout_s=timeout_s)
+    if answer.status != 200:
+        outcome = interpret_activation(answer.status, answer.body, answer.retry_after)
+        raise Unreachable(f"the controller answered {answer.status}: {outcome.error}"
+                          + (f": {outcome.message}" if outcome.message else ""))
+    try:
+        state = json.loads(answer.body)
+    except ValueError as exc:
+        raise Unreachable(f"the controller's answer is not JSON: {exc}") from exc
+    if not isinstance(state, dict):
+        raise Unreachable("the controller's answer is not a JSON object")
+    return state
+
+
 def _status(args: argparse.Namespace, out: TextIO) -> int:
     api = _api(args)
     try:
         leases = _leases(api, args.namespace)
         states: dict[str, Mapping[str, Any]] = {}
+        unread: dict[str, str] = {}
         if not args.no_live:
-            token = _token(args, api)
+            calls = _calls(args, api)
             for node, ctl in controllers_from(leases).items():
                 if args.node is not None and node != naming.label_value(args.node):
                     continue
-                if not ctl.activation_url:
-                    continue
                 try:
-                    status, body, _ = _http(ctl.activation_url + STATE_PATH, token=token,
-                                            body=None, timeout_s=args.request_timeout)
-                    if status == 200:
-                        states[node] = json.loads(body)
-                except (OSError, ValueError):
-                    continue  # unreachable from here: the Leases still say enough
+                    states[node] = _live_state(calls, ctl, args.request_timeout)
+                except Unreachable as exc:
+                    unread[node] = str(exc)  # the Leases still say enough
         rows = status_rows(leases, states, node=args.node)
         now = dt.datetime.now(dt.UTC)
         if args.output == "json":
-            out.write(json.dumps(status_json(rows, now), indent=2, default=str) + "\n")
+            out.write(json.dumps(status_json(rows, now, unread), indent=2, default=str) + "\n")
         else:
-            out.write(render_status(rows, now))
+            out.write(render_status(rows, now, unread))
         return 0
     finally:
         api.close()
@@ -353,23 +541,22 @@ def _switch(args: argparse.Namespace, out: TextIO) -> int:
             return 1
         request = ActivateRequest(model=args.model, claim=ref)
         try:
-            status, body, retry_after = _http(
-                ctl.activation_url + PATH, token=_token(args, api),
-                body=request.model_dump_json().encode(), timeout_s=args.timeout)
-        except OSError as exc:
-            out.write(f"the lease controller of {node} at {ctl.activation_url} cannot be "
-                      f"reached: {exc}\n")
+            answer = _calls(args, api).call(ctl, PATH, body=request.model_dump_json().encode(),
+                                            timeout_s=args.timeout)
+        except Unreachable as exc:
+            out.write(f"the lease controller of {node} ({ctl.identity or '-'}) cannot be "
+                      f"asked: {exc}\n")
             return 1
-        outcome = interpret_activation(status, body, retry_after)
+        outcome = interpret_activation(answer.status, answer.body, answer.retry_after)
         out.write(render_switch(outcome, args.model))
-        return 0 if outcome.ok else (3 if status == 409 else 2)
+        return 0 if outcome.ok else (3 if answer.status == 409 else 2)
     finally:
         api.close()
 
 
 def _common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     """Flags every command takes, before or after the command's name."""
-    def default(value: str | None) -> Any:
+    def default(value: str | bool | None) -> Any:
         return value if defaults else argparse.SUPPRESS
 
     parser.add_argument("-n", "--namespace", default=default(DEFAULT_NAMESPACE),
@@ -382,6 +569,10 @@ def _common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
                         f"the activation token (key token). Default: {DEFAULT_SECRET}.")
     parser.add_argument("--token-file", default=default(None), help="Read the activation "
                         "token from this file instead of the Secret.")
+    parser.add_argument("--direct", action="store_true", default=default(False),
+                        help="Call each controller at the URL its Lease advertises (its pod "
+                             "IP) instead of through the API server's pod proxy: from where "
+                             "pod IPs route and the controllers' NetworkPolicy admits you.")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,10 +50,16 @@ class LeaseSettings(BaseModel):
     inspect_socket: Path = Field(default=Path("/var/lib/kubelet/plugins/gpu.rota.dev/"
                                               "inspect.sock"),
                                  description="The driver's node inspection socket.")
-    listen: str = Field(default="0.0.0.0:8090", description="host:port of the activation "
-                        "API, /healthz and /metrics; port 0 picks one.")
+    listen: str = Field(default="[::]:8090", description="host:port of the activation "
+                        "API, /healthz and /metrics; port 0 picks one; '[::]' is every IPv6 "
+                        "and IPv4 address (one dual-stack socket), '0.0.0.0' IPv4 only.")
+    advertise_host: str | None = Field(default=None, description="Address gateways reach "
+                                       "this instance at (the pod IP; an IPv6 one is put "
+                                       "in brackets). Default: the listen host, or "
+                                       "127.0.0.1 when that is a wildcard.")
     advertise_url: str | None = Field(default=None, description="URL gateways use to reach "
-                                      "the activation API (default http://<listen>).")
+                                      "the activation API, whole (overrides "
+                                      "--advertise-host).")
     token_file: Path | None = Field(default=None, description="File holding the bearer "
                                     "token the activation API requires (a mounted Secret).")
     token_reload_s: float = Field(default=30.0, gt=0, description="Re-read the token file "

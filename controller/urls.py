@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["http_url"]
+__all__ = ["WILDCARDS", "advertised_url", "http_url"]
+
+WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+"""Listen hosts that are every address, and so no address to advertise."""
 
 
 def http_url(host: str, port: int, *, scheme: str = "http") -> str:
@@ -19,3 +22,12 @@ def http_url(host: str, port: int, *, scheme: str = "http") -> str:
     except ValueError:
         pass  # a name
     return f"{scheme}://{host}:{port}"
+
+
+def advertised_url(listen_host: str, port: int, *, host: str | None = None) -> str:
+    """Where a listener on ``listen_host``/``port`` is reached: at ``host`` (the pod IP)
+    when given, else at the listen host, else (a wildcard) at 127.0.0.1."""
+    if not host:
+        bare = listen_host.strip("[]")
+        host = "127.0.0.1" if bare in WILDCARDS else bare
+    return http_url(host, port)

@@ -26,6 +26,7 @@ from driver.health import HealthMonitor
 from driver.inspection import InspectionService
 from driver.kube import Kube, load_api_client
 from driver.ledger import Ledger, current_boot_id
+from driver.listen import split_host_port, start_site
 from driver.nvml import fixture_path
 from driver.nvml.api import NvmlBackend
 from driver.prepare import Preparer
@@ -138,10 +139,9 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, life.stop.set)
     await runner.setup()
-    host, _, port = settings.http_address.rpartition(":")
-    site = web.TCPSite(runner, host or "127.0.0.1", int(port))
+    host, port = split_host_port(settings.http_address)
     try:
-        await site.start()
+        await start_site(runner, host or "127.0.0.1", port)
         await dra_server.start()
         await inspect_server.start()
         if inspect_link:

@@ -65,7 +65,8 @@ class DriverSettings(BaseModel):
     fake_nvml_proc_dir: Path | None = Field(default=None, description="Directory where "
                                             "simulated engines register their GPU memory.")
     http_address: str = Field(default="127.0.0.1:8081", description="host:port of /metrics, "
-                              "/healthz and /readyz; port 0 picks one.")
+                              "/healthz and /readyz; port 0 picks one; '[::]:8081' is every "
+                              "IPv6 and IPv4 address (one dual-stack socket).")
     slice_resync_s: float = Field(default=30.0, gt=0, description="Re-check the published "
                                   "slices at least this often, watch events aside.")
     api_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of each API call.")

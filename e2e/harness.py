@@ -118,7 +118,8 @@ class GpuNode:
                 f"--fake-nvml-proc-dir={self.dirs.procs}",
                 f"--sharing-mode={self.sharing_mode}",
                 f"--start-gate-dir={self.dirs.start_gate}",
-                f"--http-address=127.0.0.1:{self.http_port}", "--slice-resync-s=5",
+                # Every address, as the chart has it; reached over IPv4 loopback.
+                f"--http-address=[::]:{self.http_port}", "--slice-resync-s=5",
                 *self.driver_args, *(extra or [])]
         self.driver = ManagedProcess(name="driver", argv=argv,
                                      log_path=self.dirs.logs / "driver.log",
@@ -177,7 +178,9 @@ class GpuNode:
         argv = [sys.executable, "-m", "controller", "lease", f"--node-name={self.name}",
                 f"--kubeconfig={self.cluster.kubeconfig}", f"--identity={identity}",
                 f"--inspect-socket={self.dirs.inspect_socket}",
-                f"--listen=127.0.0.1:{port}", "--namespace=rota-system",
+                # Every address, as the chart has it; advertised and reached over IPv4.
+                f"--listen=[::]:{port}", "--advertise-host=127.0.0.1",
+                "--namespace=rota-system",
                 f"--start-socket={self.dirs.start_gate / 'start.sock'}",
                 "--election-lease-s=4", "--resync-s=2",
                 # below ManagedProcess.stop's wait, so a test's clean stop stays clean

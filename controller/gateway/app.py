@@ -39,6 +39,7 @@ from controller.gateway.routing import RoutingSource, RoutingState
 from controller.gateway.settings import GatewaySettings
 from driver.aio import Backoff
 from driver.kube import load_api_client
+from driver.listen import start_site
 
 __all__ = ["StartupError", "make_app", "serve"]
 
@@ -238,8 +239,7 @@ async def serve(settings: GatewaySettings, *, app: web.Application | None = None
                            shutdown_timeout=settings.shutdown_grace_s)
     try:
         await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
+        await start_site(runner, settings.host, settings.port)
         log.info("gateway listening", extra={"addresses": [str(a) for a in runner.addresses]})
         await stop.wait()
         app[keys.STOPPING].set()

@@ -37,7 +37,8 @@ class GatewaySettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = Field(default="0.0.0.0", description="Address to listen on.")
+    host: str = Field(default="::", description="Address to listen on; '::' is every IPv6 "
+                      "and IPv4 address (one dual-stack socket), '0.0.0.0' IPv4 only.")
     port: int = Field(default=8080, ge=0, le=65535,
                       description="Port to listen on; 0 picks a free one.")
     kubeconfig: str | None = Field(default=None, description="kubeconfig file; the pod's "

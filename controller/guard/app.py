@@ -21,6 +21,7 @@ from aiohttp import web
 from controller.guard.credentials import Credential
 from controller.guard.proxy import make_app
 from controller.guard.settings import GuardSettings
+from driver.listen import start_site
 
 __all__ = ["run"]
 
@@ -69,8 +70,7 @@ async def run(settings: GuardSettings, command: Sequence[str] = (), *,
     child: asyncio.subprocess.Process | None = None
     try:
         await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
+        await start_site(runner, settings.host, settings.port)
         log.info("engine guard listening", extra={
             "host": settings.host, "port": runner.addresses[0][1],
             "upstream": settings.upstream, "api_key": api_key is not None})

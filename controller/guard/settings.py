@@ -33,7 +33,8 @@ class GuardSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = Field(default="0.0.0.0", description="Address to listen on (the pod's).")
+    host: str = Field(default="::", description="Address to listen on (the pod's); '::' is "
+                      "every IPv6 and IPv4 address (one dual-stack socket).")
     port: int = Field(default=8000, ge=0, le=65535,
                       description="Port to listen on: the claim's enginePort; 0 picks one.")
     upstream: str = Field(default="http://127.0.0.1:8001", description="The engine's own "

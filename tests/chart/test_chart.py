@@ -5,6 +5,7 @@ fits the longest request, a generated activation token that is never a placehold
 from __future__ import annotations
 
 import base64
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import pytest
 
 from controller.gateway.credentials import PLACEHOLDERS
 from driver.settings import DriverSettings
-from e2e.chart import CHART, Rendered, render, run_tool
+from e2e.chart import CHART, KUBE_VERSION, Rendered, render, run_tool
+from tests.chart.minimal import ENGINE_NAMESPACE, MINIMAL
 
 VALUE_SETS = sorted((CHART / "ci").glob("*-values.yaml"))
 
@@ -29,7 +31,8 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def default(chart_bin: Path) -> Rendered:
-    return render(bin_dir=chart_bin)
+    """Every value at its default but the one an install must set (engineNamespaces)."""
+    return render(set_values=MINIMAL, bin_dir=chart_bin)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +48,11 @@ def test_there_are_two_non_default_value_sets() -> None:
 
 @pytest.mark.parametrize("values", [None, *VALUE_SETS], ids=lambda p: p.name if p else "default")
 def test_helm_lint(chart_bin: Path, values: Path | None) -> None:
-    args = ["lint", str(CHART), "--strict", "--kube-version", "1.37.2"]
+    args = ["lint", str(CHART), "--strict", "--kube-version", KUBE_VERSION]
     if values is not None:
         args += ["--values", str(values)]
+    else:
+        args += [f"--set={k}={v}" for k, v in MINIMAL.items()]
     done = run_tool("helm", args, bin_dir=chart_bin)
     assert "0 chart(s) failed" in done.stdout
 
@@ -55,8 +60,9 @@ def test_helm_lint(chart_bin: Path, values: Path | None) -> None:
 def test_the_schema_refuses_unknown_and_wrong_values(chart_bin: Path) -> None:
     for bad in ("sharing.mode=everything", "nvml.source=guess", "ipFamily=IPv5",
                 "driver.colour=blue", "nodeSelection.mode=nvidia"):
-        done = run_tool("helm", ["template", "x", str(CHART), "--kube-version", "1.37.2",
-                                 "--set", bad], bin_dir=chart_bin, check=False)
+        done = run_tool("helm", ["template", "x", str(CHART), "--kube-version", KUBE_VERSION,
+                                 "--set", bad, *(f"--set={k}={v}" for k, v in MINIMAL.items())],
+                        bin_dir=chart_bin, check=False)
         assert done.returncode != 0, bad
         assert "schema" in done.stderr, (bad, done.stderr)
 
@@ -158,7 +164,8 @@ def test_the_gateway_grace_period_fits_the_longest_request(default: Rendered,
 def test_the_activation_token_is_random_and_never_a_placeholder(chart_bin: Path) -> None:
     tokens = []
     for _ in range(2):
-        [secret] = render(bin_dir=chart_bin).find("Secret", "rota-activation-token")
+        [secret] = render(set_values=MINIMAL, bin_dir=chart_bin).find(
+            "Secret", "rota-activation-token")
         token = base64.b64decode(secret["data"]["token"]).decode()
         assert token not in PLACEHOLDERS
         assert len(token) == 48
@@ -169,7 +176,8 @@ def test_the_activation_token_is_random_and_never_a_placeholder(chart_bin: Path)
 
 def test_an_existing_activation_secret_is_used_not_generated(hardened: Rendered,
                                                              chart_bin: Path) -> None:
-    rendered = render(set_values={"activation.existingSecret": "mine"}, bin_dir=chart_bin)
+    rendered = render(set_values={**MINIMAL, "activation.existingSecret": "mine"},
+                      bin_dir=chart_bin)
     assert rendered.find("Secret") == []
     for kind, name in (("DaemonSet", "rota-controller"), ("Deployment", "rota-gateway")):
         pod = _pod(rendered, kind, name)
@@ -198,7 +206,7 @@ def test_nvml_from_a_host_path_or_the_runtime_class(default: Rendered,
 def test_the_driver_looks_for_device_nodes_in_a_live_mount_of_the_host_device_root(
         chart_bin: Path, dev_root: str | None) -> None:
     """Not in its own /dev, a copy made when the container started."""
-    rendered = render(set_values={"cdi.devRoot": dev_root} if dev_root else None,
+    rendered = render(set_values={**MINIMAL, **({"cdi.devRoot": dev_root} if dev_root else {})},
                       bin_dir=chart_bin)
     driver = _pod(rendered, "DaemonSet", "rota-driver")
     [container] = driver["containers"]
@@ -229,18 +237,121 @@ def test_node_selection_needs_no_feature_discovery(default: Rendered,
     assert nfd["nodeSelector"] == {"node-pool": "gpu"}
 
 
-def test_ipv6_urls_are_bracketed(hardened: Rendered) -> None:
-    env = _env(_pod(hardened, "DaemonSet", "prod-rota-controller")["containers"][0])
-    assert env["ROTA_ADVERTISE_URL"] == "http://[$(POD_IP)]:8090"
-    assert env["ROTA_LISTEN"] == ":::8090"
+def _listeners(rendered: Rendered, prefix: str) -> dict[str, str]:
+    envs = {name: _env(_pod(rendered, kind, f"{prefix}{name}")["containers"][0])
+            for kind, name in (("DaemonSet", "driver"), ("DaemonSet", "controller"),
+                               ("Deployment", "gateway"))}
+    return {"driver": envs["driver"]["ROTA_HTTP_ADDRESS"],
+            "controller": envs["controller"]["ROTA_LISTEN"],
+            "gateway": envs["gateway"]["ROTA_GATEWAY_HOST"]}
+
+
+def test_every_listener_is_dual_stack_and_the_controller_advertises_its_pod_ip(
+        default: Rendered, hardened: Rendered, chart_bin: Path) -> None:
+    """IPv4, IPv6 and dual-stack clusters alike, with no setting (review-2 minor 12: the
+    listeners bound 0.0.0.0 unless ipFamily said IPv6)."""
+    for rendered, prefix in ((default, "rota-"), (hardened, "prod-rota-"),
+                             (render(set_values={**MINIMAL, "ipFamily": "IPv6"},
+                                     bin_dir=chart_bin), "rota-")):
+        assert _listeners(rendered, prefix) == {"driver": "[::]:8081",
+                                                "controller": "[::]:8090", "gateway": "::"}
+        [container] = _pod(rendered, "DaemonSet", f"{prefix}controller")["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        # The pod IP as the kubelet gives it; the controller brackets an IPv6 one.
+        assert env["ROTA_ADVERTISE_HOST"]["valueFrom"] == {
+            "fieldRef": {"fieldPath": "status.podIP"}}
+        assert "ROTA_ADVERTISE_URL" not in env
 
 
 def test_engine_namespaces_get_network_policies_and_namespaced_pod_reads(
         default: Rendered, hardened: Rendered) -> None:
-    assert default.find("NetworkPolicy", "rota-engines") == []
+    assert [p["metadata"]["namespace"] for p in default.find("NetworkPolicy", "rota-engines")] \
+        == [ENGINE_NAMESPACE]
     policies = hardened.find("NetworkPolicy", "prod-rota-engines")
     assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
     [cluster_role] = hardened.find("ClusterRole", "prod-rota-gateway")
     assert all("pods" not in r["resources"] for r in cluster_role["rules"])
     roles = hardened.find("Role", "prod-rota-gateway-pods")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+
+
+# -- the engines' control endpoints (review-2 M5) -----------------------------------------
+
+
+def _template(chart_bin: Path, *sets: str) -> subprocess.CompletedProcess[str]:
+    args = ["template", "rota", str(CHART), "--namespace", "rota-system",
+            "--kube-version", KUBE_VERSION]
+    for item in sets:
+        args += ["--set", item]
+    return run_tool("helm", args, bin_dir=chart_bin, check=False)
+
+
+def test_an_install_without_engine_namespaces_is_refused_unless_left_open_explicitly(
+        chart_bin: Path) -> None:
+    refused = _template(chart_bin)
+    assert refused.returncode != 0
+    assert "engineNamespaces is empty" in refused.stderr, refused.stderr
+    assert "networkPolicy.enginesOpen=true" in refused.stderr, refused.stderr
+
+    left_open = _template(chart_bin, "networkPolicy.enginesOpen=true")
+    assert left_open.returncode == 0, left_open.stderr
+    assert Rendered(left_open.stdout).find("NetworkPolicy", "rota-engines") == []
+    # Turning every NetworkPolicy off is an explicit choice too.
+    assert _template(chart_bin, "networkPolicy.enabled=false").returncode == 0
+
+
+def test_the_engine_policy_covers_every_pod_of_an_engine_namespace(
+        default: Rendered, chart_bin: Path) -> None:
+    [policy] = default.find("NetworkPolicy", "rota-engines")
+    spec = policy["spec"]
+    # Every pod but those labelled out: an engine pod without the label is covered too.
+    assert spec["podSelector"] == {"matchExpressions": [
+        {"key": "gpu.rota.dev/engine", "operator": "NotIn", "values": ["false"]}]}
+    assert spec["policyTypes"] == ["Ingress"]
+    [rule] = spec["ingress"]
+    assert "ports" not in rule
+    [peer] = rule["from"]
+    assert peer["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "rota-system"}}
+    assert {e["key"]: e["values"] for e in peer["podSelector"]["matchExpressions"]} == {
+        "app.kubernetes.io/name": ["rota"], "app.kubernetes.io/instance": ["rota"],
+        "app.kubernetes.io/component": ["controller", "gateway"]}
+
+    labelled = render(set_values={**MINIMAL, "networkPolicy.enginePods": "labelled"},
+                      bin_dir=chart_bin)
+    [policy] = labelled.find("NetworkPolicy", "rota-engines")
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"gpu.rota.dev/engine": "true"}}
+
+
+# -- the gateway's Secret reads (review-2 minor 9) ----------------------------------------
+
+
+def _secret_rules(rendered: Rendered, gateway: str) -> dict[str, list[dict[str, Any]]]:
+    """Namespace ("" for the ClusterRole) -> the gateway's rules on Secrets there."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for kind in ("ClusterRole", "Role"):
+        for role in rendered.find(kind):
+            if not role["metadata"]["name"].startswith(gateway):
+                continue
+            rules = [r for r in role["rules"] if "secrets" in r["resources"]]
+            if rules:
+                out.setdefault(role["metadata"].get("namespace", ""), []).extend(rules)
+    return out
+
+
+def test_the_gateway_reads_only_the_named_engine_key_secrets(hardened: Rendered,
+                                                             default: Rendered,
+                                                             chart_bin: Path) -> None:
+    # hardened-values names one Secret: readable by that name in each engine namespace.
+    want = [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["engine-api-key"],
+             "verbs": ["get"]}]
+    assert _secret_rules(hardened, "prod-rota-gateway") == {"team-a": want, "team-b": want}
+    # None named: no Secret is readable, in no namespace (NOTES says what that means).
+    assert _secret_rules(default, "rota-gateway") == {}
+    # Engines in any namespace (explicitly open): the named Secrets in every namespace.
+    everywhere = render(set_values={"networkPolicy.enginesOpen": "true",
+                                    "gateway.engineApiKeySecrets": "{llama-key,omni-key}"},
+                        bin_dir=chart_bin)
+    assert _secret_rules(everywhere, "rota-gateway") == {"": [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["llama-key", "omni-key"],
+         "verbs": ["get"]}]}

@@ -1,7 +1,7 @@
-"""Every object the chart renders, with the default values and two other value sets, is
-accepted by the real API server: a server-side apply with ``dryRun=All`` runs validation,
-defaulting and admission (the ValidatingAdmissionPolicies' CEL included) and stores
-nothing.
+"""Every object the chart renders, with the least an install sets, with the values of
+``manifests/`` and with two other value sets, is accepted by the real API server: a
+server-side apply with ``dryRun=All`` runs validation, defaulting and admission (the
+ValidatingAdmissionPolicies' CEL included) and stores nothing.
 
 The prometheus-operator kinds (ServiceMonitor, PodMonitor, PrometheusRule) are served here
 by stand-in CRDs with an open schema, so for them only the envelope is checked; the rules
@@ -18,14 +18,16 @@ from kubernetes import client, dynamic
 
 from e2e.chart import CHART, Rendered, render
 from e2e.waiting import eventually
+from tests.chart.minimal import ENGINE_NAMESPACE, MINIMAL
 
 pytestmark = pytest.mark.cluster
 
-VALUE_SETS: list[tuple[str, str, str, list[Path]]] = [
-    # id, release, namespace, values files
-    ("default", "rota", "rota-system", []),
-    ("hardened", "prod", "rota-prod", [CHART / "ci" / "hardened-values.yaml"]),
-    ("monitoring", "rota", "rota-system", [CHART / "ci" / "monitoring-values.yaml"]),
+VALUE_SETS: list[tuple[str, str, str, list[Path], dict[str, str]]] = [
+    # id, release, namespace, values files, --set values
+    ("default", "rota", "rota-system", [], MINIMAL),
+    ("hardened", "prod", "rota-prod", [CHART / "ci" / "hardened-values.yaml"], {}),
+    ("monitoring", "rota", "rota-system", [CHART / "ci" / "monitoring-values.yaml"], MINIMAL),
+    ("manifests", "rota", "rota-system", [CHART / "ci" / "manifests-values.yaml"], {}),
 ]
 MONITORING_KINDS = (("ServiceMonitor", "servicemonitors"), ("PodMonitor", "podmonitors"),
                     ("PrometheusRule", "prometheusrules"))
@@ -62,7 +64,8 @@ def dyn(kube_api: client.ApiClient) -> dynamic.DynamicClient:
 
     eventually(established, timeout=60, what="the stand-in monitoring CRDs established")
     core = client.CoreV1Api(kube_api)
-    for ns in ("rota-system", "rota-prod", "rota-monitored", "team-a", "team-b"):
+    for ns in ("rota-system", "rota-prod", "rota-monitored", "team-a", "team-b",
+               ENGINE_NAMESPACE):
         try:
             core.create_namespace({"metadata": {"name": ns}})
         except client.ApiException as exc:
@@ -71,13 +74,13 @@ def dyn(kube_api: client.ApiClient) -> dynamic.DynamicClient:
     return dynamic.DynamicClient(kube_api)
 
 
-@pytest.mark.parametrize(("release", "namespace", "values"),
+@pytest.mark.parametrize(("release", "namespace", "values", "sets"),
                          [v[1:] for v in VALUE_SETS], ids=[v[0] for v in VALUE_SETS])
 def test_rendered_objects_are_accepted(dyn: dynamic.DynamicClient, chart_bin: Path,
                                        release: str, namespace: str,
-                                       values: list[Path]) -> None:
-    rendered: Rendered = render(values_files=values, release=release, namespace=namespace,
-                                bin_dir=chart_bin)
+                                       values: list[Path], sets: dict[str, str]) -> None:
+    rendered: Rendered = render(values_files=values, set_values=sets, release=release,
+                                namespace=namespace, bin_dir=chart_bin)
     docs = rendered.documents()
     assert len(docs) > 15
     refused = [problem for doc in docs if (problem := _dry_run_apply(dyn, doc))]
@@ -106,10 +109,11 @@ def _dry_run_apply(dyn: dynamic.DynamicClient, doc: dict[str, Any]) -> str:
 
 def test_the_dry_run_refuses_what_the_api_server_would(dyn: dynamic.DynamicClient,
                                                        chart_bin: Path) -> None:
-    [daemonset] = render(bin_dir=chart_bin).find("DaemonSet", "rota-controller")
+    [daemonset] = render(set_values=MINIMAL, bin_dir=chart_bin).find("DaemonSet",
+                                                                      "rota-controller")
     daemonset["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["timeout"] = 5
     assert "field not declared in schema" in _dry_run_apply(dyn, daemonset)
-    [policy] = render(bin_dir=chart_bin).find("ValidatingAdmissionPolicy",
-                                              "rota-driver-resourceslices")
+    [policy] = render(set_values=MINIMAL, bin_dir=chart_bin).find(
+        "ValidatingAdmissionPolicy", "rota-driver-resourceslices")
     policy["spec"]["validations"][0]["expression"] = "variables.userNode ="
     assert "compilation failed" in _dry_run_apply(dyn, policy)

@@ -40,6 +40,8 @@ from tests.engines_on_cluster import MODEL_A, MODEL_B
 pytestmark = pytest.mark.cluster
 
 GROUP, VERSION = "resource.k8s.io", "v1"
+ENGINE_KEY = "engine-api-key"
+"""The one engine API key Secret name the release lets the gateway read."""
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Release:
                 # The DeviceClass is shared by the session's other tests.
                 "--set", "deviceClass.create=false",
                 "--set", f"engineNamespaces={{{self.engines}}}",
+                "--set", f"gateway.engineApiKeySecrets={{{ENGINE_KEY}}}",
                 # Nothing runs these pods: keep the gateway off every test node.
                 "--set-string", "gateway.nodeSelector.rota\\.test/nowhere=true"]
         for item in extra:
@@ -181,9 +184,12 @@ def _expected(release: Release) -> dict[str, dict[str, set[Rule]]]:
               *((rs, "resourceslices", v, "") for v in ("list", "watch", "create", "update",
                                                          "delete"))}
     controller = {(rs, "resourceclaims", "get", ""), (rs, "resourceclaims", "list", ""),
+                  (rs, "resourceclaims", "watch", ""),
+                  (rs, "resourceslices", "list", ""), (rs, "resourceslices", "watch", ""),
                   (rs, "resourceclaims/status", "update", ""),
                   (rs, "resourceclaims/driver", "associated-node:update", "gpu.rota.dev"),
-                  (core, "pods", "list", ""), (core, "pods", "patch", ""),
+                  (core, "pods", "list", ""), (core, "pods", "watch", ""),
+                  (core, "pods", "patch", ""),
                   (ev, "events", "create", ""), (ev, "events", "patch", "")}
     leases_rw = {(coord, "leases", v, "") for v in ("get", "create", "update")}
     gateway = {(rs, "resourceclaims", "list", ""), (rs, "resourceclaims", "watch", "")}
@@ -194,7 +200,7 @@ def _expected(release: Release) -> dict[str, dict[str, set[Rule]]]:
         "controller": {release.namespace: controller | leases_rw,
                        release.engines: controller, "default": controller},
         "gateway": {release.namespace: gateway | leases_ro,
-                    release.engines: gateway | pods_ro | {(core, "secrets", "get", "")},
+                    release.engines: gateway | pods_ro | {(core, "secrets", "get", ENGINE_KEY)},
                     "default": gateway},
     }
 
@@ -214,7 +220,8 @@ def test_each_service_account_holds_exactly_what_it_uses(release: Release) -> No
 
 
 CAN_I: list[tuple[str, str, str, str, str, bool]] = [
-    # component, verb, group, resource, namespace ("" cluster, "@" release, "+" engines)
+    # component, verb, group, resource[/subresource][:name], namespace ("" cluster,
+    # "@" release, "+" engines)
     ("driver", "create", "resource.k8s.io", "resourceslices", "", True),
     ("driver", "patch", "resource.k8s.io", "resourceslices", "", False),
     ("driver", "deletecollection", "resource.k8s.io", "resourceslices", "", False),
@@ -229,6 +236,10 @@ CAN_I: list[tuple[str, str, str, str, str, bool]] = [
     ("controller", "update", "coordination.k8s.io", "leases", "default", False),
     ("controller", "delete", "coordination.k8s.io", "leases", "@", False),
     ("controller", "list", "", "pods", "", True),
+    ("controller", "watch", "", "pods", "", True),  # with spec.nodeName=<node>: its cache
+    ("controller", "watch", "resource.k8s.io", "resourceclaims", "", True),
+    ("controller", "watch", "resource.k8s.io", "resourceslices", "", True),
+    ("controller", "update", "resource.k8s.io", "resourceslices", "", False),
     ("controller", "patch", "", "pods", "+", True),
     ("controller", "delete", "", "pods", "+", False),
     ("controller", "create", "", "pods", "+", False),
@@ -244,7 +255,11 @@ CAN_I: list[tuple[str, str, str, str, str, bool]] = [
     ("gateway", "watch", "coordination.k8s.io", "leases", "@", True),
     ("gateway", "update", "coordination.k8s.io", "leases", "@", False),
     ("gateway", "get", "", "secrets", "@", False),
-    ("gateway", "get", "", "secrets", "+", True),
+    ("gateway", "get", "", f"secrets:{ENGINE_KEY}", "+", True),
+    ("gateway", "get", "", "secrets:db-password", "+", False),
+    ("gateway", "get", "", "secrets", "+", False),
+    ("gateway", "get", "", f"secrets:{ENGINE_KEY}", "default", False),
+    ("gateway", "get", "", f"secrets:{ENGINE_KEY}", "@", False),
     ("gateway", "list", "", "secrets", "+", False),
     ("gateway", "patch", "", "pods", "+", False),
 ]
@@ -255,9 +270,10 @@ def test_can_i_table(release: Release) -> None:
     wrong = []
     for component, verb, group, resource, where, allowed in CAN_I:
         namespace = {"": None, "@": release.namespace, "+": release.engines}.get(where, where)
+        resource, _, name = resource.partition(":")
         resource_name, _, sub = resource.partition("/")
         attrs = {"verb": verb, "group": group, "resource": resource_name,
-                 "subresource": sub or None, "namespace": namespace}
+                 "subresource": sub or None, "namespace": namespace, "name": name or None}
         user = f"system:serviceaccount:{release.namespace}:{release.sa(component)}"
         review = authz.create_subject_access_review({"spec": {
             "user": user, "groups": ["system:serviceaccounts", "system:authenticated",

@@ -8,6 +8,7 @@ import io
 import json
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from kubernetes import client
 
 from controller import naming
+from controller.activation_api import TOKEN_HEADER, ActivateAnswer
 from controller.kubectl_rota import (
     find_claimant,
     interpret_activation,
@@ -25,9 +27,11 @@ from controller.kubectl_rota import (
 )
 from controller.leases import GpuLease, lease_body, micro_time
 from e2e.cluster import LocalCluster
+from e2e.cluster.nodes import create_node
 from e2e.harness import GpuNode
 from e2e.scenario import Engine
 from e2e.waiting import eventually
+from tests.chart.activation_simulator import ActivationApiSimulator, proxyable_address, serving
 from tests.engines_on_cluster import MODEL_A, MODEL_B
 
 NOW = dt.datetime(2026, 12, 1, 10, 0, 0, tzinfo=dt.UTC)
@@ -167,8 +171,9 @@ def test_switch_and_status_against_a_real_controller(
     token = engine_node.dirs.root / "activation-token"
     token.write_text("kubectl-rota-test-token\n")
     engine_node.start_controller(extra=[f"--token-file={token}"])
+    # The harness runs the controller as a process, not a pod: --direct, at its URL.
     common = ["-n", "rota-system", "--kubeconfig", str(cluster.kubeconfig),
-              "--token-file", str(token)]
+              "--token-file", str(token), "--direct"]
     by_model = {e.spec.model: e for e in two_engines}
 
     def switch(model: str) -> str:
@@ -201,5 +206,153 @@ def test_switch_and_status_against_a_real_controller(
     wrong.write_text("not-the-token\n")
     out = io.StringIO()
     assert main(["-n", "rota-system", "--kubeconfig", str(cluster.kubeconfig),
-                 "--token-file", str(wrong), "switch", MODEL_B.model], out) == 2
+                 "--token-file", str(wrong), "--direct", "switch", MODEL_B.model], out) == 2
     assert "unauthorized" in out.getvalue()
+
+
+# -- reaching the controllers (review-2 minor 7) -----------------------------------------
+
+
+@dataclass
+class ControllerPod:
+    """A controller pod as the API server knows it (its IP is where the simulator
+    listens), its node, and the namespace of both and of the Leases."""
+
+    namespace: str
+    name: str
+    node: str
+    address: str
+
+
+@pytest.fixture
+def controller_pod(kube_api: client.ApiClient, lease_namespace: str) -> Iterator[ControllerPod]:
+    address = proxyable_address()
+    if address is None:
+        pytest.skip("this machine has no IPv4 address but loopback and link-local ones, "
+                    "and the API server proxies to no other kind")
+    core = client.CoreV1Api(kube_api)
+    suffix = uuid.uuid4().hex[:6]
+    pod = ControllerPod(lease_namespace, f"rota-controller-{suffix}", f"gpu-proxy-{suffix}",
+                        address)
+    create_node(kube_api, pod.node)
+    try:
+        core.create_namespaced_service_account(pod.namespace, {"metadata": {"name": "default"}})
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    core.create_namespaced_pod(pod.namespace, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod.name},
+        "spec": {"nodeName": pod.node, "automountServiceAccountToken": False,
+                 "containers": [{"name": "controller", "image": "rota/none:0"}]}})
+    core.patch_namespaced_pod_status(pod.name, pod.namespace, {"status": {
+        "phase": "Running", "podIP": address, "podIPs": [{"ip": address}]}})
+    try:
+        yield pod
+    finally:
+        core.delete_node(pod.node)
+
+
+def _allocated_claim(kube_api: client.ApiClient, namespace: str, name: str, model: str,
+                     node: str) -> None:
+    """A claim serving ``model``, allocated on ``node`` (as the scheduler writes it)."""
+    objects = client.CustomObjectsApi(kube_api)
+    objects.create_namespaced_custom_object("resource.k8s.io", "v1", namespace,
+                                            "resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.rota.dev"}}],
+            "config": [{"requests": ["gpu"], "opaque": {"driver": "gpu.rota.dev", "parameters": {
+                "apiVersion": "gpu.rota.dev/v1alpha1", "kind": "EngineConfig",
+                "model": model, "awakeMemory": "20Gi"}}}]}}})
+    objects.patch_namespaced_custom_object_status(
+        "resource.k8s.io", "v1", namespace, "resourceclaims", name, {"status": {"allocation": {
+            "devices": {"results": [{"request": "gpu", "driver": "gpu.rota.dev", "pool": node,
+                                     "device": "gpu-0"}]}}}})
+
+
+def _publish(kube_api: client.ApiClient, pod: ControllerPod, url: str) -> None:
+    """The node's GPU Lease and controller Lease, held by ``pod``, advertising ``url``."""
+    leases = client.CoordinationV1Api(kube_api)
+    now = dt.datetime.now(dt.UTC)
+    leases.create_namespaced_lease(pod.namespace, _gpu(
+        pod.namespace, pod.node, "gpu-0", holder=f"{pod.namespace}/chat", fence=4,
+        state=naming.STATE_AWAKE, holder_model="org/chat"))
+    body = _controller(pod.namespace, pod.node, url, renewed=now)
+    body["spec"]["holderIdentity"] = pod.name
+    leases.create_namespaced_lease(pod.namespace, body)
+
+
+STATE = {"leases": {"gpu-0": {"holder": "x/chat", "queue": 1, "last_switch": {
+    "ok": True, "from": "x/embed", "to": "x/chat", "fence": 4,
+    "timings": {"total": 1.75, "wake_call": 1.25}}}}}
+
+
+@pytest.mark.cluster
+def test_status_and_switch_reach_the_controller_through_the_api_server(
+        cluster: LocalCluster, kube_api: client.ApiClient, controller_pod: ControllerPod,
+        tmp_path: Path) -> None:
+    token = "kubectl-rota-proxy-token-5f1e"
+    (tmp_path / "token").write_text(f"{token}\n")
+    model = f"org/chat-{uuid.uuid4().hex[:6]}"
+    sim = ActivationApiSimulator(controller_pod.address, token, state=STATE, serves={
+        model: ActivateAnswer(model=model, claim=f"{controller_pod.namespace}/chat",
+                              switched=True, fence=5, timings={"total": 2.0})})
+    _allocated_claim(kube_api, controller_pod.namespace, "chat", model, controller_pod.node)
+    common = ["-n", controller_pod.namespace, "--kubeconfig", str(cluster.kubeconfig),
+              "--token-file", str(tmp_path / "token")]
+    with serving(sim) as url:
+        # Where the Lease says the controller is does not route from here: nothing listens
+        # on that address; only the pod's IP, which the API server knows, leads to it.
+        port = url.rsplit(":", 1)[1]
+        _publish(kube_api, controller_pod, f"http://127.0.0.1:{port}")
+        out = io.StringIO()
+        assert main([*common, "status", "--request-timeout", "5"], out) == 0
+        text = out.getvalue()
+        assert "last switch: x/embed -> x/chat ok in 1.75s [wake_call 1.25s]" in text, text
+        assert "not read" not in text, text
+
+        out = io.StringIO()
+        assert main([*common, "switch", model, "--timeout", "10"], out) == 0, out.getvalue()
+        assert out.getvalue() == (f"switched to {model} ({controller_pod.namespace}/chat), "
+                                  "fence 5 [total 2.00s]\n")
+
+        out = io.StringIO()
+        assert main([*common, "--direct", "status"], out) == 0
+        assert f"live data of node {controller_pod.node} not read: http://127.0.0.1:{port} " \
+               "cannot be reached" in out.getvalue(), out.getvalue()
+    calls = [(s.method, s.path) for s in sim.seen]
+    assert calls == [("GET", "/v1/state"), ("POST", "/v1/activate")]
+    for seen in sim.seen:
+        # The token travels in its own header; the API server keeps the kubeconfig's
+        # credentials for itself.
+        assert seen.headers.get(TOKEN_HEADER) == token
+        assert "Authorization" not in seen.headers
+
+
+@pytest.mark.cluster
+def test_a_redirect_is_never_followed(cluster: LocalCluster, kube_api: client.ApiClient,
+                                      controller_pod: ControllerPod, tmp_path: Path) -> None:
+    token = "kubectl-rota-redirect-token-93ab"
+    (tmp_path / "token").write_text(f"{token}\n")
+    model = f"org/chat-{uuid.uuid4().hex[:6]}"
+    _allocated_claim(kube_api, controller_pod.namespace, "chat", model, controller_pod.node)
+    elsewhere = ActivationApiSimulator(controller_pod.address, None)
+    common = ["-n", controller_pod.namespace, "--kubeconfig", str(cluster.kubeconfig),
+              "--token-file", str(tmp_path / "token")]
+    with serving(elsewhere) as thief, \
+            serving(ActivationApiSimulator(controller_pod.address, token,
+                                           redirect_to=thief)) as url:
+        # Reachable directly too: the redirect is the only thing in the way.
+        _publish(kube_api, controller_pod, url)
+        said: list[tuple[list[str], int, str]] = []
+        for how in (["status"], ["switch", model, "--timeout", "10"]):
+            for direct in ([], ["--direct"]):
+                out = io.StringIO()
+                said.append(([*direct, *how], main([*common, *direct, *how], out),
+                             out.getvalue()))
+    # Nothing, least of all the token, reached where the redirect pointed.
+    assert [(s.method, s.path, s.headers.get("Authorization")) for s in elsewhere.seen] == []
+    for args, code, text in said:
+        assert code == (0 if args[-1] == "status" else 1), (args, text)
+        assert "a redirect, which is never followed" in text, (args, text)

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from e2e.chart import render, run_tool
+from tests.chart.minimal import MINIMAL
 
 TESTS = Path(__file__).with_name("rules_test.yaml")
 ALERTS = {"RotaSwitchFailing", "RotaSwitchFailureRatioHigh", "RotaGpuWithoutOwner",
@@ -18,7 +19,7 @@ ALERTS = {"RotaSwitchFailing", "RotaSwitchFailureRatioHigh", "RotaGpuWithoutOwne
 
 
 def _rendered_rules(chart_bin: Path, directory: Path) -> Path:
-    [rule] = render(set_values={"metrics.prometheusRule.enabled": "true"},
+    [rule] = render(set_values={**MINIMAL, "metrics.prometheusRule.enabled": "true"},
                     bin_dir=chart_bin).find("PrometheusRule")
     path = directory / "rules.yaml"
     path.write_text(yaml.safe_dump(rule["spec"], sort_keys=False))

@@ -47,7 +47,6 @@ async def _recovers(session: aiohttp.ClientSession, url: str) -> None:
 
 @pytest.mark.parametrize(("engine", "fault", "reason"), [
     ("b", "wake_fails", "gpu_oom"),
-    ("b", "wake_hangs", "state_unknown"),  # a wake without an answer may still complete
     ("a", "sleep_lies", "memory_not_returned"),
     ("a", "sleep_ignored", "lied"),
     ("b", "wake_ignored", "lied"),
@@ -81,7 +80,8 @@ async def test_a_hung_wake_keeps_every_other_engine_asleep_until_it_lands(
     with AwakeMonitor(node.dirs.inspect_socket, [a, b]) as monitor:
         status, body = await activate(session, url, MODEL_B.model)
         assert status == 503, body
-        assert body["error"]["type"] == "timeout", body
+        # A wake without an answer may still complete: its outcome is unknown.
+        assert body["error"]["type"] == "state_unknown", body
         # B's wake may still land (an engine does not stop a wake whose caller left):
         # waking A now could leave two engines awake.
         status, body = await activate(session, url, MODEL_A.model)

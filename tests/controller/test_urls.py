@@ -7,7 +7,7 @@ from yarl import URL
 
 from controller.claimants import claimants_from
 from controller.engines.base import EngineEndpoint
-from controller.urls import http_url
+from controller.urls import advertised_url, http_url
 
 
 @pytest.mark.parametrize(("host", "url"), [
@@ -37,3 +37,16 @@ def test_an_ipv6_pod_gets_a_usable_engine_endpoint() -> None:
     assert claimant.endpoint is not None
     EngineEndpoint(base_url=claimant.endpoint, model="org/a", claim="ns/model-a")
     assert URL(claimant.endpoint).host == "fd00:10::7"
+
+
+@pytest.mark.parametrize(("listen", "host", "url"), [
+    ("::", "fd00::5", "http://[fd00::5]:8090"), ("::", "10.0.0.5", "http://10.0.0.5:8090"),
+    ("[::]", None, "http://127.0.0.1:8090"), ("0.0.0.0", None, "http://127.0.0.1:8090"),
+    ("", None, "http://127.0.0.1:8090"), ("127.0.0.1", None, "http://127.0.0.1:8090"),
+    ("fd00::7", None, "http://[fd00::7]:8090"), ("0.0.0.0", "", "http://127.0.0.1:8090"),
+])
+def test_the_controller_advertises_its_pod_ip_in_either_family(
+        listen: str, host: str | None, url: str) -> None:
+    """The chart gives the controller its pod IP (status.podIP), whatever the family;
+    the URL brackets an IPv6 one, so no install setting says which family it is."""
+    assert advertised_url(listen, 8090, host=host) == url

@@ -16,6 +16,7 @@ from controller.gateway.credentials import ApiKeys, SecretFile, bearer, reload_f
 from controller.gateway.routing import StaticSource
 from controller.gateway.settings import GatewaySettings
 from e2e.waiting import eventually_async
+from tests.listening import free_port, has_ipv6_loopback, status_of, wait_listening
 
 pytestmark = pytest.mark.gateway
 
@@ -133,3 +134,22 @@ def _ready(app: web.Application) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         return keys.METRICS in app and keys.DISPATCHER in app
     return check
+
+
+async def test_on_the_dual_stack_address_the_gateway_answers_ipv4_and_ipv6() -> None:
+    """``::`` (the chart's default) takes IPv4 connections too: the kubelet probes an
+    IPv4 pod's address; on an IPv6 pod, its IPv6 one."""
+    port = free_port()
+    settings = GatewaySettings(host="::", port=port, shutdown_delay_s=0)
+    stop = asyncio.Event()
+    server = asyncio.create_task(serve(settings, app=make_app(
+        settings, routing_source=StaticSource()), stop=stop))
+    try:
+        await wait_listening(port, host="::1" if has_ipv6_loopback() else "127.0.0.1")
+        assert await status_of("127.0.0.1", port, "/healthz") == 200
+        if has_ipv6_loopback():
+            assert await status_of("::1", port, "/healthz") == 200
+    finally:
+        stop.set()
+        async with asyncio.timeout(30):
+            await server

@@ -38,6 +38,10 @@ MUST: dict[str, list[Check]] = {
                  for v in ("list", "watch", "create", "update", "delete")]],
     "controller": [("get", "resource.k8s.io", "resourceclaims", "x"),
                    ("list", "resource.k8s.io", "resourceclaims", ""),
+                   ("watch", "resource.k8s.io", "resourceclaims", ""),
+                   ("list", "resource.k8s.io", "resourceslices", ""),
+                   ("watch", "resource.k8s.io", "resourceslices", ""),
+                   ("watch", "", "pods", ""),  # its node's, by spec.nodeName
                    ("update", "resource.k8s.io", "resourceclaims/status", "x"),
                    ("list", "", "pods", ""), ("patch", "", "pods", "x"),
                    ("create", "events.k8s.io", "events", "x"),
@@ -56,7 +60,9 @@ MUST_NOT: dict[str, list[Check]] = {
     "controller": [("create", "resource.k8s.io", "resourceslices", ""),
                    ("update", "resource.k8s.io", "resourceclaims", "x"),
                    ("delete", "", "pods", "x")],
-    "gateway": [("create", "coordination.k8s.io", "leases", NAMESPACE),
+    # No engine API key Secret is named in manifests/ (gateway.engineApiKeySecrets).
+    "gateway": [("get", "", "secrets", "default"),
+                ("create", "coordination.k8s.io", "leases", NAMESPACE),
                 ("update", "coordination.k8s.io", "leases", NAMESPACE),
                 ("list", "resource.k8s.io", "resourceslices", ""),
                 ("patch", "", "pods", "x")],

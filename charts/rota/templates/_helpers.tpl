@@ -76,15 +76,6 @@ system:serviceaccount:{{ include "rota.namespace" .ctx }}:{{ include "rota.fulln
 {{- define "rota.registryDir" -}}{{ .Values.kubelet.rootDir }}/plugins_registry{{- end }}
 {{- define "rota.inspectDir" -}}{{ include "rota.pluginDataDir" . }}/inspect{{- end }}
 
-{{/* An advertised URL of this pod on a port, with the IPv6 brackets when needed. */}}
-{{- define "rota.podURL" -}}
-{{- if eq .ctx.Values.ipFamily "IPv6" -}}
-http://[$(POD_IP)]:{{ .port }}
-{{- else -}}
-http://$(POD_IP):{{ .port }}
-{{- end }}
-{{- end }}
-
 {{/* Node affinity of the node DaemonSets. */}}
 {{- define "rota.nodeAffinity" -}}
 {{- if .Values.nodeSelection.affinity }}
@@ -109,7 +100,8 @@ nodeAffinity:
 {{- end }}
 {{- end }}
 
-{{/* The wildcard address to listen on, for the ipFamily. */}}
-{{- define "rota.anyAddress" -}}
-{{- if eq .Values.ipFamily "IPv6" }}::{{ else }}0.0.0.0{{ end }}
-{{- end }}
+{{/* The address listeners bind: every IPv6 and IPv4 address (one dual-stack socket), so
+a pod answers on its IP in IPv4, IPv6 and dual-stack clusters alike. Call with a port for
+host:port. */}}
+{{- define "rota.anyAddress" -}}::{{- end }}
+{{- define "rota.listenAddress" -}}[::]:{{ . }}{{- end }}
