@@ -6,7 +6,9 @@ sample per label set (``model_name``, ``engine`` for each data-parallel engine c
 the adapter sums every sample of those names. ``vllm:engine_sleep_state`` has one sample
 per ``sleep_state`` label value (``awake``, ``weights_offloaded``, ``discard_all``), 1 for
 the state vLLM last recorded: :func:`label_values_at_one` reads it. Pure: text in,
-numbers out.
+numbers out. A line is parsed only when it begins with a wanted name: vLLM's page holds
+hundreds of histogram buckets, and a sleep's or a wake's confirmation reads it on the
+switch's critical path.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def label_values_at_one(text: str, name: str, label: str) -> set[str] | None:
     values: set[str] = set()
     for raw in text.splitlines():
         line = raw.strip()
-        if not line or line.startswith("#"):
+        if not line.startswith(name):
             continue
         sample = _split_labelled(line)
         if sample is None or sample[0] != name:
@@ -114,11 +116,12 @@ def sum_samples(text: str, names: Iterable[str]) -> float | None:
     lines and non-finite values are skipped.
     """
     wanted = frozenset(names)
+    prefixes = tuple(wanted)
     total = 0.0
     found = False
     for raw in text.splitlines():
         line = raw.strip()
-        if not line or line.startswith("#"):
+        if not line.startswith(prefixes):
             continue
         sample = _split_sample(line)
         if sample is None or sample[0] not in wanted:
