@@ -184,8 +184,10 @@ class AwakeMonitor:
                 for gpu in answer.gpus:
                     awake = [p.claim_uid for p in gpu.processes if p.claim_uid in resident
                              and p.used_bytes > resident[p.claim_uid] + self.tolerance_bytes]
-                    if len(awake) > 1:
-                        self.violations.append(f"{gpu.device}: {awake}")
+                    if len(awake) > 1:  # when, and how much each held: to find it in logs
+                        held = {p.claim_uid: p.used_bytes for p in gpu.processes
+                                if p.claim_uid in awake}
+                        self.violations.append(f"{time.time():.3f} {gpu.device}: {held}")
                 with self._sampled:
                     self.samples += 1
                     self._sampled.notify_all()

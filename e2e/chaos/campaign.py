@@ -166,7 +166,8 @@ async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
                 if node.monitor is not None:
                     tally.gpu_samples += node.monitor.samples
                     tally.double_awake += len(node.monitor.violations)
-                    tally.double_awake_samples += node.monitor.violations[:5]
+                    tally.double_awake_samples += [f"{node.node.name} {v}" for v in
+                                                   node.monitor.violations[:5]]
             await rig.close()
     return tally
 
