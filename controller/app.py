@@ -32,10 +32,15 @@ from controller.node import NodeController
 from controller.settings import LeaseSettings
 from controller.urls import advertised_url
 from controller.visible_state_writer import VisibleStateKube, VisibleStateWriter
+from driver.aio import Backoff, retry
+from driver.errors import KubeError
 from driver.kube import load_api_client
 from driver.listen import DUAL_STACK, split_host_port, start_site
 
 log = logging.getLogger(__name__)
+
+VISIBLE_FLUSH_S = 3.0
+"""How long a stopping controller lets the visible-state writer finish its writes."""
 
 
 @dataclass
@@ -63,7 +68,14 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
         engine_token = engine_secret.lines[0] if engine_secret.lines else None
     api = load_api_client(settings.kubeconfig)
     kube = ControllerKube(api, timeout_s=settings.timeouts.lease_s)
-    await kube.ensure_namespace(settings.namespace)
+    # An API server that does not answer at start (a restart beside it, a slow network) is
+    # waited for, boundedly; then the process exits and the kubelet restarts it.
+    await retry(lambda: kube.ensure_namespace(settings.namespace), retry_on=(KubeError,),
+                backoff=Backoff(first_s=0.5, max_s=5.0, attempts=8),
+                on_retry=lambda exc, pause: log.warning(
+                    "the API server did not answer at start; trying again",
+                    extra={"node": settings.node_name, "error": str(exc),
+                           "pause_s": round(pause, 2)}))
     device = DeviceReader(settings.inspect_socket, timeout_s=settings.timeouts.inspect_s)
     cache = NodeCache(api, node=settings.node_name, api_timeout_s=settings.timeouts.lease_s)
     cache.start()
@@ -105,8 +117,9 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
                 tasks.create_task(node.run(life.stop), name="node-controller")
                 tasks.create_task(cache.wait_synced(), name="cache-sync")
                 visible_stop = asyncio.Event()
+                writer: asyncio.Task[None] | None = None
                 if visible is not None:  # off the switch's path; flushed after the drain
-                    tasks.create_task(visible.run(visible_stop), name="visible-state")
+                    writer = tasks.create_task(visible.run(visible_stop), name="visible-state")
                 if callers is not None:  # a rotated Secret reaches the volume, not the process
                     reload = tasks.create_task(reload_forever([callers], settings.token_reload_s),
                                                name="token-reload")
@@ -118,6 +131,14 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
                 election.keep_on_exit = not await node.drain(settings.shutdown_grace_s)
                 visible_stop.set()
                 released.set()
+                if writer is not None:
+                    # Its last flush is bounded: an API server that does not answer never
+                    # holds up a stopping controller (what is left is only visible state).
+                    done, _ = await asyncio.wait({writer}, timeout=VISIBLE_FLUSH_S)
+                    if not done:
+                        log.warning("stopping with visible state unwritten",
+                                    extra={"node": settings.node_name})
+                        writer.cancel()
                 if callers is not None:
                     reload.cancel()
         finally:

@@ -12,6 +12,10 @@ The labels follow the GPU Lease: after every Lease write the holder of an ``awak
 is ``awake``, the model a ``failed`` Lease names and every engine in an unknown state are
 ``failed``, every other engine is ``asleep``; while a switch runs its two engines are
 ``switching`` (a start's newcomer is ``starting``).
+
+Notes carry no per-switch numbers (fencing number, timings: ``kubectl rota status`` and the
+metrics have them), so that repeated switches join one Event's series instead of writing a
+new Event each time.
 """
 
 from __future__ import annotations
@@ -80,7 +84,6 @@ class GpuVisibility:
     def switched(self, result: SwitchResult, holder: Claimant | None, target: Claimant, *,
                  start: bool = False) -> None:
         """The Events of a finished switch (or start) from ``holder`` to ``target``."""
-        took = _took(result)
         if not result.ok:
             self._record(target, EventReason.SWITCH_FAILED,
                          f"{camel_cause(result.reason)}: {result.message}"
@@ -88,17 +91,17 @@ class GpuVisibility:
             return
         if holder is not None and holder is not target:
             self._record(holder, EventReason.SWITCHED_OUT,
-                         f"put to sleep on {self.gpu} for {target.model or target.ref}{took}")
+                         f"put to sleep on {self.gpu} for {target.model or target.ref}")
         if holder is target and result.lease.holder != target.ref:
             self._record(target, EventReason.SWITCHED_OUT,
                          f"put to sleep on {self.gpu} ({result.reason or 'idle'})")
             return
         if start:
             self._record(target, EventReason.START_ADMITTED,
-                         f"started on {self.gpu} and proved by the probe{took}")
+                         f"started on {self.gpu} and proved by the probe")
         if result.lease.holder == target.ref:
             self._record(target, EventReason.SWITCHED_IN,
-                         f"awake on {self.gpu} (fencing number {result.lease.fence}){took}")
+                         f"awake on {self.gpu}")
 
     def start_waiting(self, claimant: Claimant, holder: str) -> None:
         """``claimant``'s start gate asked for a start slot; it waits for one."""
@@ -124,7 +127,3 @@ def _state_of(claimant: Claimant, lease: GpuLease, *, unknown: Collection[str]
         return EngineState.FAILED
     return EngineState.ASLEEP
 
-
-def _took(result: SwitchResult) -> str:
-    total = result.timings.get("total", result.timings.get("start"))
-    return f" in {total:.2f} s" if total is not None else ""

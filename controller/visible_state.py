@@ -135,8 +135,10 @@ class Occurrence:
 
     @property
     def key(self) -> tuple[str, str]:
-        """Occurrences with the same key join one Event's series."""
-        return (self.regarding.uid, self.reason.value)
+        """Occurrences with the same key join one Event's series: same object, reason and
+        note (an Event's note cannot change once written)."""
+        digest = hashlib.sha256(self.note[:_NOTE_LIMIT].encode()).hexdigest()[:16]
+        return (self.regarding.uid, f"{self.reason.value}/{digest}")
 
     @property
     def type(self) -> str:
@@ -168,9 +170,9 @@ def event_body(occurrence: Occurrence, *, instance: str, now: dt.datetime) -> di
 
 def event_series_patch(occurrence: Occurrence, *, count: int, now: dt.datetime
                        ) -> dict[str, Any]:
-    """A merge patch that records the ``count``-th occurrence (>= 2) in the first Event."""
-    return {"series": {"count": max(2, count), "lastObservedTime": micro_time(now)},
-            "note": occurrence.note[:_NOTE_LIMIT]}
+    """A merge patch that records the ``count``-th occurrence (>= 2) in the first Event (its
+    note stays: the API server refuses to change it)."""
+    return {"series": {"count": max(2, count), "lastObservedTime": micro_time(now)}}
 
 
 def pod_state_patch(state: EngineState) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from driver.rpc.registration import RegistrationService
 from driver.rpc.sockets import UnixServer, drop_link, point_link
 from driver.settings import DriverSettings, NvmlBackendKind
 from driver.slices import SharingMode
-from driver.startgate import StartGate, load_or_create_key
+from driver.startgate import StartGate, load_or_create_key, prepare_start_gate_dir
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
     await asyncio.to_thread(settings.plugin_data_dir.mkdir, mode=0o750, parents=True,
                             exist_ok=True)
     boot_id = await asyncio.to_thread(current_boot_id, settings.proc_root)
+    if settings.start_gate_dir is not None:
+        await asyncio.to_thread(prepare_start_gate_dir, settings.start_gate_dir)
     start_gate = None if settings.start_gate_dir is None else StartGate(
         settings.start_gate_dir,
         await asyncio.to_thread(load_or_create_key, settings.start_gate_key_path))

@@ -31,7 +31,8 @@ from typing import Any
 
 from driver.disk import fsync_dir
 
-__all__ = ["KEY_BYTES", "SOCKET_NAME", "StartGate", "load_or_create_key"]
+__all__ = ["KEY_BYTES", "SOCKET_NAME", "START_GATE_DIR_MODE", "StartGate", "load_or_create_key",
+           "prepare_start_gate_dir"]
 
 KEY_BYTES = 32
 SOCKET_NAME = "start.sock"
@@ -95,6 +96,19 @@ def _create_once(path: Path, content: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             temp.unlink()
     fsync_dir(path.parent)
+
+
+START_GATE_DIR_MODE = 0o771
+"""The start-gate directory: the lease controller (group 0, not root) creates its socket
+there; an engine's process (any user) only needs to reach the socket by its path."""
+
+
+def prepare_start_gate_dir(directory: Path) -> None:
+    """Create the start-gate directory if missing and give it :data:`START_GATE_DIR_MODE`
+    (a hostPath volume makes it 0755 root-owned, where a non-root controller cannot
+    listen)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, START_GATE_DIR_MODE)
 
 
 def load_or_create_key(path: Path) -> bytes:

@@ -195,6 +195,7 @@ async def _drive(rig: Rig, options: CampaignOptions, rng: random.Random, tally: 
                     _say(f"{elapsed:6.0f} s  switches {tally.switches}  failed "
                          f"{tally.failed_switches}  requests {sum(tally.answers.values())}  "
                          f"faults {sum(tally.faults.values())}")
+                _keep_controllers_running(rig)
                 await asyncio.sleep(0.5)
         finally:
             stop.set()
@@ -202,8 +203,15 @@ async def _drive(rig: Rig, options: CampaignOptions, rng: random.Random, tally: 
             await faults.undo_all()
             await asyncio.gather(*clients)
             tally.seconds = time.monotonic() - start
-            for node in rig.nodes:
-                node.reap()
-                if not node.controllers:
-                    node.start_controller(rig.options)
+            _keep_controllers_running(rig)
     return tally
+
+
+def _keep_controllers_running(rig: Rig) -> None:
+    """What the kubelet does for the controller's container (restartPolicy Always): a node
+    whose controller exited (a SIGTERM or SIGKILL fault, a start that gave up on a stalled
+    API server) gets a new one."""
+    for node in rig.nodes:
+        node.reap()
+        if not node.controllers:
+            node.start_controller(rig.options)

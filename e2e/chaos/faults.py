@@ -102,11 +102,7 @@ def _controller_signal(sig: signal.Signals) -> Inject:
         if not node.signal_controller(sig):
             return NOT_INJECTED
 
-        async def undo() -> None:
-            node.reap()
-            if not node.controllers:
-                node.start_controller(rig.options)
-        return Injected(True, undo)
+        return Injected(True)  # the campaign restarts it once it has exited
     return inject
 
 

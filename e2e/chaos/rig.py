@@ -116,7 +116,7 @@ class Rig:
     def deploy_engines(self, rig: NodeRig, index: int) -> None:
         specs = [EngineSpec(f"e{index}-{k}", f"chaos/gpu{index}-m{k}",
                             resident=self.options.resident, awake=self.options.awake,
-                            args=FAST_ENGINE)
+                            args=FAST_ENGINE, gated=True)
                  for k in range(self.options.engines_per_gpu)]
         rig.engines = deploy(self.api, self.namespace, rig.node.name, specs, timeout=180)
 

@@ -99,7 +99,7 @@ def test_the_controller_mounts_only_the_inspection_socket_directory(default: Ren
     controller = _pod(default, "DaemonSet", "rota-controller")
     host_paths = {v["name"]: v["hostPath"]["path"] for v in controller["volumes"]
                   if "hostPath" in v}
-    assert list(host_paths) == ["inspect"]
+    assert sorted(host_paths) == ["inspect", "start-gate"]
     [container] = controller["containers"]
     [mount] = [m for m in container["volumeMounts"] if m["name"] == "inspect"]
     assert mount["readOnly"] is True
@@ -355,3 +355,28 @@ def test_the_gateway_reads_only_the_named_engine_key_secrets(hardened: Rendered,
     assert _secret_rules(everywhere, "rota-gateway") == {"": [
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["llama-key", "omni-key"],
          "verbs": ["get"]}]}
+
+
+def test_the_start_gate_socket_is_where_the_driver_mounts_it_into_engines(
+        default: Rendered, chart_bin: Path) -> None:
+    """The controller listens in the host directory that the driver's CDI specs mount into
+    engine containers; both pods mount it (the controller's root filesystem is read-only:
+    without it the controller could not start). Off, both are told so by flags."""
+    driver = _pod(default, "DaemonSet", "rota-driver")
+    controller = _pod(default, "DaemonSet", "rota-controller")
+    gate_dir = _env(driver["containers"][0])["ROTA_START_GATE_DIR"]
+    assert Path(_env(controller["containers"][0])["ROTA_START_SOCKET"]).parent == Path(gate_dir)
+    for pod in (driver, controller):
+        [volume] = [v for v in pod["volumes"] if v["name"] == "start-gate"]
+        assert volume["hostPath"] == {"path": gate_dir, "type": "DirectoryOrCreate"}
+        [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "start-gate"]
+        assert mount["mountPath"] == gate_dir
+    env = _env(driver["containers"][0])
+    settings = DriverSettings(node_name="n", pod_uid="0b7f6c8e-1d2a-4e3b-9c4d-5e6f7a8b9c0d",
+                              plugin_data_dir=Path(env["ROTA_PLUGIN_DATA_DIR"]))
+    assert Path(gate_dir) not in settings.start_gate_key_path.parents  # the key stays private
+    off = render(set_values=MINIMAL | {"startGate.enabled": "false"}, bin_dir=chart_bin)
+    assert _pod(off, "DaemonSet", "rota-controller")["containers"][0]["args"] == [
+        "--start-socket="]
+    assert _pod(off, "DaemonSet", "rota-driver")["containers"][0]["args"] == [
+        "--start-gate-dir="]
