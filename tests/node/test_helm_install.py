@@ -48,7 +48,6 @@ NODE_LABEL = "rota.test/helm-node"
 PROC_DIR = "/var/lib/kubelet/plugins/gpu.rota.dev/fake-nvml"
 """The fake NVML process registry: inside the driver's plugin directory, a host path the
 chart mounts at the same path."""
-START_DIR = "/var/lib/kubelet/plugins/gpu.rota.dev/start"
 
 
 @dataclass
@@ -90,14 +89,6 @@ class HelmRelease:
                 f"cdi.devRoot={FAKE_GPU_DEV_ROOT}",
                 "driver.extraEnv[0].name=ROTA_FAKE_NVML_PROC_DIR",
                 f"driver.extraEnv[0].value={PROC_DIR}",
-                # The chart mounts no start-gate directory yet (the controller's default
-                # is on its read-only root): the gate's directory in a host path the
-                # driver mounts, the controller's socket in its /tmp. The example engines
-                # start without asking.
-                "driver.extraEnv[1].name=ROTA_START_GATE_DIR",
-                f"driver.extraEnv[1].value={START_DIR}",
-                "controller.extraEnv[0].name=ROTA_START_SOCKET",
-                "controller.extraEnv[0].value=/tmp/start/start.sock",
                 "image.pullPolicy=IfNotPresent", *extra]
         args = ["--namespace", self.namespace,
                 "--set-string", f"gateway.nodeSelector.kubernetes\\.io/hostname={self.node.name}"]
@@ -159,7 +150,6 @@ def release(cluster: LocalCluster, kube_api: client.ApiClient, rota_images: Buil
         assert node.namespace is not None
         subprocess.run(node.namespace.enter(["mount", "--make-rshared", "/var/lib"],
                                             network=False), check=True, timeout=30)
-        node.path(START_DIR).mkdir(parents=True, exist_ok=True)
         for ns in (rel.namespace, rel.engines):
             core.create_namespace({"metadata": {"name": ns}})
         rel.helm("install", rel.name, str(CHART), *rel.values())
