@@ -17,7 +17,7 @@ PURE = ["driver/quantity.py", "driver/opaque.py", "driver/claims.py", "driver/bu
         "controller/reconcile.py", "controller/naming.py", "controller/leases.py",
         "driver/aio.py", "driver/startgate.py"]
 SHARED_FROM_DRIVER = {"driver.aio", "driver.claims", "driver.errors", "driver.kube",
-                      "driver.listwatch", "driver.logs", "driver.metrics_registry",
+                      "driver.listen", "driver.listwatch", "driver.logs", "driver.metrics_registry",
                       "driver.opaque", "driver.quantity",
                       "driver.settings", "driver.slices",
                       "driver.rpc.services", "driver.pb.rota.v1", "driver.pb.rota.v1.inspect_pb2"}
