@@ -61,6 +61,7 @@ CHILD = textwrap.dedent("""
     from e2e.cluster.node_cgroups import NodeCgroups
     from e2e.cluster.node_namespace import NodeNamespace
     from e2e.cluster.relays import joined
+    from e2e.waiting import eventually
 
     node_dir = Path(sys.argv[1])
     cgroups = NodeCgroups.for_node(sys.argv[2])
@@ -68,8 +69,7 @@ CHILD = textwrap.dedent("""
     ns = NodeNamespace(node_dir=node_dir, node_ip="10.250.99.2", service_ip="10.0.0.1",
                        api_port=1, cgroup_dirs=cgroups.dirs(), freezer=None)
     holder = ns.start(die_with_parent=True)
-    while not ns.ready_file.exists():
-        time.sleep(0.05)
+    eventually(ns.ready_file.exists, timeout=60, what="the node's namespaces ready")
     who, since = owner()
     NodeRecord(id=sys.argv[2], name=sys.argv[2], node_dir=node_dir,
                cgroup_path=cgroups.path, cgroups_created=cgroups.created,
