@@ -118,10 +118,8 @@ class StartSwitch:
         sw = self.sw
         timings: dict[str, float] = {}
         begin = sw.ports.clock()
-        lease = await sw.write(lease.with_(
-            state=naming.STATE_STARTING, fence=lease.fence + 1, target_model=newcomer.model,
-            draining_model=holder.model if holder else "", controller=sw.identity,
-            last_error=""), timings)
+        lease = await sw.begin(lease, naming.STATE_STARTING, holder=holder, target=newcomer,
+                               timings=timings)
         fence = lease.fence
         log.info("start-up admission", extra={"device": lease.device, "fence": fence,
                                               "claim": newcomer.ref, "model": newcomer.model,

@@ -268,15 +268,22 @@ class Switcher:
 
     # -- the protocol --------------------------------------------------------------------
 
+    async def begin(self, lease: GpuLease, state: str, *, holder: Claimant | None,
+                    target: Claimant, timings: dict[str, float]) -> GpuLease:
+        """Open a switch (``switching``) or a start (``starting``) under a new fencing
+        number: admission closed, the Lease names who drains and who comes."""
+        return await self.write(lease.with_(
+            state=state, fence=lease.fence + 1, target_model=target.model,
+            draining_model=holder.model if holder else "", controller=self.identity,
+            last_error=""), timings)
+
     async def switch(self, lease: GpuLease, *, holder: Claimant | None, target: Claimant,
                      claimants: Sequence[Claimant]) -> SwitchResult:
         """Make ``target`` the awake engine of the GPU that ``lease`` describes."""
         timings: dict[str, float] = {}
         begin = self.ports.clock()
-        lease = await self.write(lease.with_(
-            state=naming.STATE_SWITCHING, fence=lease.fence + 1, target_model=target.model,
-            draining_model=holder.model if holder else "", controller=self.identity,
-            last_error=""), timings)
+        lease = await self.begin(lease, naming.STATE_SWITCHING, holder=holder, target=target,
+                                 timings=timings)
         fence = lease.fence
         log.info("switch started", extra={"device": lease.device, "fence": fence,
                                           "from": holder.ref if holder else None,
