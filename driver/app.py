@@ -27,7 +27,7 @@ from driver.inspection import InspectionService
 from driver.kube import Kube, load_api_client
 from driver.ledger import Ledger, current_boot_id
 from driver.listen import split_host_port, start_site
-from driver.nvml import fixture_path
+from driver.nvml import open_backend
 from driver.nvml.api import NvmlBackend
 from driver.prepare import Preparer
 from driver.probes import make_app
@@ -52,17 +52,10 @@ class Lifecycle:
 
 def make_backend(settings: DriverSettings) -> NvmlBackend:
     if settings.nvml_backend is NvmlBackendKind.FAKE:
-        from driver.nvml.fake import FakeNvml
-
-        fixture = settings.fake_nvml_fixture
-        if fixture is None:
+        if settings.fake_nvml_fixture is None:
             raise ConfigError("--nvml-backend=fake needs --fake-nvml-fixture")
-        if "/" not in str(fixture):  # the name of a fixture shipped with the driver
-            fixture = fixture_path(str(fixture))
-        return FakeNvml.from_path(fixture, settings.fake_nvml_proc_dir)
-    from driver.nvml.real import PynvmlBackend
-
-    return PynvmlBackend()
+        return open_backend(settings.fake_nvml_fixture, settings.fake_nvml_proc_dir)
+    return open_backend(None, None)
 
 
 def cdi_edits(settings: DriverSettings) -> ExtraEdits | None:

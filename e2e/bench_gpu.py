@@ -69,7 +69,7 @@ from driver.devices import GpuDevice, discover
 from driver.errors import ConfigError
 from driver.inspection import InspectionService
 from driver.logs import configure
-from driver.nvml import fixture_path
+from driver.nvml import open_backend
 from driver.nvml.api import NvmlBackend
 from driver.opaque import API_VERSION, KIND, parse_engine_config
 from driver.quantity import parse_quantity
@@ -727,19 +727,6 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                          f"<= awake")
 
 
-def _backend(args: argparse.Namespace, fake_dir: Path | None) -> NvmlBackend:
-    if args.fake_nvml:
-        from driver.nvml.fake import FakeNvml
-
-        path = Path(args.fake_nvml)
-        if not path.is_file():
-            path = fixture_path(args.fake_nvml)
-        return FakeNvml.from_path(path, fake_dir)
-    from driver.nvml.real import PynvmlBackend
-
-    return PynvmlBackend()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if _engine_of(argv) == "vllm":
@@ -772,7 +759,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     backend: NvmlBackend | None = None
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        backend = _backend(args, fake_dir)
+        backend = open_backend(args.fake_nvml, fake_dir)
         backend.init()
         gpus = discover(backend)
         gpu = next((g for g in gpus if g.index == args.gpu_index), None)

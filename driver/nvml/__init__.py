@@ -31,6 +31,22 @@ def fixture_path(name: str) -> Path:
     return path
 
 
+def open_backend(fake_fixture: str | Path | None, proc_dir: Path | None) -> NvmlBackend:
+    """The real NVML backend, or the fake one when ``fake_fixture`` is given: a file, or
+    the name of a shipped fixture (``h200``); ``proc_dir`` is the fake's process registry.
+    Neither implementation is imported unless it is used."""
+    if fake_fixture is None:
+        from driver.nvml.real import PynvmlBackend
+
+        return PynvmlBackend()
+    from driver.nvml.fake import FakeNvml
+
+    path = Path(fake_fixture)
+    if "/" not in str(fake_fixture) and not path.is_file():
+        path = fixture_path(str(fake_fixture))
+    return FakeNvml.from_path(path, proc_dir)
+
+
 __all__ = [
     "FIXTURES_DIR",
     "HealthEvent",
@@ -39,4 +55,5 @@ __all__ = [
     "NvmlBackend",
     "ProcessInfo",
     "fixture_path",
+    "open_backend",
 ]

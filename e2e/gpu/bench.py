@@ -37,7 +37,7 @@ from controller.device import DeviceReader
 from driver.devices import GpuDevice, discover
 from driver.inspection import InspectionService
 from driver.logs import configure
-from driver.nvml import fixture_path
+from driver.nvml import open_backend
 from driver.nvml.api import NvmlBackend
 from driver.quantity import parse_quantity
 from driver.rpc.sockets import UnixServer
@@ -170,19 +170,6 @@ def check_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
                     f"into {args.models})")
 
 
-def _backend(args: argparse.Namespace, fake_dir: Path) -> NvmlBackend:
-    if args.fake_nvml:
-        from driver.nvml.fake import FakeNvml
-
-        path = Path(args.fake_nvml)
-        if not path.is_file():
-            path = fixture_path(args.fake_nvml)
-        return FakeNvml.from_path(path, fake_dir)
-    from driver.nvml.real import PynvmlBackend
-
-    return PynvmlBackend()
-
-
 def load_h2d(args: argparse.Namespace, state: BenchState) -> dict[str, Any]:
     """The copy floor's bandwidth: a measurement of this machine (``--h2d-json``, or one
     an earlier command kept), or the assumed 54e9 B/s."""
@@ -270,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     backend: NvmlBackend | None = None
     stopped: dict[str, list[int]] = {}
     try:
-        backend = _backend(args, fake_dir)
+        backend = open_backend(args.fake_nvml, fake_dir)
         backend.init()
         gpu = next((g for g in discover(backend) if g.index == args.gpu_index), None)
         if gpu is None:
