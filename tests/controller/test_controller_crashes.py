@@ -30,6 +30,15 @@ async def _serves(session: aiohttp.ClientSession, url: str, model: str) -> bool:
     return status == 200 and await ask_seven(session, body["endpoint"], model) == "7"
 
 
+async def _answers(session: aiohttp.ClientSession, url: str, model: str) -> int | None:
+    """The activation API's status for `model`, or None while nothing listens at `url`."""
+    try:
+        status, _ = await activate(session, url, model, timeout_s=30)
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return status
+
+
 async def test_sigkill_during_switches(engine_node: GpuNode, two_engines: list[Engine]) -> None:
     rng = random.Random(1129)
     node = engine_node
@@ -74,7 +83,14 @@ async def test_two_controllers_for_one_node(engine_node: GpuNode,
             results = await asyncio.gather(*(_serves(session, u, MODEL_A.model) for u in urls))
             return any(results)
 
+        async def both_answer() -> bool:
+            # The second instance listens only after its start-up (imports, its first API
+            # call); on a loaded machine the first may serve well before it.
+            statuses = await asyncio.gather(*(_answers(session, u, MODEL_A.model) for u in urls))
+            return sorted(s or 0 for s in statuses) == [200, 409]
+
         await eventually_async(someone_serves, timeout=60, what="one controller serving")
+        await eventually_async(both_answer, timeout=60, what="the standby answering")
         with AwakeMonitor(node.dirs.inspect_socket, two_engines) as monitor:
             statuses: list[int] = []
             for i in range(10):
