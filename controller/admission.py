@@ -127,8 +127,7 @@ class StartSwitch:
         try:
             if holder is not None:
                 await sw.drain(holder, fence, timings)
-                await sw.sleep(holder, fence, timings)
-            problem = await sw.check_device(newcomer, claimants, timings)
+            problem = await sw.hand_back(holder, newcomer, claimants, fence, timings)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
             await sw.fenced_engine(newcomer, fence, timings)  # the grant is a call too

@@ -7,9 +7,11 @@ The order is the reference experiment's, each step bounded and measured:
 2. drain: wait until the holder reports no running or waiting requests (bounded);
 3. sleep the holder (``mode=wait``) and confirm with ``/is_sleeping``;
 4. read the GPU: the holder is down to its resident footprint, no unknown process holds
-   memory, free memory covers the target's awake budget;
+   memory, free memory covers the target's awake budget (steps 3 and 4 end together:
+   the sleep's confirmation and the GPU read run at once, and the wake waits for both);
 5. wake the target (level 1, or the level-2 sequence);
-6. the correctness request (streamed; content, ``[DONE]`` and usage);
+6. the correctness request (streamed; content, ``[DONE]`` and usage), beside the wake's
+   confirmation with ``/is_sleeping``;
 7. record the target as holder and open admission.
 
 Fencing: before every engine call that can change who is awake (every sleep and wake)
@@ -34,6 +36,7 @@ Pure protocol over injected ports (:class:`Ports`), so it is tested without Kube
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -206,16 +209,47 @@ class Switcher:
                      ) -> None:
         """Sleep and confirm. Raises :class:`SleepUnknown` when the sleep may still
         fire later (never retried, never followed by a wake of this engine)."""
+        await self._sleep_beside(claimant, fence, timings, None)
+
+    async def hand_back(self, holder: Claimant | None, target: Claimant,
+                        claimants: Sequence[Claimant], fence: int,
+                        timings: dict[str, float]) -> HandbackProblem | None:
+        """Sleep ``holder`` (when there is one) and read the GPU for ``target``: what
+        stands between a holder and a wake of ``target``. The holder's sleep confirmation
+        and the GPU read run at once: both are reads, and the wake waits for both."""
+        read = functools.partial(self.check_device, target, claimants, timings)
+        if holder is None:
+            return await read()
+        return await self._sleep_beside(holder, fence, timings, read)
+
+    async def _sleep_beside(self, claimant: Claimant, fence: int, timings: dict[str, float],
+                            beside: Callable[[], Awaitable[T]] | None) -> T | None:
+        """The sleep of :meth:`sleep`, its confirmation run together with ``beside()`` (a
+        read); returns what ``beside`` read. The confirmation's error comes first."""
         engine = await self.fenced_engine(claimant, fence, timings)
+        level = claimant.sleep_level
+        read: T | BaseException | None = None
         try:
-            outcome = await self._step("sleep", engine.sleep(claimant.sleep_level),
+            outcome = await self._step("sleep", engine.sleep(level, confirm=False),
                                        self.limits.timeouts.sleep_s + SLEEP_MARGIN_S, timings)
+            confirm = self._step("sleep_confirm", engine.confirm_asleep(level),
+                                 self.limits.timeouts.confirm_s, timings)
+            if beside is None:
+                await confirm
+            else:
+                confirmed, read = await asyncio.gather(confirm, beside(),
+                                                       return_exceptions=True)
+                if isinstance(confirmed, BaseException):
+                    raise confirmed
         except Exception as exc:
             if _sleep_outcome_known(exc):
                 raise
             raise SleepUnknown(claimant, exc) from exc
         first = self.record_sleep(claimant, outcome.sleep_s)
         timings["first_sleep" if first else "later_sleep"] = outcome.sleep_s
+        if isinstance(read, BaseException):
+            raise read
+        return read
 
     def record_sleep(self, claimant: Claimant, sleep_s: float) -> bool:
         """Measure one sleep of ``claimant`` (also those reconciliation makes); True when it
@@ -240,14 +274,25 @@ class Switcher:
 
     async def wake_and_probe(self, target: Claimant, fence: int,
                               timings: dict[str, float]) -> float:
-        """Wake and prove it; returns the monotonic time of the first token."""
+        """Wake and prove it; returns the monotonic time of the first token. The wake's
+        confirmation (``/is_sleeping``) runs beside the probe: a generation changes
+        nothing, and the switch counts the target awake only once both are in (a
+        confirmation that fails wins over the probe's error: it says why)."""
         engine = await self.fenced_engine(target, fence, timings)
         t = self.limits.timeouts
-        outcome = await self._step("wake", engine.wake(target.sleep_level), t.wake_s, timings)
+        outcome = await self._step("wake", engine.wake(target.sleep_level, confirm=False),
+                                   t.wake_s, timings)
         wake_s = outcome.wake_s
         timings["wake_call"] = wake_s
         metrics.WAKE.labels(target.model, str(target.sleep_level)).observe(wake_s)
-        return await self.probe(target, fence, timings, wake_s=wake_s)
+        confirmed, first_token = await asyncio.gather(
+            self._step("wake_confirm", engine.confirm_awake(), t.confirm_s, timings),
+            self.probe(target, fence, timings, wake_s=wake_s), return_exceptions=True)
+        if isinstance(confirmed, BaseException):
+            raise confirmed
+        if isinstance(first_token, BaseException):
+            raise first_token
+        return first_token
 
     async def probe(self, target: Claimant, fence: int, timings: dict[str, float], *,
                      wake_s: float = 0.0) -> float:
@@ -293,8 +338,7 @@ class Switcher:
             if holder is not None:
                 await self.drain(holder, fence, timings)
                 handoff_start = self.ports.clock()
-                await self.sleep(holder, fence, timings)
-            problem = await self.check_device(target, claimants, timings)
+            problem = await self.hand_back(holder, target, claimants, fence, timings)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
         except Fenced:

@@ -269,15 +269,28 @@ class EngineAdapter(Protocol):
         """The engine this adapter talks to."""
         ...
 
-    async def sleep(self, level: int) -> SleepOutcome:
+    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
         """Put the engine to sleep at ``level``, letting running requests finish, and
         confirm with ``/is_sleeping``. Raises EngineLied when the engine says it is awake
-        after answering the sleep with success."""
+        after answering the sleep with success. ``confirm=False``: the caller confirms
+        with :meth:`confirm_asleep` (alongside a read of its own), before anything else
+        depends on this sleep."""
         ...
 
-    async def wake(self, level: int) -> WakeOutcome:
+    async def wake(self, level: int, *, confirm: bool = True) -> WakeOutcome:
         """Wake the engine from a sleep at ``level`` (all steps that level needs) and
-        confirm with ``/is_sleeping``. Raises EngineLied when it still says it sleeps."""
+        confirm with ``/is_sleeping``. Raises EngineLied when it still says it sleeps.
+        ``confirm=False``: the caller confirms with :meth:`confirm_awake`."""
+        ...
+
+    async def confirm_asleep(self, level: int) -> None:
+        """Raise EngineLied unless the engine says it sleeps (at ``level``, where it
+        exports the sleep gauge): the confirmation a sleep does after its call."""
+        ...
+
+    async def confirm_awake(self) -> None:
+        """Raise EngineLied unless the engine says it is awake: the confirmation a wake
+        does after its calls."""
         ...
 
     async def finish_wake(self, unfinished: UnfinishedWake) -> WakeOutcome:

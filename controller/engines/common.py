@@ -102,6 +102,10 @@ class Step:
 class HttpEngineAdapter:
     """Shared part of the adapters; subclasses add ``sleep`` and the wake steps."""
 
+    sleep_step = "sleep"
+    """The name of the sleep call in errors and logs."""
+    wake_step = "wake"
+    """The name of the wake (its last call) in errors and logs."""
     is_sleeping_path = "/is_sleeping"
     metrics_path = "/metrics"
     health_path = "/health"
@@ -216,6 +220,12 @@ class HttpEngineAdapter:
             "scheduler is paused (a sleep still draining, which may fire later) or a wake "
             "stopped halfway"), **seen)
 
+    async def confirm_asleep(self, level: int) -> None:
+        await self._confirm(sleeping=True, after=self.sleep_step, level=level)
+
+    async def confirm_awake(self) -> None:
+        await self._confirm(sleeping=False, after=self.wake_step)
+
     # -- for subclasses ----------------------------------------------------------------
 
     async def _confirm(self, *, sleeping: bool, after: str, level: int | None = None) -> None:
@@ -316,8 +326,8 @@ class HttpEngineAdapter:
     def _wake_steps(self, level: int) -> Sequence[Step]:
         raise NotImplementedError
 
-    async def wake(self, level: int) -> WakeOutcome:
-        return await self._wake_from(level, 0)
+    async def wake(self, level: int, *, confirm: bool = True) -> WakeOutcome:
+        return await self._wake_from(level, 0, confirm=confirm)
 
     async def finish_wake(self, unfinished: UnfinishedWake) -> WakeOutcome:
         steps = self._wake_steps(unfinished.level)
@@ -329,12 +339,14 @@ class HttpEngineAdapter:
             "sleep_level": unfinished.level, "from_step": unfinished.next_step})
         return await self._wake_from(unfinished.level, names.index(unfinished.next_step))
 
-    async def _wake_from(self, level: int, start: int) -> WakeOutcome:
+    async def _wake_from(self, level: int, start: int, *, confirm: bool = True
+                         ) -> WakeOutcome:
         steps = self._wake_steps(level)
         wake_s, timings, _ = await self._run_wake(level, steps, start=start,
                                                   budget_s=self.timeouts.wake_s(level))
-        await self._confirm(sleeping=False, after="wake")
+        if confirm:
+            await self.confirm_awake()
         log.info("engine awake", extra=self.endpoint.log_fields() | {
-            "sleep_level": level, "seconds": round(wake_s, 6),
+            "sleep_level": level, "seconds": round(wake_s, 6), "confirmed": confirm,
             "steps": {t.name: round(t.seconds, 6) for t in timings}})
         return WakeOutcome(level=level, wake_s=wake_s, steps=tuple(timings))

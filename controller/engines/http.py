@@ -50,13 +50,14 @@ class HttpAdapter(HttpEngineAdapter):
 
     reads_sleep_gauge = False  # another engine's sleep need not record vLLM's gauge
 
-    async def sleep(self, level: int) -> SleepOutcome:
+    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
         step = Step("sleep", self.config.sleep_path,
                     params=(("level", str(check_level(level))), ("mode", "wait")))
         sleep_s, _ = await self._sleep_call(step, budget_s=self.timeouts.sleep_s)
-        await self._confirm(sleeping=True, after="sleep")
+        if confirm:
+            await self.confirm_asleep(level)
         log.info("engine asleep", extra=self.endpoint.log_fields() | {
-            "sleep_level": level, "seconds": round(sleep_s, 6)})
+            "sleep_level": level, "seconds": round(sleep_s, 6), "confirmed": confirm})
         return SleepOutcome(level=level, sleep_s=sleep_s)
 
     def _wake_steps(self, level: int) -> Sequence[Step]:

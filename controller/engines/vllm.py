@@ -105,13 +105,14 @@ def check_reset_answer(step: str, answer: Answer) -> None:
 class VllmAdapter(HttpEngineAdapter):
     """Drives a vLLM engine (levels 1 and 2)."""
 
-    async def sleep(self, level: int) -> SleepOutcome:
+    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
         check_level(level)
         step = Step("sleep", "/sleep", params=(("level", str(level)), ("mode", "wait")))
         sleep_s, _ = await self._sleep_call(step, budget_s=self.timeouts.sleep_s)
-        await self._confirm(sleeping=True, after="sleep", level=level)
+        if confirm:
+            await self.confirm_asleep(level)
         log.info("engine asleep", extra=self.endpoint.log_fields() | {
-            "sleep_level": level, "seconds": round(sleep_s, 6)})
+            "sleep_level": level, "seconds": round(sleep_s, 6), "confirmed": confirm})
         return SleepOutcome(level=level, sleep_s=sleep_s)
 
     def _wake_steps(self, level: int) -> Sequence[Step]:

@@ -147,6 +147,8 @@ class VllmOmniAdapter(HttpEngineAdapter):
     """Drives a vLLM-Omni engine through its stage-aware sleep and wakeup (level 1)."""
 
     reads_sleep_gauge = False  # Omni's stage calls do not record vllm:engine_sleep_state
+    sleep_step = "omni_sleep"
+    wake_step = "omni_wakeup"
 
     def __init__(
         self,
@@ -187,7 +189,7 @@ class VllmOmniAdapter(HttpEngineAdapter):
                     step="omni_drain", timeout_s=self.timeouts.sleep_s)
             await backoff.sleep()
 
-    async def sleep(self, level: int) -> SleepOutcome:
+    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
         _check_omni_level(level)
         budget_s = self.timeouts.sleep_s
         began = time.monotonic()
@@ -197,11 +199,12 @@ class VllmOmniAdapter(HttpEngineAdapter):
         remaining = budget_s - (time.monotonic() - began)
         sleep_s, answer = await self._sleep_call(step, budget_s=remaining)
         acks = parse_acks(answer, step=step.name)
-        await self._confirm(sleeping=True, after="omni_sleep")
+        if confirm:
+            await self.confirm_asleep(level)
         freed = sum(ack.freed_bytes for ack in acks)
         log.info("engine asleep", extra=self.endpoint.log_fields() | {
             "sleep_level": level, "seconds": round(sleep_s, 6), "stage_ids": self.stage_ids,
-            "freed_bytes": freed})
+            "freed_bytes": freed, "confirmed": confirm})
         return SleepOutcome(level=level, sleep_s=sleep_s, freed_bytes=freed, acks=acks)
 
     def _wake_steps(self, level: int) -> Sequence[Step]:
@@ -214,13 +217,16 @@ class VllmOmniAdapter(HttpEngineAdapter):
         elif step.name == self._wakeup.name:
             parse_acks(answer, step=step.name)
 
-    async def _wake_from(self, level: int, start: int) -> WakeOutcome:
+    async def _wake_from(self, level: int, start: int, *, confirm: bool = True
+                         ) -> WakeOutcome:
         steps = self._wake_steps(level)
         wake_s, timings, answers = await self._run_wake(level, steps, start=start,
                                                         budget_s=self.timeouts.wake_s(level))
         acks = parse_acks(answers[0], step=self._wakeup.name) if start == 0 else ()
-        await self._confirm(sleeping=False, after="omni_wakeup")
+        if confirm:
+            await self.confirm_awake()
         log.info("engine awake", extra=self.endpoint.log_fields() | {
             "sleep_level": level, "seconds": round(wake_s, 6), "stage_ids": self.stage_ids,
+            "confirmed": confirm,
             "steps": {t.name: round(t.seconds, 6) for t in timings}})
         return WakeOutcome(level=level, wake_s=wake_s, steps=tuple(timings), acks=acks)

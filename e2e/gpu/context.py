@@ -390,10 +390,8 @@ class Bench:
         if handoff is not None and sleep_call is not None and wake_call is not None and \
                 ttft is not None:
             entry["controller_overhead_s"] = handoff - sleep_call - wake_call - ttft
-        for step, call in (("sleep", sleep_call), ("wake", wake_call)):
-            whole = t.get(step)
-            if whole is not None and call is not None:
-                entry[f"{step}_confirm_s"] = whole - call
+        for step in ("sleep", "wake"):
+            entry[f"{step}_confirm_s"] = t.get(f"{step}_confirm")
         weights = self.record(target).spec.weights_bytes()
         floor = weights / float((self.state.h2d or {}).get("bytes_per_s")
                                 or ASSUMED_H2D_BYTES_PER_S)

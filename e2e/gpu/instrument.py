@@ -149,20 +149,28 @@ class BenchAdapter:
         entry.ok = True
         return result
 
-    async def sleep(self, level: int) -> SleepOutcome:
-        outcome: SleepOutcome = await self._recorded(f"sleep_l{level}", self.inner.sleep(level))
+    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
+        outcome: SleepOutcome = await self._recorded(
+            f"sleep_l{level}", self.inner.sleep(level, confirm=confirm))
         self.calls[-1].detail["sleep_call_ms"] = round(outcome.sleep_s * 1e3, 3)
         return outcome
 
-    async def wake(self, level: int) -> WakeOutcome:
+    async def wake(self, level: int, *, confirm: bool = True) -> WakeOutcome:
         if self.on_wake is not None:
             self.on_wake()
         entry_index = len(self.calls)
-        outcome: WakeOutcome = await self._recorded(f"wake_l{level}", self.inner.wake(level))
+        outcome: WakeOutcome = await self._recorded(
+            f"wake_l{level}", self.inner.wake(level, confirm=confirm))
         self.calls[entry_index].detail.update({
             "wake_call_ms": round(outcome.wake_s * 1e3, 3),
             "steps_ms": {s.name: round(s.seconds * 1e3, 3) for s in outcome.steps}})
         return outcome
+
+    async def confirm_asleep(self, level: int) -> None:
+        await self._recorded("confirm_asleep", self.inner.confirm_asleep(level))
+
+    async def confirm_awake(self) -> None:
+        await self._recorded("confirm_awake", self.inner.confirm_awake())
 
     async def is_sleeping(self) -> bool:
         state: bool = await self._recorded("is_sleeping", self.inner.is_sleeping())

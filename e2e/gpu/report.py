@@ -8,7 +8,8 @@ The handoff blocks follow the reference experiment's three timing boundaries (DE
 the wake call, recovery to first token (wake call + the probe's time to first token) and
 handoff to first token (from starting to put the holder to sleep until the target's first
 token). Controller overhead is handoff minus sleep call, wake call and probe TTFT: what
-rota itself adds (the ``is_sleeping`` confirmations, the NVML check, Python).
+rota itself adds (the sleep's confirmation and the NVML check, which run at once; the
+fencing reads; Python). The wake's confirmation runs beside the probe.
 """
 
 from __future__ import annotations
@@ -224,8 +225,9 @@ def markdown(summary: Mapping[str, Any]) -> str:
         out += ["", "Controller overhead p50 "
                     f"{_p(overall['controller_overhead'], scale=1e3, digits=1)} ms; its parts "
                     f"(p50): sleep confirmation {_p(overall['sleep_confirm'], scale=1e3, digits=1)}"
-                    f" ms, NVML check {_p(overall['inspect'], scale=1e3, digits=1)} ms, wake "
-                    f"confirmation {_p(overall['wake_confirm'], scale=1e3, digits=1)} ms."]
+                    f" ms beside the NVML check {_p(overall['inspect'], scale=1e3, digits=1)} "
+                    "ms (run at once), wake confirmation "
+                    f"{_p(overall['wake_confirm'], scale=1e3, digits=1)} ms beside the probe."]
         first = s.get("first_user_visible") or {}
         out += ["", f"First user-visible handoff ({first.get('direction')}): "
                     f"{_s(first.get('handoff_to_first_token_s'))} s; later ones of that "
