@@ -4,9 +4,14 @@
 
 vLLM's dummy loader cannot reload weights, so a level-2 wake (``collective_rpc
 reload_weights``) needs real files. This builds the model from ``SRC/config.json`` with
-transformers (random initialisation, bfloat16), saves it as safetensors into ``DST`` and
-copies the tokenizer and generation config beside it. Idempotent: a ``DST`` that already
-holds weights is left alone. Needs torch and transformers only.
+transformers (random initialisation from a fixed seed, bfloat16), saves it as
+safetensors into ``DST`` and copies the tokenizer and generation config beside it.
+Idempotent: a ``DST`` that already holds weights is left alone. Needs torch and
+transformers only.
+
+The seed is fixed because the benchmark's time to first token counts the first
+non-empty content token: what random weights answer decides when that comes, so weights
+drawn anew on each machine made one run's TTFT of this model incomparable with the next.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["main", "write_weights"]
+
+SEED = 1129
+"""The random initialisation's seed: the same weights on every machine."""
 
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "vocab.json", "merges.txt")
@@ -40,6 +48,7 @@ def write_weights(src: Path, dst: Path) -> dict[str, Any]:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     config = transformers.AutoConfig.from_pretrained(str(src))
+    torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(str(tmp))  # safetensors by default
     for name in _COPIED:
