@@ -140,29 +140,13 @@ class HttpEngineAdapter:
                 step="is_sleeping", body=answer.body,
             ) from exc
 
-    async def _metrics(self, names: Sequence[str]) -> str | None:
-        """The engine's metrics page restricted to ``names``, or None when it has none.
-
-        ``prometheus_client`` (which vLLM mounts at ``/metrics``) renders only the metrics
-        that ``name[]`` parameters name: the page then takes a fraction of a millisecond to
-        serve instead of 7-10 ms for vLLM's hundreds of histogram buckets, on the
-        switch's critical path. A restricted page that holds none of them (vLLM with
-        ``PROMETHEUS_MULTIPROC_DIR``: its collector declares no names to filter by) is
-        read again whole; an engine that ignores the parameters sends the whole page at
-        once."""
-        restricted = await self._http.read("metrics", self.metrics_path, control=True,
-                                           accept=frozenset({404}),
-                                           params=[("name[]", name) for name in names])
-        if restricted.status == 404:
-            return None
-        if any(name in restricted.body for name in names):
-            return restricted.body
-        whole = await self._http.read("metrics", self.metrics_path, control=True,
-                                      accept=frozenset({404}))
-        return None if whole.status == 404 else whole.body
+    async def _metrics(self) -> str | None:
+        answer = await self._http.read("metrics", self.metrics_path, control=True,
+                                       accept=frozenset({404}))
+        return None if answer.status == 404 else answer.body
 
     async def in_flight(self) -> int | None:
-        text = await self._metrics(IN_FLIGHT_METRICS)
+        text = await self._metrics()
         total = None if text is None else sum_samples(text, IN_FLIGHT_METRICS)
         return None if total is None else max(0, round(total))
 
@@ -171,7 +155,7 @@ class HttpEngineAdapter:
         several engine cores report), or None when the engine has no such gauge."""
         if not self.reads_sleep_gauge:
             return None
-        text = await self._metrics((SLEEP_STATE_METRIC,))
+        text = await self._metrics()
         states = None if text is None else label_values_at_one(
             text, SLEEP_STATE_METRIC, "sleep_state")
         if not states:

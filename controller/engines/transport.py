@@ -228,11 +228,9 @@ class EngineHttp:
         raise rejected
 
     async def read(
-        self, step: str, path: str, *, control: bool, accept: frozenset[int] = frozenset(),
-        params: Sequence[tuple[str, str]] | None = None,
+        self, step: str, path: str, *, control: bool, accept: frozenset[int] = frozenset()
     ) -> Answer:
         """An idempotent GET under the status timeout, retried (bounded, with backoff) only
         when no connection could be made or a kept-alive one was closed."""
         return await self.request(step, "GET", path, timeout_s=self.timeouts.status_s,
-                                  control=control, accept=accept, params=params,
-                                  retry_unconnected=True)
+                                  control=control, accept=accept, retry_unconnected=True)

@@ -14,12 +14,6 @@ while the engine is paused with nothing running, or asleep, do not show. Each ca
 vLLM's labels ``model_name`` and ``engine`` (``"0"``: one engine core). With
 ``--disable-log-stats`` none of them is there (vLLM then has no stat logger). The
 endpoint is open (never authenticated), like vLLM's.
-
-``name[]`` query parameters restrict the page to those metrics, as ``prometheus_client``'s
-ASGI app (which vLLM mounts at ``/metrics``) does: only the families holding a sample of
-a named metric are rendered. Under ``metrics_multiprocess`` (vLLM with
-``PROMETHEUS_MULTIPROC_DIR``) a restricted page is empty, as the multi-process collector
-declares no names.
 """
 
 from __future__ import annotations
@@ -44,40 +38,31 @@ def _label_value(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(model: str, *, running: int, waiting: int, sleep_level: int = 0,
-                   only: frozenset[str] | None = None) -> str:
-    """The exposition text for the given counts and sleep level; ``only``: the names of
-    the metrics to render (all when None)."""
+def render_metrics(model: str, *, running: int, waiting: int, sleep_level: int = 0) -> str:
+    """The exposition text for the given counts and sleep level."""
     labels = f'engine="0",model_name="{_label_value(model)}"'
     lines: list[str] = []
     for (name, help_text), value in zip(_GAUGES, (running, waiting), strict=True):
-        if only is None or name in only:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
-                      f"{name}{{{labels}}} {float(value)}"]
-    if only is None or "vllm:engine_sleep_state" in only:
-        lines += ["# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine "
-                  "is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means "
-                  "sleep level 1; discard_all = 1 means sleep level 2.",
-                  "# TYPE vllm:engine_sleep_state gauge"]
-        for level, state in enumerate(SLEEP_STATES):
-            flag = 1.0 if level == sleep_level else 0.0
-            lines.append(f'vllm:engine_sleep_state{{{labels},sleep_state="{state}"}} {flag}')
-    return "\n".join(lines) + "\n" if lines else ""
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
+                  f"{name}{{{labels}}} {float(value)}"]
+    lines += ["# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is "
+              "sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep "
+              "level 1; discard_all = 1 means sleep level 2.",
+              "# TYPE vllm:engine_sleep_state gauge"]
+    for level, state in enumerate(SLEEP_STATES):
+        flag = 1.0 if level == sleep_level else 0.0
+        lines.append(f'vllm:engine_sleep_state{{{labels},sleep_state="{state}"}} {flag}')
+    return "\n".join(lines) + "\n"
 
 
 async def metrics(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    names = request.query.getall("name[]", [])
-    only = frozenset(names) if names else None
     if engine.settings.disable_log_stats:
-        body = "" if only is not None else (
-            "# vLLM started with --disable-log-stats: no engine gauges\n")
-    elif only is not None and engine.settings.metrics_multiprocess:
-        body = ""
+        body = "# vLLM started with --disable-log-stats: no engine gauges\n"
     else:
         running, waiting = engine.gauges
         body = render_metrics(engine.settings.model, running=running, waiting=waiting,
-                              sleep_level=engine.sleep_state_level, only=only)
+                              sleep_level=engine.sleep_state_level)
     return web.Response(body=body.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 

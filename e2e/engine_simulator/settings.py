@@ -223,10 +223,6 @@ class Settings(BaseModel):
     """vLLM's ``--load-format``: ``reload_weights`` fails (500) under ``dummy``."""
     disable_log_stats: bool = False
     """vLLM's ``--disable-log-stats``: ``/metrics`` then carries no ``vllm:`` gauges."""
-    metrics_multiprocess: bool = False
-    """vLLM with ``PROMETHEUS_MULTIPROC_DIR`` (several API server processes): its
-    multi-process collector has no names to filter by, so ``/metrics?name[]=...`` answers an
-    empty page (the whole page, unfiltered, still has every gauge)."""
 
     shutdown_grace_seconds: Seconds = 5.0
     """On SIGTERM/SIGINT, how long running generations may finish before they are aborted."""
@@ -317,14 +313,12 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
      "auto or dummy (dummy weights cannot be reloaded: reload_weights answers 500)"),
     ("disable_log_stats", "--disable-log-stats", "ROTA_SIM_DISABLE_LOG_STATS",
      "no vllm: gauges on /metrics (as vLLM's --disable-log-stats)"),
-    ("metrics_multiprocess", "--metrics-multiprocess", "ROTA_SIM_METRICS_MULTIPROCESS",
-     "/metrics?name[]=... answers an empty page (as vLLM with PROMETHEUS_MULTIPROC_DIR)"),
     ("shutdown_grace_seconds", "--shutdown-grace-seconds", "ROTA_SIM_SHUTDOWN_GRACE_SECONDS",
      "on SIGTERM, how long running generations may finish before they are aborted"),
     ("log_level", "--log-level", "ROTA_SIM_LOG_LEVEL", "debug, info, warning or error"),
 )
 
-_BOOLEAN_KNOBS = frozenset({"omni", "dev_mode", "disable_log_stats", "metrics_multiprocess"})
+_BOOLEAN_KNOBS = frozenset({"omni", "dev_mode", "disable_log_stats"})
 _METAVARS = {
     "model": "NAME", "host": "HOST", "port": "PORT", "port_file": "FILE",
     "tokens_per_second": "RATE", "awake_memory_bytes": "BYTES",

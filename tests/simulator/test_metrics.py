@@ -116,25 +116,3 @@ def test_model_name_is_escaped() -> None:
     text = render_metrics('we"ird\\name', running=2, waiting=3)
     assert 'model_name="we\\"ird\\\\name"' in text
     assert 'vllm:num_requests_running{engine="0",model_name="we\\"ird\\\\name"} 2.0' in text
-
-
-async def _page(sim: Sim, *names: str) -> str:
-    async with sim.client.get("/metrics", params=[("name[]", n) for n in names]) as resp:
-        assert resp.status == 200
-        return await resp.text()
-
-
-async def test_name_parameters_restrict_the_page_as_prometheus_client_does(sim: Sim) -> None:
-    page = await _page(sim, "vllm:engine_sleep_state")
-    assert "vllm:engine_sleep_state{" in page
-    assert "vllm:num_requests_running" not in page
-    both = await _page(sim, "vllm:num_requests_running", "vllm:num_requests_waiting")
-    assert "vllm:num_requests_waiting{" in both and "vllm:engine_sleep_state" not in both
-    assert await _page(sim, "vllm:no_such_metric") == ""
-
-
-async def test_a_multiprocess_engine_answers_a_restricted_page_empty(
-        make_sim: SimFactory) -> None:
-    sim = await make_sim(metrics_multiprocess=True)
-    assert await _page(sim, "vllm:engine_sleep_state") == ""
-    assert "vllm:engine_sleep_state{" in await _page(sim)  # the whole page has it
