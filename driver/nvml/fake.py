@@ -239,16 +239,30 @@ def _write_atomically(folder: Path, name: str, text: str) -> Path:
 
 
 @contextlib.contextmanager
-def registry_lock(directory: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold the registry's exclusive lock (blocking: call it from a worker thread)."""
+def registry_lock(directory: str | os.PathLike[str], *, shared: bool = False
+                  ) -> Iterator[None]:
+    """Hold the registry's lock (blocking: call it from a worker thread): exclusive for a
+    writer; ``shared`` for a reader, so that what it reads of several files is one moment
+    of the GPU, as NVML's own process list is, never one engine before a switch beside
+    another after it. A reader of a registry nobody wrote yet (no lock file), or of one it
+    cannot open, reads without the lock."""
     folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    fd: int | None
+    if shared:
+        try:
+            fd = os.open(folder / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            fd = None
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the lock
 
 
 def publish_gpus(directory: str | os.PathLike[str], fixture: NvmlFixture) -> Path:
@@ -631,18 +645,17 @@ class FakeNvml:
         """Every parseable record of a live process, sorted by pid; read fresh."""
         if self._proc_dir is None:
             return []
-        try:
-            entries = sorted(
-                p for p in self._proc_dir.iterdir() if _PROCESS_FILE.fullmatch(p.name)
-            )
-        except FileNotFoundError:
-            return []
+        with registry_lock(self._proc_dir, shared=True):
+            try:
+                entries = sorted(
+                    p for p in self._proc_dir.iterdir() if _PROCESS_FILE.fullmatch(p.name)
+                )
+            except FileNotFoundError:
+                return []
+            seen: set[tuple[str, int, int]] = set()
+            read = [r for path in entries if (r := self._read(path, seen)) is not None]
         records: list[_ProcessRecord] = []
-        seen: set[tuple[str, int, int]] = set()
-        for path in entries:
-            record = self._read(path, seen)
-            if record is None:
-                continue
+        for record in read:
             pid = self._host_pids.resolve(record.pid_namespace, record.pid)
             if pid is not None and pid_alive(pid):
                 records.append(record.model_copy(update={"pid": pid, "pid_namespace": None}))

@@ -368,3 +368,50 @@ def test_an_event_written_by_another_process_is_delivered_once(fake: FakeNvml,
                                              "dbe"))
     assert fake.wait_health_event(1000) == event
     assert fake.wait_health_event(1000).kind is HealthEventKind.ECC_DOUBLE_BIT  # type: ignore[union-attr]
+
+
+def test_a_read_of_the_process_list_is_one_moment_of_the_gpu(
+        fake: FakeNvml, proc_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switch (the first engine down to its resident memory, then the second up) that
+    lands while the registry is being read is seen whole or not at all, as NVML's own
+    process list is: never the first engine before it beside the second after it. The old
+    reader took the files one by one, and such a torn read showed two engines awake."""
+    import threading
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pids = (os.getpid(), other.pid)
+        for pid, size in zip(pids, (80 * GIB, 2 * GIB), strict=True):
+            register_process(proc_dir, pid, H200_UUID, size)
+        original = FakeNvml._read
+        switched: list[threading.Thread] = []
+
+        def read_then_switch(self: FakeNvml, path: Path, seen: set[tuple[str, int, int]]
+                             ) -> object:
+            record = original(self, path, seen)
+            if not switched and record is not None:
+                first = record.pid
+                second = next(p for p in pids if p != first)
+                high = record.used_bytes > 40 * GIB
+
+                def switch() -> None:  # the holder sleeps, then the target wakes
+                    register_process(proc_dir, first, H200_UUID, 2 * GIB if high else 80 * GIB)
+                    register_process(proc_dir, second, H200_UUID, 80 * GIB if high else 2 * GIB)
+
+                thread = threading.Thread(target=switch)
+                switched.append(thread)
+                thread.start()
+                thread.join(0.5)  # unhindered, the switch is done long before this
+            return record
+
+        monkeypatch.setattr(FakeNvml, "_read", read_then_switch)
+        seen = {p.pid: p.used_bytes or 0 for p in fake.compute_processes(0)}
+        switched[0].join(5)
+        assert not switched[0].is_alive()
+        assert sorted(seen.values()) == [2 * GIB, 80 * GIB], seen
+        after = {p.pid: p.used_bytes or 0 for p in fake.compute_processes(0)}
+        assert sorted(after.values()) == [2 * GIB, 80 * GIB]
+        assert after != seen, "the switch happened, after the read"
+    finally:
+        other.kill()
+        other.wait()
