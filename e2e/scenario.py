@@ -3,6 +3,7 @@ deployed as pods with claims, an activation client, and a checker of the one-awa
 
 from __future__ import annotations
 
+import array
 import asyncio
 import functools
 import json
@@ -157,13 +158,19 @@ async def ask_seven(session: aiohttp.ClientSession, base_url: str, model: str) -
 @dataclass
 class AwakeMonitor:
     """Samples the node's GPU through the inspection API in a thread and counts every
-    snapshot in which more than one claimant holds more than its resident memory."""
+    snapshot in which more than one claimant holds more than its resident memory.
+
+    A sample starts every ``interval_s`` on a fixed schedule (a slow read delays the next
+    one, never the schedule); ``gaps`` holds the time between the starts of consecutive
+    samples, so that what the sampling really achieved can be reported."""
 
     socket: Path
     engines: Sequence[Engine]
     tolerance_bytes: int = 256 * 1024**2
+    interval_s: float = 0.005
     samples: int = 0
     violations: list[str] = field(default_factory=list)
+    gaps: array.array[float] = field(default_factory=lambda: array.array("d"))
     _stop: threading.Event = field(default_factory=threading.Event)
     _sampled: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
@@ -173,13 +180,22 @@ class AwakeMonitor:
 
     async def _loop(self) -> None:
         resident = {e.claim_uid: e.resident_bytes for e in self.engines}
+        loop = asyncio.get_running_loop()
         async with grpc.aio.insecure_channel(f"unix://{self.socket}") as channel:
             call = unary_client(channel, INSPECTION, "InspectGpus")
+            due = loop.time()
+            last: float | None = None
             while not self._stop.is_set():
+                now = loop.time()
+                if last is not None:
+                    self.gaps.append(now - last)
+                last = now
+                due = max(due + self.interval_s, now)  # late: start again from now
                 try:
                     answer = await call(inspect_pb.InspectGpusRequest(), timeout=5)
                 except grpc.aio.AioRpcError:
                     await asyncio.sleep(0.01)
+                    last = None
                     continue
                 for gpu in answer.gpus:
                     awake = [p.claim_uid for p in gpu.processes if p.claim_uid in resident
@@ -191,7 +207,7 @@ class AwakeMonitor:
                 with self._sampled:
                     self.samples += 1
                     self._sampled.notify_all()
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(max(0.0, due - loop.time()))
 
     def wait_next(self, timeout: float = 10.0) -> None:
         """Block until the monitor has taken a sample that started after this call."""

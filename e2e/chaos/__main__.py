@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 from kubernetes import config
 
@@ -35,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-every-s", type=float, default=d.fault_every_s)
     p.add_argument("--no-faults", action="store_true", help="load only, no faults")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--keep-logs", type=Path, metavar="DIR",
+                   help="copy every process's log (drivers, node agents, controllers, "
+                        "gateways, engines) into DIR/<node> at the end")
     return p
 
 
@@ -44,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     options = CampaignOptions(
         switches=args.switches, max_seconds=args.max_seconds, seed=args.seed,
         clients_per_gpu=args.clients_per_gpu, fault_every_s=args.fault_every_s,
+        keep_logs=args.keep_logs,
         faults=() if args.no_faults else CampaignOptions().faults,
         rig=RigOptions(nodes=args.nodes, engines_per_gpu=args.engines_per_gpu,
                        awake=args.awake))

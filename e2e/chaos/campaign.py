@@ -9,6 +9,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from kubernetes import client
@@ -21,6 +22,7 @@ from e2e.chaos.rig import NodeRig, Rig, RigOptions, namespace_for
 from e2e.chaos.tally import Tally
 from e2e.cluster import LocalCluster
 from e2e.scenario import AwakeMonitor, sim_state
+from e2e.stats import summary_ms
 
 __all__ = ["CampaignOptions", "run_campaign"]
 
@@ -42,6 +44,8 @@ class CampaignOptions:
     request_timeout_s: float = 120.0
     settle_s: float = 120.0
     """After the load stops: how long every GPU has to end up with one owner."""
+    keep_logs: Path | None = None
+    """Where to copy every process's log at the end (None: they are removed)."""
     rig: RigOptions = field(default_factory=RigOptions)
     faults: tuple[Fault, ...] = CATALOGUE
 
@@ -162,13 +166,16 @@ async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
                 tally.unowned_gpus = await _settle(rig, session, options.settle_s)
         finally:
             observer.stop()
+            gaps = [g for node in rig.nodes if node.monitor is not None
+                    for g in node.monitor.gaps]
+            tally.sample_gaps = summary_ms(gaps) if gaps else {}
             for node in rig.nodes:
                 if node.monitor is not None:
                     tally.gpu_samples += node.monitor.samples
                     tally.double_awake += len(node.monitor.violations)
                     tally.double_awake_samples += [f"{node.node.name} {v}" for v in
                                                    node.monitor.violations[:5]]
-            await rig.close()
+            await rig.close(options.keep_logs)
     return tally
 
 

@@ -6,6 +6,7 @@ through claims, a lease controller per node reaching the API server through a
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import uuid
 from collections.abc import Iterator
@@ -127,11 +128,18 @@ class Rig:
                 f"gateway-{k}", extra=[f"--serving-namespaces={self.namespace}",
                                        *self.options.gateway_args]))
 
-    async def close(self) -> None:
+    async def close(self, keep_logs: Path | None = None) -> None:
+        """Stop everything; ``keep_logs``: first copy every node's logs into
+        ``keep_logs/<node>`` (the nodes' own folders are removed)."""
         for rig in self.nodes:
             if rig.monitor is not None:
                 rig.monitor.__exit__(None, None, None)
             await rig.relay.close()
+            for proc in rig.controllers:
+                proc.stop()
+            if keep_logs is not None:
+                shutil.copytree(rig.node.dirs.logs, keep_logs / rig.node.name,
+                                dirs_exist_ok=True)
             rig.node.close()
 
 

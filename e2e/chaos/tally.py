@@ -37,6 +37,8 @@ class Tally:
     """Samples in which two engines of one GPU held more than their resident memory."""
     double_awake_samples: list[str] = field(default_factory=list)
     gpu_samples: int = 0
+    sample_gaps: dict[str, float] = field(default_factory=dict)
+    """The time between the starts of two samples of one GPU: count, p50, p99, max (ms)."""
     unowned_gpus: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -56,6 +58,7 @@ class Tally:
             "switches": self.switches, "failed_switches": self.failed_switches,
             "failures_by_reason": dict(self.failures.most_common()),
             "double_awake_instants": self.double_awake, "gpu_samples": self.gpu_samples,
+            "gpu_sample_gaps": self.sample_gaps,
             "requests": dict(self.answers),
             "requests_without_answer": self.answers[Answer.UNANSWERED],
             "gpus_without_owner": len(self.unowned_gpus),
@@ -75,6 +78,9 @@ class Tally:
             f"{rate:.1f}/s over {r['seconds']} s)",
             f"two engines awake        {r['double_awake_instants']} instants "
             f"in {r['gpu_samples']} GPU samples (target 0)",
+            "GPU sampled every        " + (
+                f"{self.sample_gaps['p50_ms']} ms p50, {self.sample_gaps['p99_ms']} ms p99, "
+                f"{self.sample_gaps['max_ms']} ms at most" if self.sample_gaps else "-"),
             f"requests without answer  {r['requests_without_answer']} of "
             f"{sum(self.answers.values())} (target 0; refused with Retry-After: "
             f"{self.answers[Answer.REFUSED]})",
