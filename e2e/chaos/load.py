@@ -35,8 +35,18 @@ def classify(status: int, headers: dict[str, str], body: bytes) -> tuple[str, st
                 return Answer.REFUSED, f"in-stream error {error.get('type')}"
         return Answer.OK, ""
     if status in (429, 503) and headers.get("Retry-After"):
-        return Answer.REFUSED, f"{status} {text[:120]}"
+        return Answer.REFUSED, f"{status} {_error_type(text)}"
     return Answer.UNANSWERED, f"HTTP {status} without Retry-After: {text[:200]!r}"
+
+
+def _error_type(text: str) -> str:
+    """The ``error.type`` of an OpenAI-style error body (``?`` when there is none)."""
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return "?"
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind if isinstance(kind, str) else "?"
 
 
 async def one_request(session: aiohttp.ClientSession, gateway: str, model: str, *,

@@ -29,6 +29,8 @@ class Tally:
     failures: Counter[str] = field(default_factory=Counter)
     answers: Counter[str] = field(default_factory=Counter)
     unanswered_samples: list[str] = field(default_factory=list)
+    refusals: Counter[str] = field(default_factory=Counter)
+    """Refused requests by status and error type (``503 switch_failed``...)."""
     faults: Counter[str] = field(default_factory=Counter)
     """Faults that took effect, by name."""
     faults_missed: Counter[str] = field(default_factory=Counter)
@@ -50,6 +52,8 @@ class Tally:
 
     def answer(self, kind: str, detail: str = "") -> None:
         self.answers[kind] += 1
+        if kind == Answer.REFUSED:
+            self.refusals[detail.split(": ", 1)[-1]] += 1
         if kind == Answer.UNANSWERED and len(self.unanswered_samples) < 20:
             self.unanswered_samples.append(detail[:300])
 
@@ -61,6 +65,7 @@ class Tally:
             "gpu_sample_gaps": self.sample_gaps,
             "requests": dict(self.answers),
             "requests_without_answer": self.answers[Answer.UNANSWERED],
+            "refusals": dict(self.refusals.most_common()),
             "gpus_without_owner": len(self.unowned_gpus),
             "faults_injected": dict(self.faults.most_common()),
             "faults_without_effect": dict(self.faults_missed.most_common()),
@@ -84,6 +89,8 @@ class Tally:
             f"requests without answer  {r['requests_without_answer']} of "
             f"{sum(self.answers.values())} (target 0; refused with Retry-After: "
             f"{self.answers[Answer.REFUSED]})",
+            "refused, by reason       " + (", ".join(f"{k} {v}" for k, v in
+                                                   self.refusals.most_common(8)) or "none"),
             f"GPUs left without owner  {r['gpus_without_owner']} (target 0)",
             "failures by reason       " + (", ".join(f"{k} {v}" for k, v in
                                                    self.failures.most_common()) or "none"),
