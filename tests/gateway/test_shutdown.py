@@ -95,11 +95,16 @@ async def _drive(first: asyncio.subprocess.Process, first_url: str, second_url: 
     done = asyncio.Event()
 
     async def pick(session: aiohttp.ClientSession) -> str:
-        """The Service: the first replica while it is ready, else the second."""
+        """The Service: the first replica while its readiness probe passes, else the
+        second. The probe has the kubelet's default timeout (1 s): a connection that the
+        stopping replica accepted just before its listener closed is never served (aiohttp
+        ignores a request that arrives after its shutdown began), and a probe without a
+        timeout would hang there, holding that replica up for its whole grace period."""
         try:
-            async with session.get(f"{first_url}/readyz") as resp:
+            async with session.get(f"{first_url}/readyz",
+                                   timeout=aiohttp.ClientTimeout(total=1)) as resp:
                 return first_url if resp.status == 200 else second_url
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, TimeoutError):
             return second_url
 
     async def steady(session: aiohttp.ClientSession) -> None:
