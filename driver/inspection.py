@@ -47,7 +47,8 @@ _ENV_KEYS = (b"ROTA_CLAIM_UID", b"ROTA_POD_UID")
 def process_environment(pid: int, proc_root: Path) -> dict[str, str]:
     """The ``ROTA_CLAIM_UID`` / ``ROTA_POD_UID`` of a process, where readable."""
     try:
-        raw = (proc_root / str(pid) / "environ").read_bytes()
+        with open(f"{proc_root}/{pid}/environ", "rb") as file:  # plain string: read often
+            raw = file.read()
     except OSError:
         return {}
     found: dict[str, str] = {}
@@ -78,10 +79,10 @@ class InspectionService:
         for gpu in self.gpus:
             if uuids and gpu.uuid not in uuids:
                 continue
-            memory = self.backend.memory_info(gpu.index)
+            memory, processes = self.backend.memory_and_processes(gpu.index)
             state = response.gpus.add(uuid=gpu.uuid, device=gpu.name, total_bytes=memory.total,
                                       used_bytes=memory.used, free_bytes=memory.free)
-            for proc in self.backend.compute_processes(gpu.index):
+            for proc in processes:
                 pod = pod_of_pid(proc.pid, self.proc_root)
                 env = process_environment(proc.pid, self.proc_root)
                 pod_uid = pod.pod_uid if pod else ""

@@ -199,6 +199,11 @@ class NvmlBackend(Protocol):
         holds: compute processes, and (where NVML lists them) graphics and MPS clients."""
         ...
 
+    def memory_and_processes(self, index: int) -> tuple[MemoryInfo, list[ProcessInfo]]:
+        """:meth:`memory_info` and :meth:`compute_processes` together, read as close to
+        one moment as the backend can (NVML: one call after the other)."""
+        ...
+
     def wait_health_event(self, timeout_ms: int) -> HealthEvent | None:
         """Block up to ``timeout_ms`` for the next health event of any device.
 

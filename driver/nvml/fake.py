@@ -456,7 +456,8 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         pass  # exists, owned by someone else
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as file:
+            stat = file.read()
     except OSError:
         return True  # no procfs: trust kill()
     state = stat.rpartition(")")[2].split()[:1]
@@ -584,16 +585,28 @@ class FakeNvml:
 
     def memory_info(self, index: int) -> MemoryInfo:
         gpu = self._gpu("memory_info", index)
-        used = gpu.memory_used + sum(r.used_bytes for r in self._live() if r.gpu_uuid == gpu.uuid)
-        return MemoryInfo(total=gpu.memory_total, used=used, free=max(0, gpu.memory_total - used))
+        return self._memory(gpu, self._live())
 
     def compute_processes(self, index: int) -> list[ProcessInfo]:
         gpu = self._gpu("compute_processes", index)
-        return [
-            ProcessInfo(pid=r.pid, used_bytes=r.used_bytes)
-            for r in self._live()
-            if r.gpu_uuid == gpu.uuid
-        ]
+        return self._processes(gpu, self._live())
+
+    def memory_and_processes(self, index: int) -> tuple[MemoryInfo, list[ProcessInfo]]:
+        """Both from one read of the registry: one moment of the GPU."""
+        gpu = self._gpu("memory_info", index)
+        self._check("compute_processes", index)
+        live = self._live()
+        return self._memory(gpu, live), self._processes(gpu, live)
+
+    @staticmethod
+    def _memory(gpu: FakeGpu, live: list[_ProcessRecord]) -> MemoryInfo:
+        used = gpu.memory_used + sum(r.used_bytes for r in live if r.gpu_uuid == gpu.uuid)
+        return MemoryInfo(total=gpu.memory_total, used=used, free=max(0, gpu.memory_total - used))
+
+    @staticmethod
+    def _processes(gpu: FakeGpu, live: list[_ProcessRecord]) -> list[ProcessInfo]:
+        return [ProcessInfo(pid=r.pid, used_bytes=r.used_bytes)
+                for r in live if r.gpu_uuid == gpu.uuid]
 
     def wait_health_event(self, timeout_ms: int) -> HealthEvent | None:
         self._check("wait_health_event")

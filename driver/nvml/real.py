@@ -182,6 +182,9 @@ class PynvmlBackend:
             raise
         return int(current), int(pending)
 
+    def memory_and_processes(self, index: int) -> tuple[MemoryInfo, list[ProcessInfo]]:
+        return self.memory_info(index), self.compute_processes(index)
+
     def compute_processes(self, index: int) -> list[ProcessInfo]:
         """Compute, graphics and MPS client processes, merged by pid (a process may have
         contexts of several kinds). The compute list must answer; the others are skipped

@@ -415,3 +415,18 @@ def test_a_read_of_the_process_list_is_one_moment_of_the_gpu(
     finally:
         other.kill()
         other.wait()
+
+
+def test_memory_and_processes_are_one_read(fake: FakeNvml, proc_dir: Path) -> None:
+    """The inspection's read: free memory and the process list from the same moment, and
+    a failure injected into either call fails it."""
+    register_process(proc_dir, os.getpid(), H200_UUID, 16 * GIB)
+    memory, processes = fake.memory_and_processes(0)
+    assert [(p.pid, p.used_bytes) for p in processes] == [(os.getpid(), 16 * GIB)]
+    assert memory.used == H200_BASELINE + 16 * GIB
+    assert (memory, processes) == (fake.memory_info(0), fake.compute_processes(0))
+    for call in ("memory_info", "compute_processes"):
+        fake.fail(call, "gpu_is_lost", index=0, times=1)
+        with pytest.raises(NvmlError) as err:
+            fake.memory_and_processes(0)
+        assert err.value.reason == "gpu_is_lost"

@@ -96,6 +96,8 @@ def test_answers_are_decoded_and_typed(stubbed: PynvmlBackend) -> None:
     assert [(p.pid, p.used_bytes) for p in stubbed.compute_processes(0)] == [
         (416, 17819500544), (417, None)
     ]
+    assert stubbed.memory_and_processes(0) == (stubbed.memory_info(0),
+                                               stubbed.compute_processes(0))
     assert [d.uuid for d in discover(stubbed)] == ["GPU-0", "GPU-1"]
 
 
