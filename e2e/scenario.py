@@ -9,7 +9,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,9 @@ import aiohttp
 import grpc
 from kubernetes import client
 
+from driver.devices import device_name
+from driver.inspection import process_environment
+from driver.nvml.fake import FakeNvml
 from driver.pb.rota.v1 import inspect_pb2 as inspect_pb
 from driver.quantity import parse_quantity
 from driver.rpc.services import unary_client
@@ -25,6 +28,7 @@ from e2e.objects import claim, create_claim, engine_config, engine_pod
 from e2e.waiting import eventually
 
 INSPECTION = inspect_pb.DESCRIPTOR.services_by_name["NodeInspection"]
+PROC = Path("/proc")
 
 
 @dataclass(frozen=True)
@@ -155,10 +159,42 @@ async def ask_seven(session: aiohttp.ClientSession, base_url: str, model: str) -
     return (await stream_chat(session, base_url, model)).content
 
 
+GpuView = tuple[str, list[tuple[str, int]]]
+"""One GPU in a sample: its device name, and (claim uid, bytes held) per process."""
+
+
+def _registry_reader(registry: Path, fixture: Path) -> Callable[[], list[GpuView]]:
+    """A blocking read of every GPU of a fake NVML registry, one moment each."""
+    backend = FakeNvml.from_path(fixture, registry)
+    backend.init()
+    names = [device_name(index) for index in range(backend.device_count())]
+    claims: dict[int, str] = {}  # an engine's pid keeps its claim for its life
+
+    def claim_of(pid: int) -> str:
+        if pid not in claims:
+            claims[pid] = process_environment(pid, PROC).get("ROTA_CLAIM_UID", "")
+        return claims[pid]
+
+    def read() -> list[GpuView]:
+        views: list[GpuView] = []
+        for index, name in enumerate(names):
+            _, processes = backend.memory_and_processes(index)
+            views.append((name, [(claim_of(p.pid), p.used_bytes or 0) for p in processes]))
+        return views
+
+    return read
+
+
 @dataclass
 class AwakeMonitor:
-    """Samples the node's GPU through the inspection API in a thread and counts every
-    snapshot in which more than one claimant holds more than its resident memory.
+    """Samples the node's GPU in a thread and counts every snapshot in which more than
+    one claimant holds more than its resident memory.
+
+    It reads through the driver's inspection API, or, given ``registry`` and ``fixture``,
+    the fake GPU's process registry directly (claims told apart by the ``ROTA_CLAIM_UID``
+    each engine process carries, as the driver does for simulated nodes): the chaos
+    campaign samples several nodes every 5 ms, and their drivers answering that cost more
+    CPU than a 2-core machine has to spare.
 
     A sample starts every ``interval_s`` on a fixed schedule (a slow read delays the next
     one, never the schedule); ``gaps`` holds the time between the starts of consecutive
@@ -168,6 +204,8 @@ class AwakeMonitor:
     engines: Sequence[Engine]
     tolerance_bytes: int = 256 * 1024**2
     interval_s: float = 0.005
+    registry: Path | None = None
+    fixture: Path | None = None
     samples: int = 0
     violations: list[str] = field(default_factory=list)
     gaps: array.array[float] = field(default_factory=lambda: array.array("d"))
@@ -179,35 +217,50 @@ class AwakeMonitor:
         asyncio.run(self._loop())
 
     async def _loop(self) -> None:
-        resident = {e.claim_uid: e.resident_bytes for e in self.engines}
-        loop = asyncio.get_running_loop()
+        if self.registry is not None and self.fixture is not None:
+            read_registry = _registry_reader(self.registry, self.fixture)
+
+            async def read() -> list[GpuView]:
+                return read_registry()
+
+            await self._sample(read)
+            return
         async with grpc.aio.insecure_channel(f"unix://{self.socket}") as channel:
             call = unary_client(channel, INSPECTION, "InspectGpus")
-            due = loop.time()
-            last: float | None = None
-            while not self._stop.is_set():
-                now = loop.time()
-                if last is not None:
-                    self.gaps.append(now - last)
-                last = now
-                due = max(due + self.interval_s, now)  # late: start again from now
-                try:
-                    answer = await call(inspect_pb.InspectGpusRequest(), timeout=5)
-                except grpc.aio.AioRpcError:
-                    await asyncio.sleep(0.01)
-                    last = None
-                    continue
-                for gpu in answer.gpus:
-                    awake = [p.claim_uid for p in gpu.processes if p.claim_uid in resident
-                             and p.used_bytes > resident[p.claim_uid] + self.tolerance_bytes]
-                    if len(awake) > 1:  # when, and how much each held: to find it in logs
-                        held = {p.claim_uid: p.used_bytes for p in gpu.processes
-                                if p.claim_uid in awake}
-                        self.violations.append(f"{time.time():.3f} {gpu.device}: {held}")
-                with self._sampled:
-                    self.samples += 1
-                    self._sampled.notify_all()
-                await asyncio.sleep(max(0.0, due - loop.time()))
+
+            async def inspect() -> list[GpuView]:
+                answer = await call(inspect_pb.InspectGpusRequest(), timeout=5)
+                return [(gpu.device, [(p.claim_uid, p.used_bytes) for p in gpu.processes])
+                        for gpu in answer.gpus]
+
+            await self._sample(inspect)
+
+    async def _sample(self, read: Callable[[], Awaitable[list[GpuView]]]) -> None:
+        resident = {e.claim_uid: e.resident_bytes for e in self.engines}
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        last: float | None = None
+        while not self._stop.is_set():
+            now = loop.time()
+            if last is not None:
+                self.gaps.append(now - last)
+            last = now
+            due = max(due + self.interval_s, now)  # late: start again from now
+            try:
+                gpus = await read()
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.01)
+                last = None
+                continue
+            for device, processes in gpus:
+                held = {claim: used for claim, used in processes if claim in resident
+                        and used > resident[claim] + self.tolerance_bytes}
+                if len(held) > 1:  # when, and how much each held: to find it in logs
+                    self.violations.append(f"{time.time():.3f} {device}: {held}")
+            with self._sampled:
+                self.samples += 1
+                self._sampled.notify_all()
+            await asyncio.sleep(max(0.0, due - loop.time()))
 
     def wait_next(self, timeout: float = 10.0) -> None:
         """Block until the monitor has taken a sample that started after this call."""

@@ -156,7 +156,9 @@ async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
                                    for index, node in enumerate(rig.nodes)))
             await asyncio.to_thread(rig.start_gateways)
             for node in rig.nodes:
-                node.monitor = AwakeMonitor(node.node.dirs.inspect_socket, node.engines)
+                node.monitor = AwakeMonitor(node.node.dirs.inspect_socket, node.engines,
+                                            registry=node.node.dirs.procs,
+                                            fixture=node.node.fixture_file)
                 node.monitor.__enter__()
             observer.start()
             _say(f"rig up: {len(rig.nodes)} GPUs, {len(rig.engines)} engines, "

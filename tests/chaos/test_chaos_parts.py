@@ -1,14 +1,23 @@
-"""The chaos campaign's own bookkeeping: how answers and Lease transitions are read."""
+"""The chaos campaign's own bookkeeping: how answers and Lease transitions are read, and
+how its monitor reads the GPU."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from controller import naming
 from controller.leases import GpuLease
+from driver.nvml import fixture_path
+from driver.nvml.fake import load_fixture, register_process
 from e2e.chaos.load import classify
 from e2e.chaos.observe import transition
 from e2e.chaos.tally import Answer, Tally
+from e2e.scenario import AwakeMonitor, Engine, EngineSpec
 
 DONE = b'data: {"choices": [{"delta": {"content": "7"}}]}\n\ndata: [DONE]\n\n'
 
@@ -63,3 +72,32 @@ def test_the_report_carries_the_campaigns_targets() -> None:
     assert report["failures_by_reason"] == {"memory_not_returned": 1}
     assert report["requests_without_answer"] == 1
     assert report["samples"]["unanswered"] == ["ClientConnectorError"]
+
+
+def test_the_registry_monitor_sees_two_engines_awake(tmp_path: Path) -> None:
+    """The campaign's monitor reads the fake GPU's registry itself: one engine above its
+    resident memory is fine, two are counted, with what each held."""
+    procs = tmp_path / "procs"
+    engines = [Engine(EngineSpec(f"e{i}", f"m/{i}", resident="2Gi", awake="60Gi"), "ns",
+                      claim_uid=f"claim-{i}") for i in range(2)]
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 env={**os.environ, "ROTA_CLAIM_UID": e.claim_uid})
+                for e in engines]
+    uuid = load_fixture(fixture_path("h200")).devices[0].uuid
+    try:
+        register_process(procs, children[0].pid, uuid, 60 * 2**30)
+        register_process(procs, children[1].pid, uuid, 2 * 2**30)
+        with AwakeMonitor(tmp_path / "no-socket", engines, registry=procs,
+                          fixture=fixture_path("h200")) as monitor:
+            monitor.wait_next()
+            assert monitor.violations == []
+            register_process(procs, children[1].pid, uuid, 60 * 2**30)
+            monitor.wait_next()
+        assert monitor.violations, "two engines awake went unseen"
+        assert "claim-0" in monitor.violations[0]
+        assert "claim-1" in monitor.violations[0]
+        assert monitor.gaps, "the gaps between samples are recorded"
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
