@@ -34,6 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 GATEWAY_PORT = 8080
 CONTROLLER_PORT = 8090
 DRIVER_HTTP_PORT = 8081
+INSPECTION_SOCKET = "/var/lib/kubelet/plugins/gpu.rota.dev/inspect/inspect.sock"
+"""The driver's inspection gRPC socket inside a node (its DaemonSet's ROTA_INSPECT_DIR)."""
 
 
 def exec_in(api: client.ApiClient, namespace: str, pod: str, argv: Sequence[str], *,
@@ -153,6 +155,18 @@ class RotaOnNodes:
         if not pods:
             raise LookupError("no gateway pod is Ready")
         return self.pod_url(pods[0], GATEWAY_PORT)
+
+    def gateway_urls(self) -> list[str]:
+        """A host URL for each Ready gateway replica."""
+        pods = [p for p in self.deployment.gateway_pods() if is_ready(p)]
+        if not pods:
+            raise LookupError("no gateway pod is Ready")
+        return [self.pod_url(p, GATEWAY_PORT) for p in pods]
+
+    def inspection_socket(self, node: str | None = None) -> Path:
+        """The host path of a node's driver inspection socket (``NodeInspection``: the
+        GPU's memory and processes as the driver reads them from NVML)."""
+        return self.node(node).socket(INSPECTION_SOCKET)
 
     def controller_url(self, node: str | None = None) -> str:
         return self.pod_url(self.controller_pod(node), CONTROLLER_PORT)
