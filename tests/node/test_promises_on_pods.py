@@ -277,6 +277,7 @@ async def _ask(session: aiohttp.ClientSession, gateway: str, model: str,
 
 
 async def _wakes(stage: Stage, model: str, claim: str) -> int | None:
+    """200 once the controller woke ``claim``; None (ask again) on any other answer."""
     status = await _activate(stage, model, claim)
     return status if status == 200 else None
 
