@@ -18,7 +18,7 @@ from controller.settings import StepTimeouts
 from controller.switch import Limits, Ports, Switcher
 from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.ports import MemoryLeasePort
-from tests.controller.conftest import ENGINE_SIM_GIB, EngineSim
+from tests.controller.conftest import ENGINE_SIM_GIB, EngineSim, EngineSimFactory
 
 GPU_TOTAL = 141 * ENGINE_SIM_GIB
 NODE = "node-a"
@@ -100,3 +100,14 @@ def make_kit(session: aiohttp.ClientSession, sims: Sequence[tuple[str, EngineSim
                                       timeouts=timeouts or StepTimeouts()),
                         identity="controller-test")
     return Kit(switcher, lease, device, claimants)
+
+
+async def a_awake_b_asleep(engine_sim_factory: EngineSimFactory,
+                           session: aiohttp.ClientSession) -> tuple[Kit, EngineSim, EngineSim]:
+    """Two simulators, ``m/a`` and ``m/b``, on one kit; B put to sleep (A stays awake and
+    the Lease is left for the test to set with :meth:`Kit.holding`)."""
+    a = await engine_sim_factory(model="m/a")
+    b = await engine_sim_factory(model="m/b")
+    kit = make_kit(session, [("a", a), ("b", b)])
+    await kit.switcher.ports.engine(kit.claimants[1]).sleep(1)
+    return kit, a, b

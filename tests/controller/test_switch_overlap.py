@@ -16,7 +16,7 @@ from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
 from controller.engines.probe import ProbeResult
 from controller.engines.vllm import VllmAdapter
 from tests.controller.conftest import EngineSimFactory
-from tests.controller.switch_kit import Kit, make_kit
+from tests.controller.switch_kit import Kit, a_awake_b_asleep
 
 pytestmark = [pytest.mark.controller]
 
@@ -58,11 +58,8 @@ def _gate(kit: Kit, session: aiohttp.ClientSession, opened: asyncio.Event,
 
 async def test_the_sleep_confirmation_runs_while_the_gpu_is_read(
         engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
-    a = await engine_sim_factory(model="m/a")
-    b = await engine_sim_factory(model="m/b")
-    kit = make_kit(engine_session, [("a", a), ("b", b)])
+    kit, a, b = await a_awake_b_asleep(engine_sim_factory, engine_session)
     ca, cb = kit.claimants
-    await kit.switcher.ports.engine(cb).sleep(1)
     reading = asyncio.Event()
     armed = [True]
     _gate(kit, engine_session, reading, armed)
@@ -81,11 +78,8 @@ async def test_the_sleep_confirmation_runs_while_the_gpu_is_read(
 
 async def test_the_wake_confirmation_runs_beside_the_probe(
         engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
-    a = await engine_sim_factory(model="m/a")
-    b = await engine_sim_factory(model="m/b")
-    kit = make_kit(engine_session, [("a", a), ("b", b)])
+    kit, _, b = await a_awake_b_asleep(engine_sim_factory, engine_session)
     ca, cb = kit.claimants
-    await kit.switcher.ports.engine(cb).sleep(1)
     armed = [False]
     opened = asyncio.Event()
     probing = _gate(kit, engine_session, opened, armed)
@@ -114,12 +108,9 @@ async def test_a_lying_sleep_still_stops_the_switch_while_the_gpu_is_read(
         engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
     """The sleep answers success, ``/is_sleeping`` then says awake: the GPU read that ran
     beside the confirmation does not let the target wake; the holder is woken back."""
-    a = await engine_sim_factory(model="m/a")
-    b = await engine_sim_factory(model="m/b")
+    kit, a, b = await a_awake_b_asleep(engine_sim_factory, engine_session)
     await a.faults(sleep_ignored=True)
-    kit = make_kit(engine_session, [("a", a), ("b", b)])
     ca, cb = kit.claimants
-    await kit.switcher.ports.engine(cb).sleep(1)
     result = await kit.switcher.switch(kit.holding(ca), holder=ca, target=cb,
                                        claimants=kit.claimants)
     assert not result.ok
