@@ -19,7 +19,9 @@ from tests.engines_on_cluster import MODEL_A, MODEL_B
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller, pytest.mark.slow]
 
-KILLS = 100
+KILLS = 30
+"""Each kill lands during a switch: a restarted controller first waits out its own
+controller Lease and serves again (seconds), so the count is kept modest."""
 
 
 async def _serves(session: aiohttp.ClientSession, url: str, model: str) -> bool:
@@ -63,6 +65,11 @@ async def test_sigkill_during_switches(engine_node: GpuNode, two_engines: list[E
                     outcomes["error"] += 1
                 controller = node.start_controller()
                 await asyncio.to_thread(monitor.wait_next)
+                # The next kill must land in a switch, not in this controller's start: wait
+                # until it leads and serves the model just asked for; the next iteration
+                # asks for the other one.
+                await eventually_async(functools.partial(_serves, session, url, target),
+                                       timeout=60, what=f"{target} serving after kill {kill}")
             for model in (MODEL_B.model, MODEL_A.model):
                 await eventually_async(functools.partial(_serves, session, url, model),
                                        timeout=60, what=f"{model} serving after the kills")

@@ -37,6 +37,7 @@ def fake_transformers(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     torch = types.ModuleType("torch")
     torch.bfloat16 = "bf16"  # type: ignore[attr-defined]
+    torch.manual_seed = lambda seed: built.append({"seed": seed})  # type: ignore[attr-defined]
     transformers = types.ModuleType("transformers")
     transformers.AutoConfig = types.SimpleNamespace(  # type: ignore[attr-defined]
         from_pretrained=lambda path: {"path": path})
@@ -54,14 +55,16 @@ def test_weights_are_written_once_beside_the_tokenizer(
     dst = tmp_path / "weights" / "model-small"
     first = weights.write_weights(src, dst)
     assert first["written"] is True
-    assert fake_transformers == [{"config": {"path": str(src)}, "dtype": "bf16"}]
+    # seeded first, so every machine writes the same random weights
+    assert fake_transformers == [{"seed": weights.SEED},
+                                 {"config": {"path": str(src)}, "dtype": "bf16"}]
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors",
                                                     "tokenizer.json"]
     assert json.loads((dst / "config.json").read_text())["model_type"] == "qwen3"  # original
     assert not (tmp_path / "weights" / "model-small.partial").exists()
     again = weights.write_weights(src, dst)
     assert again == {"dst": str(dst), "written": False, "reason": "weights already there"}
-    assert len(fake_transformers) == 1
+    assert len(fake_transformers) == 2
 
 
 def test_byte_counts_of_the_command_lines() -> None:
