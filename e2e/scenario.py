@@ -15,19 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import grpc
 from kubernetes import client
 
+from controller.device import DeviceError, DeviceReader
 from driver.devices import device_name
 from driver.inspection import process_environment
 from driver.nvml.fake import FakeNvml
-from driver.pb.rota.v1 import inspect_pb2 as inspect_pb
 from driver.quantity import parse_quantity
-from driver.rpc.services import unary_client
 from e2e.objects import claim, create_claim, engine_config, engine_pod
 from e2e.waiting import eventually
 
-INSPECTION = inspect_pb.DESCRIPTOR.services_by_name["NodeInspection"]
 PROC = Path("/proc")
 
 
@@ -225,15 +222,16 @@ class AwakeMonitor:
 
             await self._sample(read)
             return
-        async with grpc.aio.insecure_channel(f"unix://{self.socket}") as channel:
-            call = unary_client(channel, INSPECTION, "InspectGpus")
+        reader = DeviceReader(self.socket)
 
-            async def inspect() -> list[GpuView]:
-                answer = await call(inspect_pb.InspectGpusRequest(), timeout=5)
-                return [(gpu.device, [(p.claim_uid, p.used_bytes) for p in gpu.processes])
-                        for gpu in answer.gpus]
+        async def inspect() -> list[GpuView]:
+            return [(gpu.device, [(p.claim_uid, p.used_bytes) for p in gpu.processes])
+                    for gpu in (await reader.read()).values()]
 
+        try:
             await self._sample(inspect)
+        finally:
+            await reader.close()
 
     async def _sample(self, read: Callable[[], Awaitable[list[GpuView]]]) -> None:
         resident = {e.claim_uid: e.resident_bytes for e in self.engines}
@@ -248,7 +246,7 @@ class AwakeMonitor:
             due = max(due + self.interval_s, now)  # late: start again from now
             try:
                 gpus = await read()
-            except grpc.aio.AioRpcError:
+            except DeviceError:  # the driver restarting: sample again shortly
                 await asyncio.sleep(0.01)
                 last = None
                 continue

@@ -16,7 +16,7 @@ from kubernetes import client
 
 from controller import naming
 from e2e.chaos.faults import CATALOGUE, Fault
-from e2e.chaos.load import client_loop
+from e2e.chaos.load import client_loop, into_tally
 from e2e.chaos.observe import LeaseObserver, Transition
 from e2e.chaos.rig import NodeRig, Rig, RigOptions, namespace_for
 from e2e.chaos.tally import Tally
@@ -188,7 +188,8 @@ async def _drive(rig: Rig, options: CampaignOptions, rng: random.Random, tally: 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         faults = _Faults(rig, session, options, rng, tally)
-        clients = [asyncio.create_task(client_loop(session, rig.gateways, models, tally, stop,
+        clients = [asyncio.create_task(client_loop(session, rig.gateways, models,
+                                                   into_tally(tally), stop,
                                                    rng=random.Random(rng.random()),
                                                    timeout_s=options.request_timeout_s))
                    for models in rig.models_by_gpu() for _ in range(options.clients_per_gpu)]

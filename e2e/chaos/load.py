@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
 
 from e2e.chaos.tally import Answer, Tally
 
-__all__ = ["classify", "client_loop"]
+__all__ = ["Record", "classify", "client_loop", "into_tally"]
 
 QUESTION = [{"role": "user", "content": "What is 3 + 4?"}]
 
@@ -62,8 +62,16 @@ async def one_request(session: aiohttp.ClientSession, gateway: str, model: str, 
         return Answer.UNANSWERED, f"{type(exc).__name__}: {exc}"[:300]
 
 
+Record = Callable[[str, str, str], None]
+"""Told of every answer: (model, kind, detail)."""
+
+
+def into_tally(tally: Tally) -> Record:
+    return lambda model, kind, detail: tally.answer(kind, f"{model}: {detail}")
+
+
 async def client_loop(session: aiohttp.ClientSession, gateways: Sequence[str],
-                      models: Sequence[str], tally: Tally, stop: asyncio.Event, *,
+                      models: Sequence[str], record: Record, stop: asyncio.Event, *,
                       rng: random.Random, timeout_s: float) -> None:
     """Alternate between ``models`` (each request through a random gateway) until
     ``stop``; a refused request is retried after its pause, as a well-behaved client does."""
@@ -72,7 +80,7 @@ async def client_loop(session: aiohttp.ClientSession, gateways: Sequence[str],
         model = models[index % len(models)]
         kind, detail = await one_request(session, rng.choice(list(gateways)), model,
                                          timeout_s=timeout_s)
-        tally.answer(kind, f"{model}: {detail}")
+        record(model, kind, detail)
         if kind == Answer.REFUSED:
             await asyncio.sleep(rng.uniform(0.05, 0.3))
         else:

@@ -27,7 +27,7 @@ from kubernetes import client
 from controller import naming
 from controller.kubectl_rota import main as kubectl_rota
 from controller.visible_state import LABEL_STATE, EventReason
-from e2e.chaos.load import client_loop
+from e2e.chaos.load import client_loop, into_tally
 from e2e.chaos.tally import Answer, Tally
 from e2e.chart import CHART, run_tool, tools_bin
 from e2e.cluster import LocalCluster
@@ -239,7 +239,7 @@ async def test_upgrade_rolls_the_driver_while_clients_are_answered(
         return bool(pods) and all(p.metadata.uid not in old and is_ready(p) for p in pods)
 
     async with aiohttp.ClientSession() as session:
-        loop = asyncio.create_task(client_loop(session, [gateway], models, tally, stop,
+        loop = asyncio.create_task(client_loop(session, [gateway], models, into_tally(tally), stop,
                                                rng=random.Random(7), timeout_s=120))
         try:
             await asyncio.to_thread(release.helm, "upgrade", release.name, str(CHART),

@@ -30,21 +30,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import grpc
 import pytest
 import yaml
 from kubernetes import client
 
 from controller import naming
-from driver.pb.rota.v1 import inspect_pb2 as inspect_pb
+from controller.device import DeviceReader
 from driver.quantity import parse_quantity
-from driver.rpc.services import unary_client
-from e2e.chaos.load import one_request
+from e2e.chaos.load import Record, client_loop
 from e2e.chaos.tally import Answer
 from e2e.deploy import MODEL_BINDING, NAMESPACE, is_ready
 from e2e.objects import create_namespace
 from e2e.rota_node import RotaOnNodes, engine_docs
-from e2e.scenario import INSPECTION, AwakeMonitor, Engine, EngineSpec, ask_seven
+from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
 from e2e.waiting import eventually, eventually_async
 from tests.real_node import needs_root
 
@@ -320,12 +318,12 @@ def _gpu_total(stage: Stage) -> int:
     """The GPU's memory, as the driver's inspection API reports it."""
 
     async def read() -> int:
-        socket = stage.rota.inspection_socket()
-        async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
-            answer = await unary_client(channel, INSPECTION, "InspectGpus")(
-                inspect_pb.InspectGpusRequest(), timeout=10)
-        (gpu,) = answer.gpus
-        return int(gpu.total_bytes)
+        reader = DeviceReader(stage.rota.inspection_socket(), timeout_s=10)
+        try:
+            (gpu,) = (await reader.read()).values()
+        finally:
+            await reader.close()
+        return gpu.total_bytes
 
     return asyncio.run(read())
 
@@ -347,22 +345,9 @@ class Clients:
         return sum(1 for _, _, k, _ in self.answers if k == kind)
 
 
-async def _alternate(session: aiohttp.ClientSession, gateways: list[str], clients: Clients,
-                     stop: asyncio.Event, rng: random.Random) -> None:
-    """Alternate between the two models through a random gateway replica; a refused
-    request is asked again after a pause, as a well-behaved client does."""
-    models = [MODEL_A, MODEL_B]
-    index = rng.randrange(2)
-    while not stop.is_set():
-        model = models[index % 2]
-        # Longer than the gateway's own bound on a request (max_wait_s, 180 s): a client
-        # timeout is an answer the gateway failed to give.
-        kind, detail = await one_request(session, rng.choice(gateways), model, timeout_s=240)
-        clients.answers.append((time.monotonic(), model, kind, detail))
-        if kind == Answer.REFUSED:
-            await asyncio.sleep(rng.uniform(0.1, 0.5))
-        else:
-            index += 1
+def _recorded(clients: Clients) -> Record:
+    return lambda model, kind, detail: clients.answers.append(
+        (time.monotonic(), model, kind, detail))
 
 
 async def test_killing_the_controller_pod_mid_switch_leaves_no_request_unanswered(
@@ -380,8 +365,11 @@ async def test_killing_the_controller_pod_mid_switch_leaves_no_request_unanswere
     stop = asyncio.Event()
     killed: list[str] = []
     async with aiohttp.ClientSession() as session:
-        loops = [asyncio.create_task(_alternate(session, gateways, clients, stop,
-                                                random.Random(seed)))
+        # A client's timeout is longer than the gateway's own bound on a request
+        # (max_wait_s, 180 s): a client timeout is an answer the gateway failed to give.
+        loops = [asyncio.create_task(client_loop(session, gateways, [MODEL_A, MODEL_B],
+                                                 _recorded(clients), stop,
+                                                 rng=random.Random(seed), timeout_s=240))
                  for seed in (1, 2)]
         try:
             for _ in range(KILLS):
