@@ -151,10 +151,8 @@ class RotaOnNodes:
         return self.url(str(pod.status.pod_ip), port)
 
     def gateway_url(self) -> str:
-        pods = [p for p in self.deployment.gateway_pods() if is_ready(p)]
-        if not pods:
-            raise LookupError("no gateway pod is Ready")
-        return self.pod_url(pods[0], GATEWAY_PORT)
+        """A host URL of one Ready gateway replica."""
+        return self.gateway_urls()[0]
 
     def gateway_urls(self) -> list[str]:
         """A host URL for each Ready gateway replica."""
