@@ -7,10 +7,12 @@ import array
 import asyncio
 import functools
 import json
+import multiprocessing
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -203,12 +205,21 @@ class AwakeMonitor:
     interval_s: float = 0.005
     registry: Path | None = None
     fixture: Path | None = None
-    samples: int = 0
-    violations: list[str] = field(default_factory=list)
-    gaps: array.array[float] = field(default_factory=lambda: array.array("d"))
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _sampled: threading.Condition = field(default_factory=threading.Condition)
-    _thread: threading.Thread | None = None
+    separate_process: bool = False
+    """Sample in a child process, with its own interpreter and GIL: in the chaos campaign
+    the clients, the API relays and the Lease observer share the parent's, and a monitor
+    thread among them slowed them down and was slowed down by them."""
+    samples: int = field(default=0, init=False)
+    violations: list[str] = field(default_factory=list, init=False)
+    gaps: array.array[float] = field(default_factory=lambda: array.array("d"), init=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _sampled: threading.Condition = field(default_factory=threading.Condition, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+    _child: Any = field(default=None, init=False)
+    """The child process (``separate_process``), and its end of the pipe and its count of
+    samples, shared with this process."""
+    _pipe: Connection | None = field(default=None, init=False)
+    _shared_samples: Any = field(default=None, init=False)
 
     def _run(self) -> None:
         asyncio.run(self._loop())
@@ -258,21 +269,90 @@ class AwakeMonitor:
             with self._sampled:
                 self.samples += 1
                 self._sampled.notify_all()
+            if self._shared_samples is not None:
+                self._shared_samples.value = self.samples
             await asyncio.sleep(max(0.0, due - loop.time()))
 
     def wait_next(self, timeout: float = 10.0) -> None:
         """Block until the monitor has taken a sample that started after this call."""
+        if self._child is not None:
+            self._wait_for_child(timeout)
+            return
         with self._sampled:
             target = self.samples + 2  # the sample in progress may predate the call
             if not self._sampled.wait_for(lambda: self.samples >= target, timeout):
                 raise TimeoutError(f"the awake monitor took no sample in {timeout} s")
 
+    def _wait_for_child(self, timeout: float) -> None:
+        target = self._shared_samples.value + 2
+        deadline = time.monotonic() + timeout
+        while self._shared_samples.value < target:
+            if time.monotonic() > deadline or not self._child.is_alive():
+                raise TimeoutError(f"the awake monitor took no sample in {timeout} s")
+            time.sleep(self.interval_s)
+
     def __enter__(self) -> AwakeMonitor:
+        if self.separate_process:
+            self._start_child()
+            return self
         self._thread = threading.Thread(target=self._run, name="awake-monitor", daemon=True)
         self._thread.start()
         return self
+
+    def _start_child(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._pipe, child_end = context.Pipe()
+        self._shared_samples = context.Value("q", 0, lock=False)
+        settings = (self.socket, list(self.engines), self.tolerance_bytes, self.interval_s,
+                    self.registry, self.fixture)
+        self._child = context.Process(target=_sample_in_child, name="awake-monitor",
+                                      args=(settings, child_end, self._shared_samples),
+                                      daemon=True)
+        self._child.start()
+        child_end.close()
+        self._wait_for_child(60.0)  # an interpreter's start and imports: seconds
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
+        if self._child is not None:
+            self._stop_child()
+
+    def _stop_child(self) -> None:
+        """Tell the child to stop and take over what it counted; a child that died or
+        does not answer is an error, never a monitor that silently saw nothing."""
+        child, pipe = self._child, self._pipe
+        self._child = self._pipe = None
+        assert pipe is not None
+        try:
+            pipe.send("stop")
+            if not pipe.poll(30):
+                raise RuntimeError("the awake monitor's process did not answer its stop")
+            samples, violations, gaps = pipe.recv()
+        except (EOFError, BrokenPipeError) as exc:
+            raise RuntimeError(f"the awake monitor's process died (exit code "
+                               f"{child.exitcode})") from exc
+        finally:
+            pipe.close()
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+        self.samples, self.violations = samples, violations
+        self.gaps = array.array("d")
+        self.gaps.frombytes(gaps)
+
+
+def _sample_in_child(settings: tuple[Any, ...], pipe: Connection, shared_samples: Any
+                     ) -> None:
+    """A separate-process monitor's child: sample until the parent says stop (or goes
+    away), then send back the samples' count, the violations and the gaps."""
+    socket, engines, tolerance, interval, registry, fixture = settings
+    monitor = AwakeMonitor(socket, engines, tolerance, interval, registry, fixture)
+    monitor._shared_samples = shared_samples
+    with monitor:
+        try:
+            pipe.recv()
+        except EOFError:
+            return
+    pipe.send((monitor.samples, monitor.violations, monitor.gaps.tobytes()))

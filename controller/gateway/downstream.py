@@ -129,6 +129,23 @@ class Downstream:
         await self.response.write(_sse(payload) + _sse("[DONE]"))
         await self.response.write_eof()
 
+    async def broken_off(self, err: GatewayError, *, at_event_boundary: bool) -> None:
+        """The engine broke off an event stream mid-answer: end it with ``err`` as an
+        error event and ``[DONE]``, so that the client is told why instead of finding its
+        connection cut (an event it had only partly got is ended first, and fails its
+        client's parse, as it must).
+
+        Raises:
+            ConnectionError: the client is gone.
+        """
+        assert self.response is not None
+        body = error_body(err.message, type_=err.type, code=err.code, param=err.param)
+        if err.retry_after is not None:
+            body["error"]["retry_after"] = str(max(1, round(err.retry_after)))
+        ending = b"" if at_event_boundary else b"\n\n"
+        await self.response.write(ending + _sse(body) + _sse("[DONE]"))
+        await self.response.write_eof()
+
     # -- the gateway's own refusal ------------------------------------------------------
 
     async def fail(self, err: GatewayError) -> web.StreamResponse:

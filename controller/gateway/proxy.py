@@ -20,9 +20,11 @@ An engine that took the request and then stays silent longer than the read timeo
 asked again (it may still be generating): that is
 :class:`~controller.gateway.errors.GatewayTimeout`.
 
-If the client leaves, the engine request is closed with it; if the engine breaks mid-
-answer, the client's connection is closed too, so it sees a truncated answer, never a
-seemingly complete one.
+If the client leaves, the engine request is closed with it. If the engine breaks mid-
+answer, the client never sees a seemingly complete answer: an event stream ends with an
+error event (``engine_broke_off``) and ``[DONE]``, as vLLM ends a stream whose generation
+failed; any other answer, whose status and length went out already, has its connection
+closed.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from controller.gateway.downstream import Downstream
-from controller.gateway.errors import GatewayTimeout
+from controller.gateway.errors import GatewayTimeout, Unavailable
 
 __all__ = ["Delivered", "Refused", "TokenSpotter", "forward", "read_bounded"]
 
@@ -210,6 +212,28 @@ async def _first_of(opening: Awaitable[_Opened],
     raise failure
 
 
+async def _broken_off(downstream: Downstream, upstream: aiohttp.ClientResponse, tail: bytes,
+                      exc: BaseException, log_extra: dict[str, str]) -> None:
+    """The engine broke off its answer: an event stream (200) ends with an error event
+    the client can read; anything else, whose status and length were sent already, can
+    only be cut."""
+    streamed = downstream.early or (
+        upstream.status == 200
+        and upstream.headers.get("Content-Type", "").startswith("text/event-stream"))
+    log.warning("engine broke off its answer", extra=log_extra | {
+        "error": repr(exc)[:200], "ending": "error event" if streamed else "connection cut"})
+    if streamed:
+        with suppress(ConnectionError):
+            await downstream.broken_off(Unavailable(
+                f"The engine broke off its answer ({type(exc).__name__}); the answer is "
+                "incomplete. Ask again.", code="engine_broke_off", retry_after=1),
+                at_event_boundary=tail.endswith((b"\n\n", b"\r\n\r\n")))
+            return
+    transport = downstream.request.transport
+    if transport is not None:
+        transport.close()
+
+
 async def forward(downstream: Downstream, session: aiohttp.ClientSession, url: str, *,
                   body: bytes, request_id: str, client_timeout: aiohttp.ClientTimeout,
                   engine_key: str | None = None,
@@ -254,6 +278,7 @@ async def forward(downstream: Downstream, session: aiohttp.ClientSession, url: s
                              complete=False, client_gone=True)
         spotter = TokenSpotter()
         chunk = opened.first
+        tail = b""
         if chunk:
             on_first_byte()
         while chunk:
@@ -263,13 +288,11 @@ async def forward(downstream: Downstream, session: aiohttp.ClientSession, url: s
                 await response.write(chunk)
             except ConnectionError:
                 return Delivered(response, upstream.status, complete=False, client_gone=True)
+            tail = (tail + chunk)[-4:]
             try:
                 chunk = await upstream.content.readany()
             except (aiohttp.ClientError, TimeoutError) as exc:
-                log.warning("engine broke off its answer; closing the client's connection",
-                            extra=log_extra | {"error": repr(exc)[:200]})
-                if request.transport is not None:
-                    request.transport.close()
+                await _broken_off(downstream, upstream, tail, exc, log_extra)
                 return Delivered(response, upstream.status, complete=False)
         finished = True
         try:

@@ -158,7 +158,8 @@ async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
             for node in rig.nodes:
                 node.monitor = AwakeMonitor(node.node.dirs.inspect_socket, node.engines,
                                             registry=node.node.dirs.procs,
-                                            fixture=node.node.fixture_file)
+                                            fixture=node.node.fixture_file,
+                                            separate_process=True)
                 node.monitor.__enter__()
             observer.start()
             _say(f"rig up: {len(rig.nodes)} GPUs, {len(rig.engines)} engines, "
@@ -168,6 +169,9 @@ async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
                 tally.unowned_gpus = await _settle(rig, session, options.settle_s)
         finally:
             observer.stop()
+            for node in rig.nodes:  # a monitor's counts are complete once it stopped
+                if node.monitor is not None:
+                    node.monitor.__exit__(None, None, None)
             gaps = [g for node in rig.nodes if node.monitor is not None
                     for g in node.monitor.gaps]
             tally.sample_gaps = summary_ms(gaps) if gaps else {}

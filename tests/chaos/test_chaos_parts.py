@@ -74,9 +74,12 @@ def test_the_report_carries_the_campaigns_targets() -> None:
     assert report["samples"]["unanswered"] == ["ClientConnectorError"]
 
 
-def test_the_registry_monitor_sees_two_engines_awake(tmp_path: Path) -> None:
+@pytest.mark.parametrize("separate_process", [False, True], ids=["thread", "process"])
+def test_the_registry_monitor_sees_two_engines_awake(tmp_path: Path, separate_process: bool
+                                                     ) -> None:
     """The campaign's monitor reads the fake GPU's registry itself: one engine above its
-    resident memory is fine, two are counted, with what each held."""
+    resident memory is fine, two are counted, with what each held; in a child process
+    as well, whose counts come back at its end."""
     procs = tmp_path / "procs"
     engines = [Engine(EngineSpec(f"e{i}", f"m/{i}", resident="2Gi", awake="60Gi"), "ns",
                       claim_uid=f"claim-{i}") for i in range(2)]
@@ -88,7 +91,8 @@ def test_the_registry_monitor_sees_two_engines_awake(tmp_path: Path) -> None:
         register_process(procs, children[0].pid, uuid, 60 * 2**30)
         register_process(procs, children[1].pid, uuid, 2 * 2**30)
         with AwakeMonitor(tmp_path / "no-socket", engines, registry=procs,
-                          fixture=fixture_path("h200")) as monitor:
+                          fixture=fixture_path("h200"),
+                          separate_process=separate_process) as monitor:
             monitor.wait_next()
             assert monitor.violations == []
             register_process(procs, children[1].pid, uuid, 60 * 2**30)
@@ -97,6 +101,7 @@ def test_the_registry_monitor_sees_two_engines_awake(tmp_path: Path) -> None:
         assert "claim-0" in monitor.violations[0]
         assert "claim-1" in monitor.violations[0]
         assert monitor.gaps, "the gaps between samples are recorded"
+        assert monitor.samples >= 4
     finally:
         for child in children:
             child.kill()

@@ -13,6 +13,7 @@ from tests.gateway.conftest import (
     DEADLINE,
     MODEL_A,
     RigFactory,
+    Sim,
     content_of,
     eventually,
     read_events,
@@ -95,6 +96,36 @@ async def test_client_disconnect_cancels_the_engine_request(make_rig: RigFactory
     await eventually(lambda: gate.running == 0 and gate.in_flight == 0, "the place freed")
     await rig.a.faults(stall_generation=False)
     assert await rig.answer(MODEL_A) == "7"
+
+
+def _cut_engine_connections(sim: Sim) -> int:
+    """Drop every connection the engine holds, as an engine whose process dies does."""
+    server = sim.client.server.runner.server  # type: ignore[union-attr]
+    assert server is not None
+    cut = 0
+    for handler in list(server.connections):
+        if handler.transport is not None:
+            handler.transport.abort()
+            cut += 1
+    return cut
+
+
+async def test_an_engine_that_breaks_off_a_stream_ends_it_with_an_error_event(
+        make_rig: RigFactory) -> None:
+    """The engine dies mid-stream: the client's stream ends with an error event it can
+    read and ``[DONE]``, not with a cut connection (which the OpenAI clients report as a
+    network failure, not as the engine's)."""
+    rig = await make_rig()
+    await rig.a.faults(stall_generation=True)
+    resp = await rig.chat(MODEL_A, stream=True)
+    assert resp.status == 200
+    await _next_event(resp)
+    assert _cut_engine_connections(rig.a) >= 1
+    events, _ = await read_events(resp)
+    assert events[-1] == "[DONE]"
+    errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    assert [e["code"] for e in errors] == ["engine_broke_off"], events
+    assert errors[0]["type"] == "service_unavailable"
 
 
 def test_token_spotter_finds_the_first_text_event() -> None:

@@ -1,0 +1,201 @@
+"""Switches and the gateway through real pods: what the controller's and the gateway's
+cluster tests prove with bare processes beside the node agent, here with the DaemonSet's
+driver and lease controller, the gateway Deployment and engine pods on the real kubelet.
+
+One stage serves the module: in its own namespace, two engines started through rota's
+start gate, one sleeping at level 1 and one at level 2. The driver's inspection API is
+sampled from before their start to the end of the module: no sample may show both above
+their resident memory.
+
+- :func:`test_handoffs_between_levels_through_both_gateway_replicas`
+- :func:`test_an_engine_that_crashes_in_its_sleep_is_restarted_by_the_kubelet_and_serves`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from kubernetes import client
+
+from controller import naming
+from controller.visible_state import LABEL_STATE
+from e2e.deploy import NAMESPACE, is_ready
+from e2e.objects import create_namespace
+from e2e.rota_node import RotaOnNodes, engine_docs
+from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
+from e2e.waiting import eventually, eventually_async
+from tests.real_node import needs_root
+
+pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, needs_root]
+
+FAST = ["--first-sleep-seconds", "0.3", "--later-sleep-seconds", "0.05",
+        "--wake-level1-seconds", "0.1", "--ttft-seconds", "0.02", "--tokens-per-second", "120"]
+LEVELS = {"lvl1": ("org/pods-level1", 1), "lvl2": ("org/pods-level2", 2)}
+HANDOFFS = 8
+
+
+@dataclass
+class Stage:
+    rota: RotaOnNodes
+    namespace: str
+    engines: dict[str, Engine]
+    monitor: AwakeMonitor
+    urls: dict[str, str] = field(default_factory=dict)
+
+    def lease(self) -> tuple[str, str, str]:
+        """The GPU Lease: holder, holder model and state."""
+        lease = client.CoordinationV1Api(self.rota.api).read_namespaced_lease(
+            naming.gpu_lease_name(self.rota.node().name, "gpu-0"), NAMESPACE,
+            _request_timeout=10)
+        notes = lease.metadata.annotations or {}
+        return (lease.spec.holder_identity or "", notes.get(naming.HOLDER_MODEL, ""),
+                notes.get(naming.STATE, ""))
+
+    def pod(self, name: str) -> client.V1Pod:
+        return client.CoreV1Api(self.rota.api).read_namespaced_pod(
+            name, self.namespace, _request_timeout=10)
+
+    async def sim_state(self, session: aiohttp.ClientSession, name: str) -> dict[str, Any]:
+        async with session.get(f"{self.urls[name]}/sim/state",
+                               timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            resp.raise_for_status()
+            return dict(await resp.json())
+
+
+def _gated(name: str, model: str, level: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    claim, pod = engine_docs(name, model=model, resident="1Gi", awake="40Gi")
+    claim["spec"]["devices"]["config"][0]["opaque"]["parameters"]["sleepLevel"] = level
+    container = pod["spec"]["containers"][0]
+    container["command"] = ["rota-engine-gate", "--", "python", "-m", "e2e.engine_simulator"]
+    container["args"] = list(FAST)
+    container["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000},
+                                   "periodSeconds": 1, "failureThreshold": 1}
+    return claim, pod
+
+
+def _ready(stage_rota: RotaOnNodes, namespace: str, name: str) -> client.V1Pod | None:
+    pod = client.CoreV1Api(stage_rota.api).read_namespaced_pod(name, namespace,
+                                                               _request_timeout=10)
+    return pod if is_ready(pod) else None
+
+
+@pytest.fixture(scope="module")
+def stage(kube_api: client.ApiClient, rota_node: RotaOnNodes) -> Iterator[Stage]:
+    namespace = f"switch-{uuid.uuid4().hex[:6]}"
+    create_namespace(kube_api, namespace)
+    docs = {name: _gated(name, model, level) for name, (model, level) in LEVELS.items()}
+    monitor: AwakeMonitor | None = None
+    try:
+        engines: dict[str, Engine] = {}
+        for name, (claim, _) in docs.items():
+            rota_node.deploy_engines(namespace, docs=[claim], wait=False)
+            uid = client.ResourceV1Api(kube_api).read_namespaced_resource_claim(
+                name, namespace, _request_timeout=10).metadata.uid
+            engines[name] = Engine(EngineSpec(name, LEVELS[name][0], resident="1Gi",
+                                              awake="40Gi"), namespace, claim_uid=uid)
+        monitor = AwakeMonitor(rota_node.inspection_socket(), list(engines.values()),
+                               interval_s=0.02)
+        monitor.__enter__()
+        for _, pod in docs.values():
+            rota_node.deploy_engines(namespace, docs=[pod], wait=False)
+        found = Stage(rota_node, namespace, engines, monitor)
+        for name, engine in engines.items():
+            ready = eventually(functools.partial(_ready, rota_node, namespace, name),
+                               timeout=300, max_interval=2.0, what=f"engine {name} Ready")
+            assert ready is not None
+            engine.pod_ip = str(ready.status.pod_ip)
+            found.urls[name] = rota_node.url(engine.pod_ip, 8000)
+        yield found
+    finally:
+        if monitor is not None:
+            monitor.__exit__(None, None, None)
+        with contextlib.suppress(client.ApiException):
+            client.CoreV1Api(kube_api).delete_namespace(namespace, _request_timeout=10)
+
+
+def _events(stage: Stage, pod: str) -> set[str]:
+    """The reasons of the Events on an engine pod."""
+    found = client.CoreV1Api(stage.rota.api).list_namespaced_event(
+        stage.namespace, field_selector=f"involvedObject.name={pod}", _request_timeout=10)
+    return {e.reason for e in found.items}
+
+
+async def _answer(session: aiohttp.ClientSession, gateway: str, model: str) -> str:
+    return await eventually_async(functools.partial(ask_seven, session, gateway, model),
+                                  timeout=180, max_interval=3.0,
+                                  what=f"an answer from {model} through {gateway}")
+
+
+async def test_handoffs_between_levels_through_both_gateway_replicas(stage: Stage) -> None:
+    """Requests alternate between a level-1 and a level-2 engine through both gateway
+    replicas: each is answered by its model, which then holds the GPU's Lease while the
+    other sleeps at its own level; kubectl shows it (the ``gpu.rota.dev/state`` labels,
+    ``SwitchedIn``/``SwitchedOut`` Events); the GPU never showed two engines awake."""
+    gateways = stage.rota.gateway_urls()
+    names = list(LEVELS)
+    async with aiohttp.ClientSession() as session:
+        for i in range(HANDOFFS):
+            name, other = names[i % 2], names[(i + 1) % 2]
+            model = LEVELS[name][0]
+            answer = await _answer(session, gateways[i % len(gateways)], model)
+            assert answer.strip() == "7"
+            holder, holder_model, state = await asyncio.to_thread(stage.lease)
+            assert (holder, holder_model, state) == (f"{stage.namespace}/{name}", model,
+                                                    naming.STATE_AWAKE)
+            asleep = await stage.sim_state(session, other)
+            assert asleep["sleeping"] is True, asleep
+            assert asleep["level"] == LEVELS[other][1], asleep
+            assert (await stage.sim_state(session, name))["sleeping"] is False
+            await asyncio.to_thread(stage.monitor.wait_next)
+
+    def labels() -> dict[str, str] | None:
+        found = {n: (stage.pod(n).metadata.labels or {}).get(LABEL_STATE, "") for n in names}
+        return found if found == {names[1]: "awake", names[0]: "asleep"} else None
+
+    eventually(labels, timeout=30, what="the engine pods' gpu.rota.dev/state labels")
+    for name in names:
+        reasons = eventually(lambda n=name: (r if {"SwitchedIn", "SwitchedOut"} <= (  # type: ignore[misc]
+            r := _events(stage, n)) else None), timeout=30, what=f"Events on {name}")
+        assert reasons is not None
+    assert stage.monitor.samples > 0
+    assert not stage.monitor.violations, stage.monitor.violations[:10]
+
+
+async def test_an_engine_that_crashes_in_its_sleep_is_restarted_by_the_kubelet_and_serves(
+        stage: Stage) -> None:
+    """The holder is told to crash when it is put to sleep; a request for the other model
+    makes the controller switch. The switch fails with the engine gone, the kubelet
+    restarts its container (restart count 1), which comes back through the start gate;
+    both models are answered again through the gateway, and no sample showed two engines
+    awake."""
+    gateway = stage.rota.gateway_url()
+    async with aiohttp.ClientSession() as session:
+        await _answer(session, gateway, LEVELS["lvl1"][0])
+        assert (await asyncio.to_thread(stage.lease))[1] == LEVELS["lvl1"][0]
+        restarts = sum(c.restart_count for c in stage.pod("lvl1").status.container_statuses)
+        async with session.post(f"{stage.urls['lvl1']}/sim/faults",
+                                json={"crash_on_sleep": True},
+                                timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            resp.raise_for_status()
+        assert (await _answer(session, gateway, LEVELS["lvl2"][0])).strip() == "7"
+
+        def restarted() -> client.V1Pod | None:
+            pod = stage.pod("lvl1")
+            count = sum(c.restart_count for c in pod.status.container_statuses or [])
+            return pod if count > restarts and is_ready(pod) else None
+
+        await asyncio.to_thread(eventually, restarted, timeout=240, max_interval=2.0,
+                                what="the kubelet restarting the crashed engine's container")
+        state = await stage.sim_state(session, "lvl1")
+        assert state["dead"] is False
+        assert (await _answer(session, gateway, LEVELS["lvl1"][0])).strip() == "7"
+        assert (await _answer(session, gateway, LEVELS["lvl2"][0])).strip() == "7"
+    assert not stage.monitor.violations, stage.monitor.violations[:10]
