@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 T = TypeVar("T")
+U = TypeVar("U")
 
-__all__ = ["Backoff", "finish_first", "retry", "run_periodically", "wait_any"]
+__all__ = ["Backoff", "both", "finish_first", "retry", "run_periodically", "wait_any"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,23 @@ async def retry(call: Callable[[], Awaitable[T]], *, retry_on: tuple[type[BaseEx
             if on_retry is not None:
                 on_retry(exc, pause)
             await asyncio.sleep(pause)
+
+
+async def both(first: Awaitable[T], second: Awaitable[U]) -> tuple[T, U]:
+    """Await two independent calls at once: both results, or the error of the one that
+    failed (the other is cancelled then, and so are both when the caller is)."""
+    tasks = (asyncio.ensure_future(first), asyncio.ensure_future(second))
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            raise error
+    return tasks[0].result(), tasks[1].result()
 
 
 async def finish_first(work: Awaitable[T], *,

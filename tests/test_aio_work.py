@@ -1,4 +1,5 @@
-"""driver.aio: work that is finished before a cancellation is raised, and periodic steps."""
+"""driver.aio: work that is finished before a cancellation is raised, two calls at once, and
+periodic steps."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 
 import pytest
 
-from driver.aio import Backoff, finish_first, run_periodically
+from driver.aio import Backoff, both, finish_first, run_periodically
 
 
 async def test_a_cancelled_caller_waits_for_the_work_then_gets_its_cancellation() -> None:
@@ -76,3 +77,60 @@ async def test_run_periodically_backs_off_after_failures_and_stops() -> None:
                            interval=Backoff(first_s=0.001, max_s=0.001, jitter=0.2, rng=rng),
                            on_error=Backoff(first_s=0.001, max_s=0.004, rng=rng))
     assert len(calls) == 5
+
+
+async def test_both_runs_two_calls_at_once_and_returns_both_results() -> None:
+    started: list[str] = []
+    release = asyncio.Event()
+
+    async def call(name: str) -> str:
+        started.append(name)
+        await release.wait()
+        return name.upper()
+
+    pair = asyncio.ensure_future(both(call("a"), call("b")))
+    await asyncio.sleep(0.01)
+    assert sorted(started) == ["a", "b"]  # the second did not wait for the first
+    release.set()
+    assert await pair == ("A", "B")
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+async def test_both_raises_the_failed_calls_error_and_cancels_the_other(failing: int) -> None:
+    cancelled: list[bool] = []
+
+    async def fails() -> str:
+        await asyncio.sleep(0.01)
+        raise LookupError("no")
+
+    async def waits() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return "late"
+
+    calls = (fails(), waits()) if failing == 0 else (waits(), fails())
+    async with asyncio.timeout(5):
+        with pytest.raises(LookupError):
+            await both(*calls)
+    assert cancelled == [True]
+
+
+async def test_a_cancelled_caller_of_both_cancels_both_calls() -> None:
+    cancelled: list[int] = []
+
+    async def waits(index: int) -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(index)
+            raise
+
+    pair = asyncio.ensure_future(both(waits(0), waits(1)))
+    await asyncio.sleep(0.01)
+    pair.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pair
+    assert sorted(cancelled) == [0, 1]

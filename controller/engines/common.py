@@ -56,6 +56,7 @@ from controller.engines.errors import (
 from controller.engines.probe import ProbeResult, run_probe
 from controller.engines.prom import label_values_at_one, sum_samples
 from controller.engines.transport import Answer, EngineHttp
+from driver.aio import both
 from driver.opaque import ProbeConfig
 
 __all__ = [
@@ -230,8 +231,10 @@ class HttpEngineAdapter:
 
     async def _confirm(self, *, sleeping: bool, after: str, level: int | None = None) -> None:
         """Raise :class:`EngineLied` unless ``/is_sleeping`` says ``sleeping`` and (where
-        exported) ``vllm:engine_sleep_state`` agrees (``level`` after a sleep)."""
-        state = await self.is_sleeping()
+        exported) ``vllm:engine_sleep_state`` agrees (``level`` after a sleep). Both are
+        read at once: vLLM renders its metrics in milliseconds, which, one after the other,
+        were most of a switch's own time."""
+        state, gauge = await both(self.is_sleeping(), self.sleep_gauge())
         if state != sleeping:
             said = "asleep" if state else "awake"
             log.error("engine contradicts its own success answer", extra=(
@@ -240,7 +243,6 @@ class HttpEngineAdapter:
                 f"{after} answered success, but /is_sleeping then said the engine is {said}",
                 step=after,
             )
-        gauge = await self.sleep_gauge()
         expected = level if sleeping else 0
         if gauge is not None and expected is not None \
                 and SLEEP_STATE_LEVELS.get(gauge) != expected:

@@ -19,6 +19,9 @@ Retries, all through :func:`driver.aio.retry` (bounded, jittered):
   5 s, and a pooled connection reused at that moment fails that way without the request
   having been read.
 
+A call sent again always goes on a new connection of its own: the idle connections to an
+engine may all have been closed at the same moment.
+
 A 500 ``EngineDeadError`` becomes :class:`~controller.engines.errors.EngineDead`.
 """
 
@@ -139,13 +142,29 @@ class EngineHttp:
     async def _send(
         self, method: str, path: str, *, deadline: float, control: bool,
         params: Mapping[str, str] | Sequence[tuple[str, str]] | None, json_body: Any,
+        fresh: bool = False,
+    ) -> tuple[int, bytes]:
+        """One attempt; ``fresh``: on a new connection of its own, never a pooled one."""
+        if fresh:
+            async with aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(force_close=True)) as session:
+                return await self._send_on(session, method, path, deadline=deadline,
+                                           control=control, params=params,
+                                           json_body=json_body)
+        return await self._send_on(self.session, method, path, deadline=deadline,
+                                   control=control, params=params, json_body=json_body)
+
+    async def _send_on(
+        self, session: aiohttp.ClientSession, method: str, path: str, *, deadline: float,
+        control: bool, params: Mapping[str, str] | Sequence[tuple[str, str]] | None,
+        json_body: Any,
     ) -> tuple[int, bytes]:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError
         timeout = aiohttp.ClientTimeout(
             total=remaining, sock_connect=min(self.timeouts.connect_s, remaining))
-        async with self.session.request(
+        async with session.request(
             method, self.endpoint.url(path), params=params, json=json_body,
             headers=self.headers(path, control=control), timeout=timeout,
             allow_redirects=False,
@@ -188,15 +207,25 @@ class EngineHttp:
             backoff = Backoff(first_s=READ_BACKOFF_S, max_s=4 * READ_BACKOFF_S,
                               attempts=READ_ATTEMPTS - 1)
 
+        attempts = 0
+
         def resent(exc: BaseException, pause_s: float) -> None:
             log.info("engine call sent again", extra=self.endpoint.log_fields() | {
                 "step": step, "path": path, "error": repr(exc)[:200],
                 "pause_s": round(pause_s, 3)})
 
+        async def attempt() -> tuple[int, bytes]:
+            # A call sent again goes on a new connection: the server may have closed
+            # every idle connection at the same moment (uvicorn's keep-alive timeout),
+            # and the pool would hand out the next closed one.
+            nonlocal attempts
+            attempts += 1
+            return await self._send(method, path, deadline=deadline, control=control,
+                                    params=params, json_body=json_body, fresh=attempts > 1)
+
         try:
             status, raw = await retry(
-                lambda: self._send(method, path, deadline=deadline, control=control,
-                                   params=params, json_body=json_body),
+                attempt,
                 retry_on=retry_on, backoff=backoff, on_retry=resent,
                 transient=lambda _exc: deadline - time.monotonic() > 0)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:

@@ -4,6 +4,8 @@ cannot misbehave in the needed way."""
 
 from __future__ import annotations
 
+import asyncio
+
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -443,6 +445,20 @@ async def test_a_control_post_is_sent_again_once_after_the_keep_alive_race(
     await engine_sim.faults(drop_reused_connections=False)
     assert engine_sim.engine.sleep_count == 1
     assert engine_sim.engine.wake_count == 1
+
+
+async def test_a_control_post_sent_again_does_not_reuse_another_closed_connection(
+    engine_sim: EngineSim, engine_session: aiohttp.ClientSession
+) -> None:
+    """Two reads at once leave two kept-alive connections in the pool, which uvicorn
+    closes at the same moment; a sleep sent on one, then sent again on the other, would
+    fail twice. The call sent again goes on a new connection of its own."""
+    adapter = vllm(engine_sim, engine_session)
+    assert await asyncio.gather(adapter.is_sleeping(), adapter.is_sleeping()) == [False, False]
+    await engine_sim.faults(drop_reused_connections=True)
+    await adapter.sleep(1)
+    await engine_sim.faults(drop_reused_connections=False)
+    assert engine_sim.engine.sleep_count == 1
 
 
 async def test_an_engine_without_dev_mode_is_told_apart(

@@ -25,15 +25,16 @@ WAIT_S = 5.0
 
 
 class _Gated(VllmAdapter):
-    """A vLLM adapter whose ``/is_sleeping`` read, once armed, waits for ``opened``."""
+    """A vLLM adapter whose ``/is_sleeping`` read, once its claim is armed, waits for
+    ``opened``."""
 
     def __init__(self, *args: object, opened: asyncio.Event, probing: asyncio.Event,
-                 armed: list[bool], **kwargs: object) -> None:
+                 armed: set[str], **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.opened, self.probing, self.armed = opened, probing, armed
 
     async def is_sleeping(self) -> bool:
-        if self.armed[0]:
+        if self.endpoint.claim in self.armed:
             await asyncio.wait_for(self.opened.wait(), WAIT_S)
         return await super().is_sleeping()
 
@@ -43,7 +44,7 @@ class _Gated(VllmAdapter):
 
 
 def _gate(kit: Kit, session: aiohttp.ClientSession, opened: asyncio.Event,
-          armed: list[bool]) -> asyncio.Event:
+          armed: set[str]) -> asyncio.Event:
     probing = asyncio.Event()
 
     def engine(claimant: Claimant) -> EngineAdapter:
@@ -61,12 +62,12 @@ async def test_the_sleep_confirmation_runs_while_the_gpu_is_read(
     kit, a, b = await a_awake_b_asleep(engine_sim_factory, engine_session)
     ca, cb = kit.claimants
     reading = asyncio.Event()
-    armed = [True]
+    armed = {ca.ref}  # the holder's sleep confirmation waits for the GPU read
     _gate(kit, engine_session, reading, armed)
 
     def read_began() -> None:
         reading.set()
-        armed[0] = False  # the wake's confirmation is not under test here
+        armed.clear()  # the wake's confirmation is not under test here
 
     kit.device.on_read.append(read_began)
     result = await kit.switcher.switch(kit.holding(ca), holder=ca, target=cb,
@@ -80,12 +81,12 @@ async def test_the_wake_confirmation_runs_beside_the_probe(
         engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
     kit, _, b = await a_awake_b_asleep(engine_sim_factory, engine_session)
     ca, cb = kit.claimants
-    armed = [False]
+    armed: set[str] = set()
     opened = asyncio.Event()
     probing = _gate(kit, engine_session, opened, armed)
 
     def arm_after_the_gpu_read() -> None:
-        armed[0] = True  # from here on (the wake's confirmation) reads wait for the probe
+        armed.add(cb.ref)  # the target's wake confirmation waits for the probe
 
     kit.device.on_read.append(arm_after_the_gpu_read)
 
