@@ -453,7 +453,8 @@ async def test_a_control_post_sent_again_does_not_reuse_another_closed_connectio
     closes at the same moment; a sleep sent on one, then sent again on the other, would
     fail twice. The call sent again goes on a new connection of its own."""
     adapter = vllm(engine_sim, engine_session)
-    assert list(await asyncio.gather(adapter.is_sleeping(), adapter.is_sleeping())) == [False, False]
+    both = await asyncio.gather(adapter.is_sleeping(), adapter.is_sleeping())
+    assert list(both) == [False, False]
     await engine_sim.faults(drop_reused_connections=True)
     await adapter.sleep(1)
     await engine_sim.faults(drop_reused_connections=False)
