@@ -195,7 +195,7 @@ async def test_an_engine_that_crashes_in_its_sleep_is_restarted_by_the_kubelet_a
         await asyncio.to_thread(eventually, restarted, timeout=240, max_interval=2.0,
                                 what="the kubelet restarting the crashed engine's container")
         state = await stage.sim_state(session, "lvl1")
-        assert state["dead"] is False
+        assert not state["dead"], state
         assert (await _answer(session, gateway, LEVELS["lvl1"][0])).strip() == "7"
         assert (await _answer(session, gateway, LEVELS["lvl2"][0])).strip() == "7"
     assert not stage.monitor.violations, stage.monitor.violations[:10]
