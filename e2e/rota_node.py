@@ -101,6 +101,26 @@ def engine_docs(name: str, *, model: str, resident: str, awake: str,
     return [claim, pod]
 
 
+QUICK_ENGINE_ARGS = ("--first-sleep-seconds", "0.3", "--later-sleep-seconds", "0.05",
+                     "--wake-level1-seconds", "0.1", "--ttft-seconds", "0.02",
+                     "--tokens-per-second", "120")
+"""The engine simulator's timings for tests: quick sleeps and wakes."""
+
+
+def gated_engine_docs(name: str, *, model: str, resident: str, awake: str,
+                      sleep_level: int = 1) -> list[dict[str, Any]]:
+    """:func:`engine_docs` for an engine started through rota's start gate, with quick
+    timings, Ready only once the simulator itself answers (the gate holds its start)."""
+    claim, pod = engine_docs(name, model=model, resident=resident, awake=awake)
+    claim["spec"]["devices"]["config"][0]["opaque"]["parameters"]["sleepLevel"] = sleep_level
+    container = pod["spec"]["containers"][0]
+    container["command"] = ["rota-engine-gate", "--", "python", "-m", "e2e.engine_simulator"]
+    container["args"] = list(QUICK_ENGINE_ARGS)
+    container["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000},
+                                   "periodSeconds": 1, "failureThreshold": 1}
+    return [claim, pod]
+
+
 def _pinned(docs: Sequence[Mapping[str, Any]], node: str) -> list[dict[str, Any]]:
     """Pods of an example pinned to ``node`` (the cluster may have other nodes)."""
     out: list[dict[str, Any]] = []

@@ -41,7 +41,7 @@ from e2e.chaos.load import Record, client_loop
 from e2e.chaos.tally import Answer
 from e2e.deploy import MODEL_BINDING, NAMESPACE, is_ready
 from e2e.objects import create_namespace
-from e2e.rota_node import RotaOnNodes, engine_docs
+from e2e.rota_node import RotaOnNodes, gated_engine_docs
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
 from e2e.waiting import eventually, eventually_async
 from tests.real_node import needs_root
@@ -49,9 +49,6 @@ from tests.real_node import needs_root
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, needs_root]
 
 MODEL_A, MODEL_B = "org/pods-a", "org/pods-b"
-FAST = ["--first-sleep-seconds", "0.3", "--later-sleep-seconds", "0.05",
-        "--wake-level1-seconds", "0.1", "--ttft-seconds", "0.02", "--tokens-per-second", "120"]
-"""The engine simulator's timings: quick sleeps and wakes (speed is not what is proven)."""
 BIG_AWAKE = "80Gi"
 """Two of these awake do not fit the fake H200 (140.4 GiB)."""
 BINDING_FILE = "binding.yaml"
@@ -100,19 +97,6 @@ def _gpu_lease(rota: RotaOnNodes) -> str:
     return naming.gpu_lease_name(rota.node().name, "gpu-0")
 
 
-def _gated_engine(name: str, *, model: str, resident: str, awake: str
-                  ) -> list[dict[str, Any]]:
-    """An example engine (claim and pod) started through rota's start gate, Ready only
-    once the simulator itself answers (the gate holds the container's start)."""
-    claim, pod = engine_docs(name, model=model, resident=resident, awake=awake)
-    container = pod["spec"]["containers"][0]
-    container["command"] = ["rota-engine-gate", "--", "python", "-m", "e2e.engine_simulator"]
-    container["args"] = list(FAST)
-    container["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000},
-                                   "periodSeconds": 1, "failureThreshold": 1}
-    return [claim, pod]
-
-
 def _binding(api: client.ApiClient) -> dict[str, Any]:
     cm = client.CoreV1Api(api).read_namespaced_config_map(MODEL_BINDING, NAMESPACE,
                                                           _request_timeout=10)
@@ -150,9 +134,11 @@ def stage(kube_api: client.ApiClient, rota_node: RotaOnNodes) -> Iterator[Stage]
     binding["models"] = {**(binding.get("models") or {}), MODEL_A: [bound]}
     _set_binding(kube_api, binding)
     docs = {
-        "big-a": (bound, _gated_engine("big-a", model=MODEL_A, resident="2Gi", awake=BIG_AWAKE)),
-        "big-b": (bound, _gated_engine("big-b", model=MODEL_B, resident="2Gi", awake=BIG_AWAKE)),
-        "twin": (other, _gated_engine("twin", model=MODEL_A, resident="1Gi", awake="20Gi")),
+        "big-a": (bound, gated_engine_docs("big-a", model=MODEL_A, resident="2Gi",
+                                           awake=BIG_AWAKE)),
+        "big-b": (bound, gated_engine_docs("big-b", model=MODEL_B, resident="2Gi",
+                                           awake=BIG_AWAKE)),
+        "twin": (other, gated_engine_docs("twin", model=MODEL_A, resident="1Gi", awake="20Gi")),
     }
     core = client.CoreV1Api(kube_api)
     monitor: AwakeMonitor | None = None

@@ -29,15 +29,13 @@ from controller import naming
 from controller.visible_state import LABEL_STATE
 from e2e.deploy import NAMESPACE, is_ready
 from e2e.objects import create_namespace
-from e2e.rota_node import RotaOnNodes, engine_docs
+from e2e.rota_node import RotaOnNodes, gated_engine_docs
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
 from e2e.waiting import eventually, eventually_async
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, needs_root]
 
-FAST = ["--first-sleep-seconds", "0.3", "--later-sleep-seconds", "0.05",
-        "--wake-level1-seconds", "0.1", "--ttft-seconds", "0.02", "--tokens-per-second", "120"]
 LEVELS = {"lvl1": ("org/pods-level1", 1), "lvl2": ("org/pods-level2", 2)}
 HANDOFFS = 8
 
@@ -70,17 +68,6 @@ class Stage:
             return dict(await resp.json())
 
 
-def _gated(name: str, model: str, level: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    claim, pod = engine_docs(name, model=model, resident="1Gi", awake="40Gi")
-    claim["spec"]["devices"]["config"][0]["opaque"]["parameters"]["sleepLevel"] = level
-    container = pod["spec"]["containers"][0]
-    container["command"] = ["rota-engine-gate", "--", "python", "-m", "e2e.engine_simulator"]
-    container["args"] = list(FAST)
-    container["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000},
-                                   "periodSeconds": 1, "failureThreshold": 1}
-    return claim, pod
-
-
 def _ready(stage_rota: RotaOnNodes, namespace: str, name: str) -> client.V1Pod | None:
     pod = client.CoreV1Api(stage_rota.api).read_namespaced_pod(name, namespace,
                                                                _request_timeout=10)
@@ -91,7 +78,9 @@ def _ready(stage_rota: RotaOnNodes, namespace: str, name: str) -> client.V1Pod |
 def stage(kube_api: client.ApiClient, rota_node: RotaOnNodes) -> Iterator[Stage]:
     namespace = f"switch-{uuid.uuid4().hex[:6]}"
     create_namespace(kube_api, namespace)
-    docs = {name: _gated(name, model, level) for name, (model, level) in LEVELS.items()}
+    docs = {name: gated_engine_docs(name, model=model, resident="1Gi", awake="40Gi",
+                                    sleep_level=level)
+            for name, (model, level) in LEVELS.items()}
     monitor: AwakeMonitor | None = None
     try:
         engines: dict[str, Engine] = {}
