@@ -41,6 +41,15 @@ def _sse(payload: object) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def _error_events(err: GatewayError) -> bytes:
+    """``err`` as the last events of a stream: the error (with ``retry_after`` where it has
+    one), then ``[DONE]``."""
+    body = error_body(err.message, type_=err.type, code=err.code, param=err.param)
+    if err.retry_after is not None:
+        body["error"]["retry_after"] = str(max(1, round(err.retry_after)))
+    return _sse(body) + _sse("[DONE]")
+
+
 class Downstream:
     """The answer to one client."""
 
@@ -139,11 +148,8 @@ class Downstream:
             ConnectionError: the client is gone.
         """
         assert self.response is not None
-        body = error_body(err.message, type_=err.type, code=err.code, param=err.param)
-        if err.retry_after is not None:
-            body["error"]["retry_after"] = str(max(1, round(err.retry_after)))
         ending = b"" if at_event_boundary else b"\n\n"
-        await self.response.write(ending + _sse(body) + _sse("[DONE]"))
+        await self.response.write(ending + _error_events(err))
         await self.response.write_eof()
 
     # -- the gateway's own refusal ------------------------------------------------------
@@ -153,10 +159,7 @@ class Downstream:
         await self.stop_keepalive()
         assert self.response is not None
         assert self.early
-        body = error_body(err.message, type_=err.type, code=err.code, param=err.param)
-        if err.retry_after is not None:
-            body["error"]["retry_after"] = str(max(1, round(err.retry_after)))
         with suppress(ConnectionError):
-            await self.response.write(_sse(body) + _sse("[DONE]"))
+            await self.response.write(_error_events(err))
             await self.response.write_eof()
         return self.response
