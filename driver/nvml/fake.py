@@ -478,6 +478,8 @@ class FakeNvml:
     ) -> None:
         self._fixture = fixture
         self._proc_dir = Path(proc_dir) if proc_dir is not None else None
+        self._may_forget = True
+        """False once the registry refused the removal of a dead process's record."""
         self._lock = threading.Lock()
         self._failures = [_Failure(f, None) for f in fixture.failures]
         self._events: queue.Queue[HealthEvent] = queue.Queue()
@@ -666,15 +668,40 @@ class FakeNvml:
             except FileNotFoundError:
                 return []
             seen: set[tuple[str, int, int]] = set()
-            read = [r for path in entries if (r := self._read(path, seen)) is not None]
+            read = [(path, r) for path in entries if (r := self._read(path, seen)) is not None]
         records: list[_ProcessRecord] = []
-        for record in read:
+        dead: list[Path] = []
+        for path, record in read:
             pid = self._host_pids.resolve(record.pid_namespace, record.pid)
             if pid is not None and pid_alive(pid):
                 records.append(record.model_copy(update={"pid": pid, "pid_namespace": None}))
+            elif record.pid_namespace == own_pid_namespace():
+                dead.append(path)
         with self._lock:
             self._warned &= seen
+        if dead:
+            self._forget_dead(dead)
         return sorted(records, key=lambda r: r.pid)
+
+    def _forget_dead(self, paths: list[Path]) -> None:
+        """Remove the records of processes that died, as the GPU's driver frees a dead
+        process's memory: otherwise every engine that crashed leaves a file that each
+        later read of the registry parses again. Only records of this pid namespace,
+        whose death this process can see for certain; a registry it may not write is
+        left as it is (and not tried again)."""
+        if self._proc_dir is None or not self._may_forget:
+            return
+        try:
+            with registry_lock(self._proc_dir):
+                for path in paths:
+                    record = self._read(path, set())
+                    if record is not None and record.pid_namespace == own_pid_namespace() \
+                            and not pid_alive(record.pid):
+                        path.unlink(missing_ok=True)
+        except OSError as err:
+            self._may_forget = False
+            log.info("cannot remove dead processes from the registry",
+                     extra={"registry": str(self._proc_dir), "error": str(err)[:200]})
 
     def _read(self, path: Path, seen: set[tuple[str, int, int]]) -> _ProcessRecord | None:
         """Parse one registry file; log a bad one once per version of its content."""

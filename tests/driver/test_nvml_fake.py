@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import driver.nvml.fake as fake_module
 from driver.errors import ConfigError, NvmlError
 from driver.nvml import HealthEvent, HealthEventKind, MemoryInfo, NvmlBackend, fixture_path
 from driver.nvml.fake import (
@@ -128,6 +131,46 @@ def test_dead_process_is_ignored(fake: FakeNvml, proc_dir: Path, dead_pid: int) 
     assert not pid_alive(dead_pid)
     assert fake.compute_processes(0) == []
     assert fake.memory_info(0).used == H200_BASELINE
+
+
+def test_a_dead_process_leaves_the_registry_at_the_next_read(
+        fake: FakeNvml, proc_dir: Path, dead_pid: int) -> None:
+    """As the GPU's driver frees a dead process's memory: its record is removed, so
+    that engines that crashed do not leave files each later read parses again (the
+    chaos campaign's reads grew with every crash). A live process stays; so does a record
+    of a pid namespace this process cannot see into."""
+    register_process(proc_dir, dead_pid, H200_UUID, GIB)
+    register_process(proc_dir, os.getpid(), H200_UUID, GIB)
+    foreign = proc_dir / "4026599999-77.json"
+    foreign.write_text(json.dumps({"pid": 77, "gpu_uuid": H200_UUID, "used_bytes": GIB,
+                                   "pid_namespace": 4026599999}))
+    assert [p.pid for p in fake.compute_processes(0)] == [os.getpid()]
+    left = sorted(p.name for p in proc_dir.glob("*.json") if p.name != "gpus.json")
+    assert left == sorted([foreign.name, f"{os.getpid()}.json"])
+
+
+def test_a_registry_that_may_not_be_written_is_still_read(
+        fake: FakeNvml, proc_dir: Path, dead_pid: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that may not take the writers' lock (a read-only mount) reads as before,
+    and does not try again at every read."""
+    register_process(proc_dir, dead_pid, H200_UUID, GIB)
+    register_process(proc_dir, os.getpid(), H200_UUID, GIB)
+    shared_lock = fake_module.registry_lock
+    refused: list[bool] = []
+
+    @contextlib.contextmanager
+    def read_only(directory: Path, *, shared: bool = False) -> Iterator[None]:
+        if not shared:
+            refused.append(True)
+            raise PermissionError(13, "Read-only file system")
+        with shared_lock(directory, shared=True):
+            yield
+
+    monkeypatch.setattr(fake_module, "registry_lock", read_only)
+    for _ in range(3):
+        assert [p.pid for p in fake.compute_processes(0)] == [os.getpid()]
+    assert (proc_dir / f"{dead_pid}.json").exists()
+    assert refused == [True]
 
 
 def test_free_never_negative(fake: FakeNvml, proc_dir: Path) -> None:
