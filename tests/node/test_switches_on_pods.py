@@ -9,7 +9,6 @@ their resident memory.
 
 - :func:`test_handoffs_between_levels_through_both_gateway_replicas`
 - :func:`test_an_engine_that_crashes_in_its_sleep_is_restarted_by_the_kubelet_and_serves`
-- :func:`test_engines_that_all_crash_at_once_come_back_one_awake`
 """
 
 from __future__ import annotations
@@ -193,39 +192,3 @@ async def test_an_engine_that_crashes_in_its_sleep_is_restarted_by_the_kubelet_a
         assert (await _answer(session, gateway, LEVELS["lvl2"][0])).strip() == "7"
     assert not stage.monitor.violations, stage.monitor.violations[:10]
 
-
-async def test_engines_that_all_crash_at_once_come_back_one_awake(stage: Stage) -> None:
-    """What a node's reboot does to the engines: every engine process dies at once; the
-    kubelet restarts the containers (with its back-off), each start waits at the start
-    gate for its slot, and the GPU ends up with one engine awake, the one the Lease
-    names; both models serve again; no sample showed two engines awake."""
-    names = list(LEVELS)
-    before = {name: _restarts(stage.pod(name)) for name in names}
-    async with aiohttp.ClientSession() as session:
-        for name in names:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # it dies answering
-                async with session.post(f"{stage.urls[name]}/sim/faults",
-                                        json={"crash_now": True},
-                                        timeout=aiohttp.ClientTimeout(total=5)):
-                    pass
-
-        def all_back() -> bool:
-            pods = {name: stage.pod(name) for name in names}
-            return all(_restarts(p) > before[n] and is_ready(p) for n, p in pods.items())
-
-        await asyncio.to_thread(eventually, all_back, timeout=240, max_interval=2.0,
-                                what="the kubelet restarting every engine")
-
-        async def one_awake() -> list[str] | None:
-            awake = [n for n in names if not (await stage.sim_state(session, n))["sleeping"]]
-            holder, _, state = await asyncio.to_thread(stage.lease)
-            settled = (len(awake) == 1 and state == naming.STATE_AWAKE
-                       and holder == f"{stage.namespace}/{awake[0]}")
-            return awake if settled else None
-
-        await eventually_async(one_awake, timeout=120, max_interval=1.0,
-                               what="one engine awake, named by the Lease")
-        gateway = stage.rota.gateway_url()
-        for name in names:
-            assert (await _answer(session, gateway, LEVELS[name][0])).strip() == "7"
-    assert not stage.monitor.violations, stage.monitor.violations[:10]
