@@ -81,16 +81,18 @@ async def test_run_periodically_backs_off_after_failures_and_stops() -> None:
 
 async def test_both_runs_two_calls_at_once_and_returns_both_results() -> None:
     started: list[str] = []
-    release = asyncio.Event()
+    release, both_started = asyncio.Event(), asyncio.Event()
 
     async def call(name: str) -> str:
         started.append(name)
+        if len(started) == 2:
+            both_started.set()
         await release.wait()
         return name.upper()
 
     pair = asyncio.ensure_future(both(call("a"), call("b")))
-    await asyncio.sleep(0.01)
-    assert sorted(started) == ["a", "b"]  # the second did not wait for the first
+    await asyncio.wait_for(both_started.wait(), 5)  # the second did not wait for the first
+    assert sorted(started) == ["a", "b"]
     release.set()
     assert await pair == ("A", "B")
 
@@ -120,16 +122,21 @@ async def test_both_raises_the_failed_calls_error_and_cancels_the_other(failing:
 
 async def test_a_cancelled_caller_of_both_cancels_both_calls() -> None:
     cancelled: list[int] = []
+    running: list[int] = []
+    both_running = asyncio.Event()
 
     async def waits(index: int) -> None:
+        running.append(index)
+        if len(running) == 2:
+            both_running.set()
         try:
-            await asyncio.sleep(30)
+            await asyncio.Event().wait()
         except asyncio.CancelledError:
             cancelled.append(index)
             raise
 
     pair = asyncio.ensure_future(both(waits(0), waits(1)))
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(both_running.wait(), 5)
     pair.cancel()
     with pytest.raises(asyncio.CancelledError):
         await pair
