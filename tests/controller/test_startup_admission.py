@@ -105,6 +105,14 @@ async def test_engines_that_do_not_fit_awake_together_start_and_serve_in_turns(
         _pods(kube_api, node.name, engines)
         await _ready(kube_api, engines)
         async with aiohttp.ClientSession() as session:
+            # A pod is Ready once its engine answers /health; its admission goes on with
+            # the probe and the first sleep, so wait for that before the handoffs.
+            async def every_engine_slept() -> bool:
+                states = [await sim_state(session, e) for e in engines]
+                return all(s["sleeps"] for s in states)
+
+            await eventually_async(every_engine_slept, timeout=60,
+                                   what="every engine's admission done (its first sleep)")
             admitted = [await sim_state(session, e) for e in engines]
             # Each engine had its first, slow sleep during its admission.
             for state in admitted:
