@@ -257,9 +257,11 @@ class EngineHttp:
         raise rejected
 
     async def read(
-        self, step: str, path: str, *, control: bool, accept: frozenset[int] = frozenset()
+        self, step: str, path: str, *, control: bool, accept: frozenset[int] = frozenset(),
+        params: Sequence[tuple[str, str]] | None = None,
     ) -> Answer:
         """An idempotent GET under the status timeout, retried (bounded, with backoff) only
         when no connection could be made or a kept-alive one was closed."""
         return await self.request(step, "GET", path, timeout_s=self.timeouts.status_s,
-                                  control=control, accept=accept, retry_unconnected=True)
+                                  control=control, params=params, accept=accept,
+                                  retry_unconnected=True)

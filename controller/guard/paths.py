@@ -25,6 +25,7 @@ class Access(enum.StrEnum):
 CONTROL_CALLS: frozenset[tuple[str, str]] = frozenset({
     ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
     ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), ("GET", "/metrics"),
+    ("GET", "/metrics/"),
 })
 """What rota's engine adapters call (vLLM's development routes they need, and metrics)."""
 _CONTROL_PREFIX = "/v1/omni/"

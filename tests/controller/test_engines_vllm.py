@@ -276,6 +276,7 @@ async def test_in_flight_counts_waiting_requests(
 
 class _NoMetrics(VllmAdapter):
     metrics_path = "/no-metrics-here"
+    filtered_metrics_path = "/no-metrics-here/"
 
 
 async def test_in_flight_is_none_without_metrics(

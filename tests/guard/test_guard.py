@@ -131,6 +131,7 @@ def bearer(key: str = KEY) -> dict[str, str]:
     ("POST", "/tokenize", Access.CLIENT), ("POST", "/sleep", Access.CONTROL),
     ("POST", "/wake_up", Access.CONTROL), ("GET", "/is_sleeping", Access.CONTROL),
     ("POST", "/collective_rpc", Access.CONTROL), ("GET", "/metrics", Access.CONTROL),
+    ("GET", "/metrics/", Access.CONTROL), ("GET", "/metrics/x", Access.HIDDEN),
     ("POST", "/reset_prefix_cache", Access.CONTROL), ("POST", "/v1/omni/sleep", Access.CONTROL),
     ("GET", "/health", Access.HEALTH), ("POST", "/pause", Access.HIDDEN),
     ("POST", "/resume", Access.HIDDEN), ("POST", "/abort_requests", Access.HIDDEN),

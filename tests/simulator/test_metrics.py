@@ -13,16 +13,23 @@ PROBE = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4
          "stream": True}
 _SAMPLE = re.compile(r'^(vllm:[a-z_]+)\{engine="0",model_name="([^"]*)"'
                      r'(?:,sleep_state="([a-z_]+)")?\} (\S+)$')
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+          "vllm:engine_sleep_state")
+
+
+async def page(sim: Sim, path: str = "/metrics", **params: str | list[str]) -> str:
+    query = [(k, v) for k, vs in params.items() for v in ([vs] if isinstance(vs, str) else vs)]
+    async with sim.client.get(path, params=query) as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/plain"
+        return await resp.text()
 
 
 async def gauges(sim: Sim) -> dict[str, float]:
-    async with sim.client.get("/metrics") as resp:
-        assert resp.status == 200
-        assert resp.content_type == "text/plain"
-        text = await resp.text()
+    text = await page(sim)
     found: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("#"):
+        if line.startswith("#") or not line.startswith(tuple(g + "{" for g in GAUGES)):
             continue
         match = _SAMPLE.match(line)
         assert match, line
@@ -116,3 +123,38 @@ def test_model_name_is_escaped() -> None:
     text = render_metrics('we"ird\\name', running=2, waiting=3)
     assert 'model_name="we\\"ird\\\\name"' in text
     assert 'vllm:num_requests_running{engine="0",model_name="we\\"ird\\\\name"} 2.0' in text
+
+
+def _families(text: str) -> set[str]:
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+async def test_metrics_is_the_whole_page_whatever_the_filter(sim: Sim) -> None:
+    """vLLM's /metrics is prometheus-fastapi-instrumentator's handler: it ignores
+    prometheus_client's name[] filter and renders every family, histograms included."""
+    whole = await page(sim)
+    assert {"vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+            *GAUGES} <= _families(whole)
+    assert len(whole) > 20_000
+    assert await page(sim, **{"name[]": "vllm:engine_sleep_state"}) == whole
+
+
+async def test_the_mount_behind_it_keeps_only_the_samples_named(sim: Sim) -> None:
+    """/metrics/ reaches prometheus_client's own app (vLLM's Mount), which honours name[]
+    by sample name: a histogram's base name matches none of its samples."""
+    only = await page(sim, "/metrics/", **{"name[]": ["vllm:num_requests_running",
+                                                      "vllm:num_requests_waiting"]})
+    assert _families(only) == {"vllm:num_requests_running", "vllm:num_requests_waiting"}
+    assert len(only) < 1_000
+    assert await page(sim, "/metrics/", **{"name[]": "vllm:time_to_first_token_seconds"}
+                      ) == ""
+    assert _families(await page(sim, "/metrics/", **{
+        "name[]": "vllm:time_to_first_token_seconds_count"})) == {
+        "vllm:time_to_first_token_seconds"}
+    assert await page(sim, "/metrics/") == await page(sim)
+
+
+async def test_disable_log_stats_leaves_the_filtered_page_empty(make_sim: SimFactory
+                                                                ) -> None:
+    sim = await make_sim(disable_log_stats=True)
+    assert await page(sim, "/metrics/", **{"name[]": "vllm:engine_sleep_state"}) == ""
