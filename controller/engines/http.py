@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 class HttpAdapter(HttpEngineAdapter):
     """Drives an engine through the paths of an :class:`HttpAdapterConfig`."""
 
+    filtered_metrics_path = None
+    """An engine of any make: what its ``/metrics/`` serves is unknown, so read the page
+    that vLLM's gauges would be on."""
+
     def __init__(
         self,
         endpoint: EngineEndpoint,
