@@ -57,11 +57,17 @@ def api_key_middleware(key: str) -> Middleware:
     return guard
 
 
+def _served_when_dead(path: str) -> bool:
+    """What vLLM's HTTP server still answers once its engine core died: its metrics (the
+    instrumentator's ``/metrics`` and prometheus_client's Mount behind it), and the
+    simulator's own ``/sim/*``."""
+    return path == "/metrics" or path.startswith(("/metrics/", "/sim/"))
+
+
 @web.middleware
 async def dead_engine_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    if engine.dead is not None and request.path != "/metrics" \
-            and not request.path.startswith("/sim/"):
+    if engine.dead is not None and not _served_when_dead(request.path):
         if request.path == "/health":
             return web.Response(status=503)
         error = engine_dead_error()

@@ -60,8 +60,9 @@ async def test_an_abandoned_sleep_fires_after_a_wake_and_kills_the_engine(sim: S
             assert await resp.json() == DEAD
     async with sim.client.get("/health") as resp:
         assert resp.status == 503
-    async with sim.client.get("/metrics") as resp:
-        assert resp.status == 200
+    for path in ("/metrics", "/metrics/"):
+        async with sim.client.get(path) as resp:
+            assert resp.status == 200, path
 
 
 async def test_sleep_cancelled_with_client_is_a_named_kinder_fault(make_sim: SimFactory
