@@ -100,14 +100,16 @@ async def test_both_runs_two_calls_at_once_and_returns_both_results() -> None:
 @pytest.mark.parametrize("failing", [0, 1])
 async def test_both_raises_the_failed_calls_error_and_cancels_the_other(failing: int) -> None:
     cancelled: list[bool] = []
+    waiting = asyncio.Event()
 
     async def fails() -> str:
-        await asyncio.sleep(0.01)
+        await waiting.wait()  # fail only once the other call is under way
         raise LookupError("no")
 
     async def waits() -> str:
+        waiting.set()
         try:
-            await asyncio.sleep(30)
+            await asyncio.Event().wait()  # until cancelled
         except asyncio.CancelledError:
             cancelled.append(True)
             raise

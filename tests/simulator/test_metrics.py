@@ -15,6 +15,7 @@ _SAMPLE = re.compile(r'^(vllm:[a-z_]+)\{engine="0",model_name="([^"]*)"'
                      r'(?:,sleep_state="([a-z_]+)")?\} (\S+)$')
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
           "vllm:engine_sleep_state")
+_GAUGE_SAMPLES = tuple(f"{name}{{" for name in GAUGES)
 
 
 async def page(sim: Sim, path: str = "/metrics", **params: str | list[str]) -> str:
@@ -29,8 +30,8 @@ async def gauges(sim: Sim) -> dict[str, float]:
     text = await page(sim)
     found: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(tuple(g + "{" for g in GAUGES)):
-            continue
+        if not line.startswith(_GAUGE_SAMPLES):
+            continue  # comments, and the other families of the page
         match = _SAMPLE.match(line)
         assert match, line
         assert match.group(2) == MODEL
