@@ -20,6 +20,7 @@ One :class:`Engine` per server, shaped like vLLM 0.26's engine core:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import os
@@ -51,6 +52,11 @@ log = logging.getLogger(__name__)
 
 CRASH_EXIT_CODE = 70
 """Exit status of a simulated crash (EX_SOFTWARE)."""
+WATCHDOG_SECONDS = 5.0
+"""vLLM's API-server watchdog period (``VLLM_WATCHDOG_TIME_S`` in its launcher)."""
+SERVER_EXIT_CODE = 0
+"""Exit status once the server shut down because its engine core died (an ordinary end
+of ``vllm serve``)."""
 _HISTORY = 1000
 _GIB = float(2**30)
 
@@ -98,6 +104,9 @@ class Engine(Traffic):
         self._control = asyncio.Lock()
         self._pending: list[PendingSleep] = []
         self._core_task: asyncio.Task[None] | None = None
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._dead_answered = asyncio.Event()
+        """A call was answered ``EngineDeadError`` (vLLM's handler of it ends the server)."""
         self._had_level1_sleep = False
         self.sleep_state_level = 0
         """``vllm:engine_sleep_state``: 0 awake, 1 weights offloaded, 2 discard all (as
@@ -156,17 +165,49 @@ class Engine(Traffic):
             raise StartFailed("Engine core initialization failed. See root cause above. "
                               "Failed core proc(s): {'EngineCore_DP0': 1}") from exc
         self._core_task = asyncio.create_task(self._core_loop(), name="engine-core")
+        self._watchdog_task = asyncio.create_task(self._watchdog(), name="server-watchdog")
         log.info("engine simulator ready", extra={"model": self.settings.model,
                                                   "memory_bytes": self.memory.used_bytes})
 
     async def close(self) -> None:
-        if self._core_task is not None:
-            self._core_task.cancel()
-            try:
-                await self._core_task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._core_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         await self.memory.close()
+
+    # -- the death of the engine core -----------------------------------------------------
+
+    async def _core_died(self) -> None:
+        """vLLM's engine core process logs the error, tells the server and exits: the GPU
+        frees its memory at once, whatever the HTTP server does next."""
+        await self.memory.close()
+
+    def answered_dead(self) -> None:
+        """A call was answered ``EngineDeadError`` (the dead-engine middleware says so)."""
+        self._dead_answered.set()
+
+    async def _watchdog(self) -> None:
+        """vLLM's API server ends once its engine core died: its watchdog looks every
+        :data:`WATCHDOG_SECONDS`, and the handler of ``EngineDeadError`` at once; uvicorn
+        then finishes the answers in flight (one tick) and the process exits. With
+        ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` it stays up, ``/health`` 503, until something
+        restarts its container."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(WATCHDOG_SECONDS):
+                    await self._dead_answered.wait()
+            if self.dead is None or self.settings.keep_alive_on_engine_death:
+                self._dead_answered.clear()
+                continue
+            await asyncio.sleep(0.1)  # uvicorn's tick: the answer in flight goes out
+            log.info("the engine core is dead: the server shuts down and the process exits",
+                     extra={"reason": self.dead, "exit_code": SERVER_EXIT_CODE})
+            self._exit_process(SERVER_EXIT_CODE)
+            return
 
     def crash(self, reason: str) -> None:
         """Exit the process at once, as a dying engine does; nothing is cleaned up."""

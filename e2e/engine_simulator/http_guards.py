@@ -8,7 +8,9 @@
   ``/metrics`` are **never** authenticated: only the network protects them. The
   comparison takes constant time.
 - **Dead engine core**: once the engine core died, every call answers 500
-  ``EngineDeadError`` and ``/health`` 503 (``/metrics`` and ``/sim/*`` still answer).
+  ``EngineDeadError`` and ``/health`` 503 (``/metrics`` and ``/sim/*`` still answer)
+  until the server ends, which an answer of ``EngineDeadError`` hastens (see
+  :meth:`~.engine.Engine._watchdog`).
 - **Keep-alive race** (fault ``drop_reused_connections``): a request arriving on a
   connection that already served one is dropped without an answer, as when a pooled
   connection is reused just as the server's 5 s keep-alive closes it.
@@ -71,6 +73,7 @@ async def dead_engine_middleware(request: web.Request, handler: Handler) -> web.
         if request.path == "/health":
             return web.Response(status=503)
         error = engine_dead_error()
+        engine.answered_dead()
         return web.json_response(error.body(), status=error.status)
     return await handler(request)
 

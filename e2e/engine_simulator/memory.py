@@ -266,6 +266,8 @@ class FakeMemory:
         return transfers
 
     async def close(self) -> None:
+        self._on_device.clear()
+        self._resident = 0
         await self._registration.remove()
 
     def describe(self) -> dict[str, Any]:

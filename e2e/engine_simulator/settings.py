@@ -217,6 +217,9 @@ class Settings(BaseModel):
     """vLLM's ``--api-key`` (``VLLM_API_KEY``): paths starting ``/v1``, ``/v2`` or
     ``/inference`` need ``Authorization: Bearer <key>`` (401 ``{"error": "Unauthorized"}``
     without it); the development routes, ``/health`` and ``/metrics`` are never guarded."""
+    keep_alive_on_engine_death: bool = False
+    """``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``: once the engine core died the server stays up
+    (``/health`` 503, every other call 500) instead of exiting."""
     keep_alive_seconds: Seconds = 5.0
     """uvicorn's keep-alive (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``): idle connections close then."""
     load_format: Literal["auto", "dummy"] = "auto"
@@ -307,6 +310,9 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
     ("api_key", "--api-key", "VLLM_API_KEY",
      "require 'Authorization: Bearer KEY' on /v1*, /v2*, /inference* (never on the "
      "development routes, /health or /metrics), as vLLM's --api-key"),
+    ("keep_alive_on_engine_death", "--keep-alive-on-engine-death",
+     "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH",
+     "once the engine core died, stay up (/health 503) instead of exiting as vLLM does"),
     ("keep_alive_seconds", "--keep-alive-seconds", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
      "close idle HTTP connections after this long, as uvicorn does"),
     ("load_format", "--load-format", "ROTA_SIM_LOAD_FORMAT",
@@ -318,7 +324,8 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
     ("log_level", "--log-level", "ROTA_SIM_LOG_LEVEL", "debug, info, warning or error"),
 )
 
-_BOOLEAN_KNOBS = frozenset({"omni", "dev_mode", "disable_log_stats"})
+_BOOLEAN_KNOBS = frozenset({"omni", "dev_mode", "disable_log_stats",
+                            "keep_alive_on_engine_death"})
 _METAVARS = {
     "model": "NAME", "host": "HOST", "port": "PORT", "port_file": "FILE",
     "tokens_per_second": "RATE", "awake_memory_bytes": "BYTES",

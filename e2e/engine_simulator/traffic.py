@@ -17,8 +17,10 @@ The scheduler follows vLLM 0.26's engine core:
 A request arriving while the engine is paused or asleep is held until a wake resumes the
 scheduler (streams get their 200 headers at once, then nothing). A request the scheduler
 runs while the executor sleeps (a deferred sleep fired with the scheduler on) crashes the
-engine core: from then on every call answers 500 ``EngineDeadError`` and ``/health``
-503. Kinder behaviours survive only as named faults (``refuse_while_asleep``).
+engine core: its memory is freed, from then on every call answers 500
+``EngineDeadError`` and ``/health`` 503, and within vLLM's watchdog period the server
+ends and the process exits (unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``). Kinder
+behaviours survive only as named faults (``refuse_while_asleep``).
 
 The in-flight gauges follow vLLM too: they are what the engine core reported at its last
 step, so requests held while it is paused with nothing running, or asleep, are not counted.
@@ -244,10 +246,17 @@ class Traffic(ABC):
     async def _die(self, reason: str) -> None:
         """The engine core dies: every running generation fails, every call answers 500."""
         async with self._changed:
-            if self.dead is None:
+            first = self.dead is None
+            if first:
                 self.dead = reason
                 log.critical("engine core died (EngineDeadError)", extra={"reason": reason})
             self._signal()
+        if first:
+            await self._core_died()
+
+    @abstractmethod
+    async def _core_died(self) -> None:
+        """What follows the engine core's death beyond this side (its process is gone)."""
 
     async def _abort_running(self, reason: str) -> None:
         async with self._changed:

@@ -4,12 +4,15 @@ kinder faults that switch each one off."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from e2e.engine_simulator import engine as engine_module
+from e2e.engine_simulator.engine import SERVER_EXIT_CODE
 from e2e.engine_simulator.errors import ENGINE_DEAD_MESSAGE
-from tests.simulator.conftest import DEADLINE, GIB, MODEL, Sim, SimFactory, next_event
+from tests.simulator.conftest import DEADLINE, GIB, MODEL, PID, Sim, SimFactory, next_event
 
 STREAM = {"model": MODEL, "stream": True, "max_tokens": 5, "ignore_eos": True,
           "messages": [{"role": "user", "content": "3 + 4"}]}
@@ -28,10 +31,10 @@ async def abandon_sleep(sim: Sim, **params: str) -> None:
     await sim.until(lambda: sim.engine.abandoned_sleeps == 1)
 
 
-async def test_an_abandoned_sleep_fires_after_a_wake_and_kills_the_engine(sim: Sim) -> None:
-    """The H200 reproduction: a long generation runs, /sleep?mode=wait is abandoned, a
-    /wake_up answers 200 (is_sleeping false); when the generation ends the pending sleep
-    fires anyway, and the next request crashes the engine core."""
+async def fire_an_abandoned_sleep(sim: Sim) -> None:
+    """The H200 reproduction up to the trap: a long generation runs, /sleep?mode=wait is
+    abandoned, a /wake_up answers 200 (is_sleeping false); when the generation ends the
+    pending sleep fires anyway, with the scheduler on (the next request kills the core)."""
     await sim.faults(stall_generation=True)
     async with sim.client.post("/v1/chat/completions", json=STREAM) as running:
         await next_event(running)
@@ -49,10 +52,18 @@ async def test_an_abandoned_sleep_fires_after_a_wake_and_kills_the_engine(sim: S
     assert state["scheduler"] == "running"
     assert state["sleeps"][-1]["abandoned"]
 
+
+async def kill_the_core(sim: Sim) -> None:
+    """A request scheduled on the sleeping executor: the engine core dies."""
+    await fire_an_abandoned_sleep(sim)
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "3 + 4"}]}
     async with sim.client.post("/v1/chat/completions", json=payload) as resp:
         assert resp.status == 500
         assert await resp.json() == DEAD
+
+
+async def test_an_abandoned_sleep_fires_after_a_wake_and_kills_the_engine(sim: Sim) -> None:
+    await kill_the_core(sim)
     for method, path in (("GET", "/is_sleeping"), ("POST", "/wake_up"), ("POST", "/sleep"),
                          ("GET", "/v1/models")):
         async with sim.client.request(method, path) as resp:
@@ -63,6 +74,36 @@ async def test_an_abandoned_sleep_fires_after_a_wake_and_kills_the_engine(sim: S
     for path in ("/metrics", "/metrics/"):
         async with sim.client.get(path) as resp:
             assert resp.status == 200, path
+    async with asyncio.timeout(DEADLINE):  # an EngineDeadError answer ends vLLM's server
+        await sim.exited.wait()
+    assert sim.exits == [SERVER_EXIT_CODE]
+
+
+async def test_a_dead_core_frees_its_memory_and_the_watchdog_ends_the_server(
+        make_sim: SimFactory, nvml_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's engine core process exits on its fatal error (the GPU frees its memory),
+    and the API server's watchdog ends the server without any further call."""
+    monkeypatch.setattr(engine_module, "WATCHDOG_SECONDS", 0.2)
+    sim = await make_sim()
+    await kill_the_core(sim)
+    assert (await sim.state())["memory_bytes"] == 0
+    assert not (nvml_dir / f"{PID}.json").exists()
+    async with asyncio.timeout(DEADLINE):
+        await sim.exited.wait()
+    assert sim.exits == [SERVER_EXIT_CODE]
+
+
+async def test_keep_alive_on_engine_death_keeps_the_dead_server_up(
+        make_sim: SimFactory, nvml_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_module, "WATCHDOG_SECONDS", 0.05)
+    sim = await make_sim(keep_alive_on_engine_death=True)
+    await kill_the_core(sim)
+    for _ in range(5):
+        async with sim.client.get("/health") as resp:
+            assert resp.status == 503
+        await asyncio.sleep(0.1)
+    assert sim.exits == []
+    assert not (nvml_dir / f"{PID}.json").exists()  # the core's process is gone all the same
 
 
 async def test_sleep_cancelled_with_client_is_a_named_kinder_fault(make_sim: SimFactory
