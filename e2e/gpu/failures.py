@@ -1,7 +1,8 @@
-"""The failure scenarios on real engines: a sleep whose client gives up, an engine killed
-mid-switch, admission of an engine that does not fit beside the awake one, a wake into too
-little memory, and a start without admission. Each checks the one-awake invariant on NVML
-(the runner's sampler) and says what it took to give the GPU back."""
+"""The failure scenarios on real engines: a sleep whose client gives up, an engine core
+that dies of it, an engine killed mid-switch, admission of an engine that does not fit
+beside the awake one, a wake into too little memory, and a start without admission. Each
+checks the one-awake invariant on NVML (the runner's sampler) and says what it took to give
+the GPU back."""
 
 from __future__ import annotations
 
@@ -41,12 +42,14 @@ from e2e.gpu.steps import (
     say,
     wait_released,
 )
+from e2e.waiting import WaitTimeout, eventually_async
 
 __all__ = [
     "Ballast",
     "scenario_abandoned_sleep",
     "scenario_admission_counterexample",
     "scenario_admission_nofit",
+    "scenario_dead_core",
     "scenario_killed_mid_switch",
     "scenario_wake_oom",
 ]
@@ -130,6 +133,86 @@ async def scenario_abandoned_sleep(bench: Bench) -> dict[str, Any]:
         result["holder_back"] = await bench.handoff("a", label="after the abandoned sleep: "
                                                                "A back")
     result["ok"] = not crashed
+    return result
+
+
+async def scenario_dead_core(bench: Bench) -> dict[str, Any]:
+    """vLLM's own trap sprung on purpose: an abandoned sleep fires after a wake and the
+    next request kills the engine core. What does the GPU show of the dead engine (is its
+    memory freed, by when), and does its server stay up or exit (when, with what status)?
+    rota's start-up admission depends on it: an engine that answers nothing but still holds
+    memory keeps every other start on its GPU waiting."""
+    victim = next((k for k in ("b", "g", "v") if k in bench.live()), None)
+    if victim is None:
+        say("no small engine left: start-up admission of V (model-small)")
+        await admit(bench, specs(bench.args, bench.args.state_dir)["v"], stay_awake=False)
+        victim = "v"
+    require(bench, "a", victim)
+    await ensure_holder(bench, victim)
+    record, proc = bench.record(victim), bench.engine(victim)
+    stream = LongStream(bench.session, record.base_url, record.spec.served_name,
+                        max_tokens=bench.args.long_tokens, timeout_s=bench.bound(240))
+    stream.start()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stream.flowing.wait(), bench.bound(60))
+    if stream.first_token is None:
+        await stream.cancel()
+        raise BenchError(f"the long stream on {victim} did not start: {stream.as_dict()}")
+    result: dict[str, Any] = {"victim": victim, "pids": proc.group(),
+                              "used_mib_awake": mib(await bench.used_by(victim))}
+    result["abandoned_sleep"] = await http(bench, "POST", victim, "/sleep?level=1&mode=wait",
+                                           timeout_s=bench.args.abandon_after_s)
+    result["wake_up"] = await http(bench, "POST", victim, "/wake_up", timeout_s=30)
+    await stream.wait(bench.bound(bench.args.long_tokens / 50 + 30))
+    result["stream"] = stream.as_dict()
+    async def asleep() -> bool:  # the pending sleep fires once the stream ended
+        return await is_sleeping(bench, victim) is True
+
+    with contextlib.suppress(WaitTimeout):
+        await eventually_async(asleep, timeout=bench.bound(30), what="the pending sleep")
+    result["asleep_with_the_scheduler_on"] = await is_sleeping(bench, victim)
+    bench.sampler.unwatch(victim)  # from here on it is not an engine rota may wake
+    killing = time.monotonic()
+    result["request"] = await http(bench, "POST", victim, "/v1/completions", timeout_s=60,
+                                   json_body={"model": record.spec.served_name,
+                                              "prompt": "3 + 4 =", "max_tokens": 4})
+    timeline: list[dict[str, Any]] = []
+    last: tuple[Any, ...] | None = None
+    exited_at: float | None = None
+    watch_until = killing + bench.bound(30)
+    while time.monotonic() < watch_until:
+        alive = proc.alive()
+        health = (await http(bench, "GET", victim, "/health", timeout_s=2)).get("status") \
+            if alive else None
+        snapshot = await bench.snapshot()
+        on_gpu = sorted(p.pid for p in snapshot.processes if p.pid in set(result["pids"]))
+        point = (alive, health, tuple(on_gpu))
+        if point != last:
+            timeline.append({"t_s": round(time.monotonic() - killing, 3), "alive": alive,
+                             "health": health, "pids_on_gpu": on_gpu,
+                             "used_mib": mib(snapshot.used_by(record.claim_uid))})
+            last = point
+        if not alive and exited_at is None:
+            exited_at = time.monotonic() - killing
+        if exited_at is not None and not on_gpu:
+            break
+        await asyncio.sleep(0.1)
+    result["timeline"] = timeline
+    result["server_exit_s"] = None if exited_at is None else round(exited_at, 3)
+    result["exit_status"] = proc.proc.poll() if proc.proc is not None else None
+    released = next((p["t_s"] for p in timeline if not p["pids_on_gpu"]), None)
+    result["gpu_released_s"] = released
+    say(f"  dead core: request {result['request'].get('status')}; the GPU freed its memory "
+        f"after {released} s; the server exited after {result['server_exit_s']} s "
+        f"(status {result['exit_status']})")
+    if proc.alive():  # VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1, or a server that hung
+        result["killed_after_watch"] = proc.kill()
+    record.dead = True
+    if bench.state.holder == victim:
+        bench.state.holder = None
+    result["holder_back"] = await bench.handoff("a", label="after the dead core: A back")
+    result["ok"] = (result["request"].get("status") == 500 and released is not None
+                    and exited_at is not None and result["holder_back"]["ok"])
     return result
 
 

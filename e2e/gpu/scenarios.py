@@ -21,6 +21,13 @@ done, so that the next command goes on with the next one on the same engines.
                      another claimant; X's claim understates its budget) -> gpu_oom
 ``admission_counterexample``  Y, which does not fit beside awake A, started without
                      admission: its start fails while A keeps serving
+
+Run only when named:
+
+``smoke``            one handoff each way (the real-GPU pytest's own check)
+``dead_core``        the abandoned-sleep trap sprung on purpose: the next request kills
+                     the engine core; when the GPU frees its memory, when its server
+                     exits and with what status (the engine is gone afterwards)
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from e2e.gpu.failures import (
     scenario_abandoned_sleep,
     scenario_admission_counterexample,
     scenario_admission_nofit,
+    scenario_dead_core,
     scenario_killed_mid_switch,
     scenario_wake_oom,
 )
@@ -71,7 +79,10 @@ class Scenario:
 
 
 
-EXTRA: dict[str, Scenario] = {"smoke": Scenario("smoke", scenario_smoke, 30)}
+EXTRA: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("smoke", scenario_smoke, 30),
+    Scenario("dead_core", scenario_dead_core, 60),
+)}
 """Scenarios run only when named (never by ``all`` or ``next``)."""
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
