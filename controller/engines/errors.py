@@ -90,16 +90,24 @@ def is_host_oom(message: str) -> bool:
     return bool(_HOST_OOM.search(message))
 
 
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue."
+"""The start of vLLM's ``EngineDeadError`` message. vLLM 0.26 answers a call that met the
+dead core with ``{"error": {"message": <that message>, "type": "InternalServerError",
+...}}``: the exception's name is not in the answer, its message is."""
+
+
 def is_engine_dead(body: str) -> bool:
     """True when an error answer says the engine core is dead (vLLM's ``EngineDeadError``)."""
     try:
         parsed: Any = json.loads(body)
     except ValueError:
-        return "EngineDeadError" in body
+        parsed = None
     if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-        return parsed["error"].get("type") == "EngineDeadError" or "EngineDeadError" in str(
-            parsed["error"].get("message", ""))
-    return "EngineDeadError" in body
+        error = parsed["error"]
+        message = str(error.get("message", ""))
+        return (error.get("type") == "EngineDeadError" or "EngineDeadError" in message
+                or message.startswith(ENGINE_DEAD_MESSAGE))
+    return "EngineDeadError" in body or ENGINE_DEAD_MESSAGE in body
 
 
 def error_message(body: str) -> str:

@@ -22,7 +22,7 @@ Retries, all through :func:`driver.aio.retry` (bounded, jittered):
 A call sent again always goes on a new connection of its own: the idle connections to an
 engine may all have been closed at the same moment.
 
-A 500 ``EngineDeadError`` becomes :class:`~controller.engines.errors.EngineDead`.
+A 500 with ``EngineDeadError``'s message becomes :class:`~controller.engines.errors.EngineDead`.
 """
 
 from __future__ import annotations

@@ -65,8 +65,11 @@ ENGINE_DEAD_MESSAGE = ("EngineCore encountered an issue. See stack trace (above)
 
 
 def engine_dead_error() -> SimError:
-    """What every call to an engine whose core died answers (vLLM's ``EngineDeadError``)."""
-    return SimError(ENGINE_DEAD_MESSAGE, status=500, err_type="EngineDeadError")
+    """What every call to an engine whose core died answers: vLLM's handler of
+    ``EngineDeadError`` renders it through ``create_error_response``, which names only the
+    status (``InternalServerError``); the exception's message is all that tells it apart
+    (as seen on vLLM 0.26 on an H200)."""
+    return SimError(ENGINE_DEAD_MESSAGE, status=500, err_type="InternalServerError")
 
 
 @web.middleware

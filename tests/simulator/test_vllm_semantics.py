@@ -16,7 +16,7 @@ from tests.simulator.conftest import DEADLINE, GIB, MODEL, PID, Sim, SimFactory,
 
 STREAM = {"model": MODEL, "stream": True, "max_tokens": 5, "ignore_eos": True,
           "messages": [{"role": "user", "content": "3 + 4"}]}
-DEAD = {"error": {"message": ENGINE_DEAD_MESSAGE, "type": "EngineDeadError", "param": None,
+DEAD = {"error": {"message": ENGINE_DEAD_MESSAGE, "type": "InternalServerError", "param": None,
                   "code": 500}}
 
 
