@@ -75,7 +75,10 @@ async def dead_engine_middleware(request: web.Request, handler: Handler) -> web.
         error = engine_dead_error()
         engine.answered_dead()
         return web.json_response(error.body(), status=error.status)
-    return await handler(request)
+    response = await handler(request)
+    if engine.dead is not None and response.status == 500:
+        engine.answered_dead()  # the request that met the core's death (not a stream's 200)
+    return response
 
 
 def reused_connection_middleware() -> Middleware:
