@@ -55,14 +55,21 @@ __all__ = [
 ]
 
 
+async def _small_engine(bench: Bench, order: tuple[str, ...]) -> str:
+    """The first small engine of ``order`` still running; else a fresh V (model-small),
+    started through start-up admission (a run taken up again after the others died)."""
+    found = next((k for k in order if k in bench.live()), None)
+    if found is not None:
+        return found
+    say("no small engine left: start-up admission of V (model-small)")
+    await admit(bench, specs(bench.args, bench.args.state_dir)["v"], stay_awake=False)
+    return "v"
+
+
 async def scenario_abandoned_sleep(bench: Bench) -> dict[str, Any]:
     """A sleep whose client gives up while a long stream runs (vLLM 0.26 keeps it
     registered and fires it later, even after a wake): does rota leave a live engine?"""
-    victim = next((k for k in ("b", "g", "v") if k in bench.live()), None)
-    if victim is None:  # run again after the others died: a fresh small engine
-        say("no small engine left: start-up admission of V (model-small)")
-        await admit(bench, specs(bench.args, bench.args.state_dir)["v"], stay_awake=False)
-        victim = "v"
+    victim = await _small_engine(bench, ("b", "g", "v"))
     require(bench, "a", victim)
     await ensure_holder(bench, victim)
     record = bench.record(victim)
@@ -142,11 +149,7 @@ async def scenario_dead_core(bench: Bench) -> dict[str, Any]:
     memory freed, by when), and does its server stay up or exit (when, with what status)?
     rota's start-up admission depends on it: an engine that answers nothing but still holds
     memory keeps every other start on its GPU waiting."""
-    victim = next((k for k in ("b", "g", "v") if k in bench.live()), None)
-    if victim is None:
-        say("no small engine left: start-up admission of V (model-small)")
-        await admit(bench, specs(bench.args, bench.args.state_dir)["v"], stay_awake=False)
-        victim = "v"
+    victim = await _small_engine(bench, ("b", "g", "v"))
     require(bench, "a", victim)
     await ensure_holder(bench, victim)
     record, proc = bench.record(victim), bench.engine(victim)
@@ -218,11 +221,7 @@ async def scenario_dead_core(bench: Bench) -> dict[str, Any]:
 
 async def scenario_killed_mid_switch(bench: Bench) -> dict[str, Any]:
     """The target SIGKILLed while its wake is in flight: one owner, the old holder back."""
-    target = next((k for k in ("g", "b", "v") if k in bench.live()), None)
-    if target is None:
-        say("no small engine left: start-up admission of V (model-small)")
-        await admit(bench, specs(bench.args, bench.args.state_dir)["v"], stay_awake=False)
-        target = "v"
+    target = await _small_engine(bench, ("g", "b", "v"))
     require(bench, "a", target)
     await ensure_holder(bench, "a")
     proc = bench.engine(target)
