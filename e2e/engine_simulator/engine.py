@@ -107,6 +107,8 @@ class Engine(Traffic):
         self._watchdog_task: asyncio.Task[None] | None = None
         self._dead_answered = asyncio.Event()
         """A call was answered ``EngineDeadError`` (vLLM's handler of it ends the server)."""
+        self.watchdog_looks = 0
+        """How many times the server's watchdog looked at the engine core."""
         self._had_level1_sleep = False
         self.sleep_state_level = 0
         """``vllm:engine_sleep_state``: 0 awake, 1 weights offloaded, 2 discard all (as
@@ -200,6 +202,9 @@ class Engine(Traffic):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(WATCHDOG_SECONDS):
                     await self._dead_answered.wait()
+            async with self._changed:
+                self.watchdog_looks += 1
+                self._signal()
             if self.dead is None or self.settings.keep_alive_on_engine_death:
                 self._dead_answered.clear()
                 continue

@@ -183,12 +183,13 @@ async def scenario_dead_core(bench: Bench) -> dict[str, Any]:
     last: tuple[Any, ...] | None = None
     exited_at: float | None = None
     watch_until = killing + bench.bound(30)
+    pids = set(result["pids"])
     while time.monotonic() < watch_until:
         alive = proc.alive()
         health = (await http(bench, "GET", victim, "/health", timeout_s=2)).get("status") \
             if alive else None
         snapshot = await bench.snapshot()
-        on_gpu = sorted(p.pid for p in snapshot.processes if p.pid in set(result["pids"]))
+        on_gpu = sorted(p.pid for p in snapshot.processes if p.pid in pids)
         point = (alive, health, tuple(on_gpu))
         if point != last:
             timeline.append({"t_s": round(time.monotonic() - killing, 3), "alive": alive,

@@ -53,13 +53,20 @@ async def fire_an_abandoned_sleep(sim: Sim) -> None:
     assert state["sleeps"][-1]["abandoned"]
 
 
-async def kill_the_core(sim: Sim) -> None:
-    """A request scheduled on the sleeping executor: the engine core dies."""
+async def kill_the_core(sim: Sim, *, streamed: bool = False) -> None:
+    """A request scheduled on the sleeping executor: the engine core dies. A plain request
+    is answered 500; a stream already has its 200 and ends with an error event."""
     await fire_an_abandoned_sleep(sim)
-    payload = {"model": MODEL, "messages": [{"role": "user", "content": "3 + 4"}]}
+    payload = STREAM if streamed else {"model": MODEL,
+                                       "messages": [{"role": "user", "content": "3 + 4"}]}
     async with sim.client.post("/v1/chat/completions", json=payload) as resp:
-        assert resp.status == 500
-        assert await resp.json() == DEAD
+        if streamed:
+            assert resp.status == 200
+            assert "EngineCore encountered an issue" in await resp.text()
+        else:
+            assert resp.status == 500
+            assert await resp.json() == DEAD
+    assert sim.engine.dead is not None
 
 
 async def test_an_abandoned_sleep_fires_after_a_wake_and_kills_the_engine(sim: Sim) -> None:
@@ -82,10 +89,11 @@ async def test_an_abandoned_sleep_fires_after_a_wake_and_kills_the_engine(sim: S
 async def test_a_dead_core_frees_its_memory_and_the_watchdog_ends_the_server(
         make_sim: SimFactory, nvml_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's engine core process exits on its fatal error (the GPU frees its memory),
-    and the API server's watchdog ends the server without any further call."""
+    and the API server's watchdog ends the server without any further call (the stream
+    that met the death had its 200 already, so no handler of EngineDeadError ran)."""
     monkeypatch.setattr(engine_module, "WATCHDOG_SECONDS", 0.2)
     sim = await make_sim()
-    await kill_the_core(sim)
+    await kill_the_core(sim, streamed=True)
     assert (await sim.state())["memory_bytes"] == 0
     assert not (nvml_dir / f"{PID}.json").exists()
     async with asyncio.timeout(DEADLINE):
@@ -98,10 +106,10 @@ async def test_keep_alive_on_engine_death_keeps_the_dead_server_up(
     monkeypatch.setattr(engine_module, "WATCHDOG_SECONDS", 0.05)
     sim = await make_sim(keep_alive_on_engine_death=True)
     await kill_the_core(sim)
-    for _ in range(5):
-        async with sim.client.get("/health") as resp:
-            assert resp.status == 503
-        await asyncio.sleep(0.1)
+    looked = sim.engine.watchdog_looks
+    await sim.until(lambda: sim.engine.watchdog_looks >= looked + 3)
+    async with sim.client.get("/health") as resp:
+        assert resp.status == 503
     assert sim.exits == []
     assert not (nvml_dir / f"{PID}.json").exists()  # the core's process is gone all the same
 
