@@ -19,12 +19,16 @@
    bounded, and so is every wait, by one deadline per request.
 
 A streamed request that waits gets its answer started early and kept alive with SSE
-comments (:mod:`~controller.gateway.downstream`); every refusal carries Retry-After.
+comments (:mod:`~controller.gateway.downstream`); every refusal carries Retry-After. Once
+that stream has begun, every refusal — the gateway's own, an engine's 503 or unreachable
+engine passed on, even a defect of the gateway's — is its last events, an error event and
+``[DONE]``, never a second answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -57,6 +61,8 @@ class ModelRequest:
     path: str
     model: str
     stream: bool
+    """The answer may be an event stream (``stream: true`` on a path that streams): the
+    request may get its answer started early."""
     body: bytes
     request_id: str
     arrived: float
@@ -91,15 +97,24 @@ class Dispatcher:
         downstream = Downstream(request, gen.request_id, stream=gen.stream,
                                 keepalive_s=self.settings.stream_keepalive_s)
         downstream.start_keepalive()
+        extra = {"model": gen.model, "request_id": gen.request_id}
         try:
             return await self._serve(downstream, gen)
         except GatewayError as err:
-            if not downstream.early:
+            if not await downstream.started_early():
                 raise
             count_refusal(self.metrics, gen.model, err)
-            log.warning("request refused inside its started stream", extra={
-                "model": gen.model, "request_id": gen.request_id, "code": err.code})
+            log.warning("request refused inside its started stream",
+                        extra=extra | {"code": err.code})
             return await downstream.fail(err)
+        except Exception:
+            if not await downstream.started_early():
+                raise  # aiohttp's 500
+            log.exception("request failed inside its started stream", extra=extra)
+            failure = GatewayError("The gateway failed to serve this request.",
+                                   code="internal_error")
+            count_refusal(self.metrics, gen.model, failure)
+            return await downstream.fail(failure)
         finally:
             await downstream.stop_keepalive()
 
@@ -138,7 +153,7 @@ class Dispatcher:
                         moved_on or await self.state.wait_changed(
                             version, min(self.settings.lost_gpu_grace_s, remaining))):
                     log.warning("engine did not serve; passing its refusal on", extra=extra)
-                    return self._refusal(gen, result)
+                    return await self._refusal(downstream, gen, result)
                 log.info("engine no longer serves this model; routing again", extra=extra)
                 self.metrics.upstream_retries.labels(gen.model).inc()
 
@@ -166,13 +181,29 @@ class Dispatcher:
             log_extra={"model": model, "request_id": gen.request_id,
                        "upstream": decision.endpoint, "claim": decision.claim or ""})
 
-    def _refusal(self, gen: ModelRequest, refused: proxy.Refused) -> web.StreamResponse:
+    async def _refusal(self, downstream: Downstream, gen: ModelRequest,
+                       refused: proxy.Refused) -> web.StreamResponse:
+        """The engine's refusal, passed on as it is when nothing was sent yet.
+
+        Raises:
+            Unavailable: the engine could not be reached; or the answer has begun as an
+                event stream, so the refusal (its words, ``upstream_<status>``, its
+                Retry-After) can only be that stream's last event.
+        """
         if refused.status is None:
             raise Unavailable(f"The engine serving model '{gen.model}' cannot be reached.",
                               code="upstream_unreachable",
                               retry_after=self.settings.retry_after_s)
-        self.metrics.requests.labels(gen.model, f"upstream_{refused.status}").inc()
         headers = refused.headers
+        hint = headers.get("Retry-After", "")
+        if await downstream.started_early():
+            raise Unavailable(
+                f"The engine serving model '{gen.model}' refused the request "
+                f"(HTTP {refused.status}): {_engine_message(refused)}",
+                code=f"upstream_{refused.status}",
+                retry_after=int(hint) if hint.isascii() and hint.isdigit()
+                else self.settings.retry_after_s)
+        self.metrics.requests.labels(gen.model, f"upstream_{refused.status}").inc()
         headers.setdefault("Retry-After", str(self.settings.retry_after_s))
         return web.Response(status=refused.status, body=refused.body, headers=headers)
 
@@ -237,6 +268,19 @@ class Dispatcher:
                 declined_until = loop.time() + wait
                 continue
             activated = (done.claim, done.fence, self.state.version)
+
+
+def _engine_message(refused: proxy.Refused) -> str:
+    """What the engine said in its refusal: its error's message, else its body's start."""
+    try:
+        payload = json.loads(refused.body)
+    except (ValueError, RecursionError):
+        payload = None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if isinstance(message, str) and message.strip():
+        return message.strip()
+    return refused.body[:256].decode(errors="replace").strip() or "no details"
 
 
 def count_refusal(metrics: GatewayMetrics, model: str, err: GatewayError) -> None:

@@ -13,6 +13,13 @@ SSE clients, the OpenAI SDKs among them, skip) every ``keepalive_s`` until the e
 first bytes follow in the same stream. From then on an error, the gateway's or the
 engine's, can no longer change the status: it is sent the way vLLM sends errors inside a
 stream, as ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+
+Whether the answer has begun is decided once, under the lock the keep-alive starts the
+stream under (:meth:`Downstream.started_early`): the keep-alive is stopped first, never
+inside its ``prepare()`` (a start broken off there leaves the connection's writer half set
+up for a response that was never sent), and a start in progress is waited out. So a
+refusal meets either nothing sent (and is an answer of its own) or a whole ``200`` head
+(and is the stream's last events), never half of one.
 """
 
 from __future__ import annotations
@@ -41,13 +48,18 @@ def _sse(payload: object) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def _closing(error: object) -> bytes:
+    """The last events of a stream: the error object ``error``, then ``[DONE]``."""
+    return _sse(error) + _sse("[DONE]")
+
+
 def _error_events(err: GatewayError) -> bytes:
     """``err`` as the last events of a stream: the error (with ``retry_after`` where it has
     one), then ``[DONE]``."""
     body = error_body(err.message, type_=err.type, code=err.code, param=err.param)
     if err.retry_after is not None:
         body["error"]["retry_after"] = str(max(1, round(err.retry_after)))
-    return _sse(body) + _sse("[DONE]")
+    return _closing(body)
 
 
 class Downstream:
@@ -61,12 +73,16 @@ class Downstream:
         self.keepalive_s = keepalive_s
         self.response: web.StreamResponse | None = None
         self.early = False
-        """Started by the keep-alive (200, SSE) before any engine byte."""
+        """Started by the keep-alive (200, SSE) before any engine byte: set, with
+        :attr:`response`, before that start's ``prepare()`` is awaited. Read it only once
+        the keep-alive is stopped (:meth:`started_early`)."""
         self.note = "waiting"
         """What the request waits for, said in the keep-alive comments."""
         self.comments = 0
         self._engine = False
+        self._stopped = False
         self._lock = asyncio.Lock()
+        """Held by each tick (the early start and each comment) and by whatever ends it."""
         self._ticker: asyncio.Task[None] | None = None
 
     # -- keep-alive ---------------------------------------------------------------------
@@ -81,13 +97,14 @@ class Downstream:
             while True:
                 await asyncio.sleep(self.keepalive_s)
                 async with self._lock:
-                    if self._engine:
+                    if self._engine or self._stopped:
                         return
                     if self.response is None:
                         headers = dict(_SSE_HEADERS) | {"X-Request-Id": self.request_id}
-                        response = web.StreamResponse(status=200, headers=headers)
-                        await response.prepare(self.request)
-                        self.response, self.early = response, True
+                        # Begun from here: the head may reach the wire inside prepare().
+                        self.response = web.StreamResponse(status=200, headers=headers)
+                        self.early = True
+                        await self.response.prepare(self.request)
                     note = self.note.replace("\n", " ")[:_MAX_NOTE]
                     await self.response.write(f": rota: {note}\n\n".encode())
                     self.comments += 1
@@ -95,11 +112,23 @@ class Downstream:
             return  # the client left; its handler is being cancelled
 
     async def stop_keepalive(self) -> None:
+        """Stop the keep-alive for good, waiting out a tick in progress (a tick is never
+        cancelled inside its start or its write: only while it sleeps or waits its turn)."""
         ticker, self._ticker = self._ticker, None
-        if ticker is not None:
+        if ticker is None:
+            return
+        async with self._lock:
+            self._stopped = True
             ticker.cancel()
-            with suppress(asyncio.CancelledError):
-                await ticker
+        with suppress(asyncio.CancelledError):
+            await ticker
+
+    async def started_early(self) -> bool:
+        """Stop the keep-alive (:meth:`stop_keepalive`), then whether it started the
+        answer: then anything more, a refusal above all, can only go inside that stream
+        (:meth:`fail`), never as an answer of its own."""
+        await self.stop_keepalive()
+        return self.early
 
     # -- the engine's answer ------------------------------------------------------------
 
@@ -129,13 +158,13 @@ class Downstream:
         """
         try:
             payload = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             payload = None
         if not (isinstance(payload, dict) and isinstance(payload.get("error"), dict)):
             text = body[:512].decode(errors="replace") or f"HTTP {status}"
             payload = error_body(text, type_="upstream_error", code=f"upstream_{status}")
         assert self.response is not None
-        await self.response.write(_sse(payload) + _sse("[DONE]"))
+        await self.response.write(_closing(payload))
         await self.response.write_eof()
 
     async def broken_off(self, err: GatewayError, *, at_event_boundary: bool) -> None:
@@ -155,7 +184,8 @@ class Downstream:
     # -- the gateway's own refusal ------------------------------------------------------
 
     async def fail(self, err: GatewayError) -> web.StreamResponse:
-        """End the early stream with ``err`` as an error event (see :meth:`early`)."""
+        """End the early stream with ``err`` as an error event and ``[DONE]`` (only after
+        :meth:`started_early` said it has begun)."""
         await self.stop_keepalive()
         assert self.response is not None
         assert self.early

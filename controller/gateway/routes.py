@@ -4,11 +4,15 @@ Served, each routed by its body's ``model`` with the same admission, queueing an
 switching (:data:`MODEL_PATHS`): ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``, ``/v1/responses``, ``/v1/rerank``, ``/v1/score``, ``/tokenize`` and
 ``/detokenize`` (as vLLM serves them: a GPU often holds a chat model next to an embedder
-or a reranker); and ``/v1/models``. Everything else — engines' control paths (``/sleep``,
-``/wake_up``, ``/is_sleeping``, ``/collective_rpc``, ``/reset_prefix_cache``, ``/pause``,
-``/resume``, ``/is_paused``, ``/v1/omni/*``) above all — is a 404 from the gateway itself:
-no path is ever proxied by pattern, each served path goes to the same path on the engine,
-so no control call can slip through.
+or a reranker); and ``/v1/models``. Everything else — engines' control paths
+(``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/collective_rpc``, ``/reset_prefix_cache``,
+``/pause``, ``/resume``, ``/is_paused``, ``/v1/omni/*``) above all — is a 404 from the
+gateway itself: no path is ever proxied by pattern, each served path goes to the same path
+on the engine, so no control call can slip through.
+
+Only chat, completions and responses stream (:data:`STREAMING_PATHS`): ``stream: true``
+on another path goes to the engine as it is, but its answer, JSON, is never started early
+as an event stream.
 
 A model request is checked before it takes any place: API key (401), body size (413,
 the body is read in bounded pieces and never past the limit), body arrival time (408),
@@ -45,13 +49,17 @@ from controller.gateway.errors import (
 )
 from controller.gateway.metrics import UNKNOWN_MODEL
 
-__all__ = ["MODEL_PATHS", "error_middleware", "routes"]
+__all__ = ["MODEL_PATHS", "STREAMING_PATHS", "error_middleware", "routes"]
 
 log = logging.getLogger(__name__)
 
 MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
                "/v1/rerank", "/v1/score", "/tokenize", "/detokenize")
 """Paths routed by ``model``; each goes to the same path on the engine."""
+STREAMING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+"""The paths whose answer is an event stream when the body asks ``stream: true`` (the
+others always answer JSON): only these may have their answer started early
+(:mod:`~controller.gateway.downstream`)."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _READ_PIECE = 64 * 1024
 _STARTED = int(time.time())
@@ -159,8 +167,9 @@ async def _model_request(request: web.Request, path: str) -> web.StreamResponse:
                                   retry_after=request.app[keys.SETTINGS].retry_after_s)
             raise ModelNotFound(envelope.model)
         model = envelope.model
-        gen = ModelRequest(path=path, model=model, stream=bool(envelope.stream),
-                                body=raw, request_id=request_id, arrived=arrived)
+        gen = ModelRequest(path=path, model=model,
+                           stream=bool(envelope.stream) and path in STREAMING_PATHS,
+                           body=raw, request_id=request_id, arrived=arrived)
         return await request.app[keys.DISPATCHER].serve(request, gen)
     except GatewayError as err:
         return await _refuse(request, err, model, request_id)

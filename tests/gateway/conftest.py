@@ -317,16 +317,20 @@ class Rig:
 
 
 RigFactory = Callable[..., Awaitable[Rig]]
+PrepareHook = Callable[[web.Request, web.StreamResponse], Awaitable[None]]
+"""An ``on_response_prepare`` handler: runs inside every answer's ``prepare()``."""
 
 
 @pytest.fixture
 async def make_rig(tmp_path: Path) -> AsyncIterator[RigFactory]:
-    """Two simulators on one GPU (A awake, B asleep), a fake controller, the gateway."""
+    """Two simulators on one GPU (A awake, B asleep), a fake controller, the gateway
+    (``on_prepare``: a hook each gateway replica runs inside every answer's prepare)."""
     closers: list[Callable[[], Awaitable[None]]] = []
 
     async def make(*, sim_a: dict[str, Any] | None = None, sim_b: dict[str, Any] | None = None,
                    api_keys: list[str] | None = None, token: str | None = TOKEN,
-                   replicas: int = 1, **settings: Any) -> Rig:
+                   replicas: int = 1, on_prepare: PrepareHook | None = None,
+                   **settings: Any) -> Rig:
         a = await start_sim(MODEL_A, f"{NAMESPACE}/claim-a", **(sim_a or {}))
         closers.append(a.client.close)
         b = await start_sim(MODEL_B, f"{NAMESPACE}/claim-b", **(sim_b or {}))
@@ -357,6 +361,8 @@ async def make_rig(tmp_path: Path) -> AsyncIterator[RigFactory]:
         for _ in range(replicas):
             app = make_app(GatewaySettings.model_validate(values | settings),
                            routing_source=source)
+            if on_prepare is not None:  # before the start, which freezes the signals
+                app.on_response_prepare.append(on_prepare)
             state_holder.append(app[keys.STATE])
             gateway: TestClient[Any, Any] = TestClient(TestServer(app, host="127.0.0.1",
                                                                   port=0))
