@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 from controller import metrics, naming
 from controller.claimants import Claimant
-from controller.device import check_before_wake
 from controller.leases import GpuLease
 from controller.switch import Fenced, SleepUnknown, Switcher, SwitchFailed, SwitchResult, reason_of
 from driver.aio import Backoff
@@ -127,7 +126,8 @@ class StartSwitch:
         try:
             if holder is not None:
                 await sw.drain(holder, fence, timings)
-            problem = await sw.hand_back(holder, newcomer, claimants, fence, timings)
+            problem = await sw.hand_back(holder, newcomer, claimants, fence, timings,
+                                         starting=True)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
             await sw.fenced_engine(newcomer, fence, timings)  # the grant is a call too
@@ -145,11 +145,11 @@ class StartSwitch:
         except Exception as exc:
             ticket.refuse()
             metrics.STARTS.labels("refused").inc()
-            return await sw.restore(lease, holder, exc, timings)
+            return await sw.restore(lease, holder, exc, timings, claimants)
         granted_at = sw.ports.clock()
         timings["admit"] = granted_at - begin
         try:
-            started = await self._until_up(newcomer, ticket, fence, timings)
+            started = await self.until_up(newcomer, ticket, fence, timings)
             timings["start"] = sw.ports.clock() - granted_at
             metrics.START.labels(newcomer.model).observe(timings["start"])
             await sw.probe(started, fence, timings)
@@ -185,7 +185,7 @@ class StartSwitch:
             "holder": stay.ref, "timings": {k: round(v, 4) for k, v in timings.items()}})
         return SwitchResult(True, lease, timings=timings)
 
-    async def _until_up(self, newcomer: Claimant, ticket: StartTicket, fence: int,
+    async def until_up(self, newcomer: Claimant, ticket: StartTicket, fence: int,
                         timings: dict[str, float]) -> Claimant:
         """The newcomer once it answers ``/health``; raises when it is not coming."""
         deadline = self.sw.ports.clock() + self.limits.start_s
@@ -232,22 +232,25 @@ class StartSwitch:
         deadline = sw.ports.clock() + self.limits.gone_s
         pauses = Backoff(first_s=0.05, max_s=1.0)
         while True:
-            snapshot = await sw.snapshot(newcomer.gpu, timings)
-            held = snapshot.used_by(newcomer.claim_uid)
-            if held <= newcomer.resident_bytes + sw.limits.tolerance_bytes:
+            above = await self._above_resident(current, claimants, timings)
+            if above is None:
                 break
             if sw.ports.clock() >= deadline:
                 return await sw.fail(lease, reason, f"{message}; {newcomer.ref} still holds "
-                                     f"{held} bytes, so {holder.ref if holder else 'nobody'} "
+                                     f"{above}, so {holder.ref if holder else 'nobody'} "
                                      "stays asleep", restored=None, timings=timings,
                                      unsettled=(current,))
             await pauses.sleep()
-        if holder is None:
-            return await sw.fail(lease, reason, message, restored=None, timings=timings)
-        problem = check_before_wake(snapshot, target=holder, claimants=claimants,
-                                    tolerance_bytes=sw.limits.tolerance_bytes,
-                                    unknown_limit_bytes=sw.limits.unknown_limit_bytes)
-        if problem is not None:
-            return await sw.fail(lease, reason, f"{message}; the old holder stays asleep: "
-                                 f"{problem.message}", restored=None, timings=timings)
-        return await sw.restore(lease, holder, exc, timings)
+        # restore reads every GPU of the old holder again before its wake.
+        return await sw.restore(lease, holder, exc, timings, claimants)
+
+    async def _above_resident(self, newcomer: Claimant, claimants: Sequence[Claimant],
+                              timings: dict[str, float]) -> str | None:
+        """Where the newcomer's pod holds more than its resident footprint (processes
+        attributed by pod, never by what they name themselves), or None."""
+        sw = self.sw
+        for gpu in newcomer.gpus:
+            held = (await sw.snapshot(gpu, timings)).held_by(newcomer, claimants)
+            if held > newcomer.resident_on(gpu) + sw.limits.tolerance_bytes:
+                return f"{held} bytes on {gpu}"
+        return None

@@ -5,7 +5,12 @@ port, sleep level, adapter, awake budget) from the claim's opaque parameters, an
 it is reserved for, with that pod's IP once it runs. Pod annotations may override the
 model, port and sleep level (``gpu.rota.dev/model``, ``gpu.rota.dev/engine-port``,
 ``gpu.rota.dev/sleep-level``), for an admin who reuses one claim template for several
-models.
+models; an override is checked by the EngineConfig's own rules, and one that fails them is
+ignored (with a warning), as the driver would have refused it in the claim.
+
+A claim may hold several GPUs of its node (a tensor-parallel engine): the claimant knows
+every one (:attr:`Claimant.gpus`, with its resident footprint on each), and it is awake
+only when it holds every one of them.
 
 Pure: the lease controller and the gateway feed it the objects they watch.
 """
@@ -16,6 +21,8 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import ValidationError
 
 from controller.urls import http_url
 from driver.claims import engine_config_of
@@ -42,7 +49,8 @@ class Claimant:
     node: str
     """The pool (rota names pools after nodes)."""
     device: str
-    """The allocated device as the claim names it (``gpu-0``, or ``gpu-0-share-2``)."""
+    """The first allocated device as the claim names it (``gpu-0``, or
+    ``gpu-0-share-2``)."""
     share_id: str | None
     config: EngineConfig
     model: str
@@ -54,12 +62,37 @@ class Claimant:
     pod_ip: str | None
     pod_ready: bool
     pod_deleting: bool
+    resident_on_gpu: tuple[tuple[str, int], ...] = ()
+    """Every physical GPU the claim holds on its node with its resident footprint there,
+    in GPU order; empty means the one GPU of :attr:`device` at :attr:`resident_bytes`."""
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        """Every physical GPU (``gpu-<i>``) the claimant holds, in GPU order: one for most
+        engines, several for a tensor-parallel one. It is awake only as the holder of
+        every one of them."""
+        if not self.resident_on_gpu:
+            return (physical_device(self.device),)
+        return tuple(gpu for gpu, _ in self.resident_on_gpu)
 
     @property
     def gpu(self) -> str:
-        """The physical GPU (``gpu-<i>``) the claimant shares, whatever the sharing mode
-        named its allocation: the unit of "one engine awake" and of the GPU Lease."""
-        return physical_device(self.device)
+        """The first physical GPU (``gpu-<i>``) the claimant shares, whatever the sharing
+        mode named its allocation: for one GPU, the unit of "one engine awake" and of the
+        GPU Lease; for several, the GPU whose worker queues its activations."""
+        return self.gpus[0]
+
+    @property
+    def spans_gpus(self) -> bool:
+        """The claimant holds more than one GPU (a gang: switched on all at once)."""
+        return len(self.gpus) > 1
+
+    def resident_on(self, gpu: str) -> int:
+        """The claimant's resident footprint on one physical GPU (0 on a GPU it does not
+        hold)."""
+        if not self.resident_on_gpu:
+            return self.resident_bytes if gpu == physical_device(self.device) else 0
+        return dict(self.resident_on_gpu).get(gpu, 0)
 
     @property
     def ref(self) -> str:
@@ -85,18 +118,29 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
 
 
 def _override(config: EngineConfig, pod: Mapping[str, Any] | None) -> tuple[str, int, int]:
-    model, port, level = config.model, config.engine_port, int(config.sleep_level)
+    """The model, port and sleep level, with the pod's annotations applied when the
+    EngineConfig's own rules accept them (a level-2 sleep for vLLM-Omni, a model name that
+    is too long or has control characters, a port out of range: all ignored)."""
+    plain = config.model, config.engine_port, int(config.sleep_level)
     annotations = (pod or {}).get("metadata", {}).get("annotations", {}) or {}
-    model = annotations.get(ANNOTATION_MODEL, model)
+    changes: dict[str, object] = {}
     try:
-        port = int(annotations.get(ANNOTATION_PORT, port))
-        level = int(annotations.get(ANNOTATION_SLEEP_LEVEL, level))
-    except ValueError:
-        log.warning("ignoring an unparsable claimant annotation",
-                    extra={"pod": (pod or {}).get("metadata", {}).get("name")})
-    if not 1 <= port <= 65535 or level not in (1, 2):
-        return config.model, config.engine_port, int(config.sleep_level)
-    return model, port, level
+        if ANNOTATION_MODEL in annotations:
+            changes["model"] = str(annotations[ANNOTATION_MODEL])
+        if ANNOTATION_PORT in annotations:
+            changes["engine_port"] = int(annotations[ANNOTATION_PORT])
+        if ANNOTATION_SLEEP_LEVEL in annotations:
+            changes["sleep_level"] = int(annotations[ANNOTATION_SLEEP_LEVEL])
+        if not changes:
+            return plain
+        checked = EngineConfig.model_validate(config.model_dump() | changes, by_name=True,
+                                              by_alias=False)
+    except (ValueError, ValidationError) as exc:
+        log.warning("ignoring claimant annotations the engine config does not accept",
+                    extra={"pod": (pod or {}).get("metadata", {}).get("name"),
+                           "error": str(exc).splitlines()[0]})
+        return plain
+    return checked.model, checked.engine_port, int(checked.sleep_level)
 
 
 def device_memory_of(slices: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -138,6 +182,31 @@ def _reserved_pod(claim: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]
     return None
 
 
+def gpu_order(gpu: str) -> tuple[int, str]:
+    """The one order of a node's GPUs (``gpu-2`` before ``gpu-10``): gang switches take
+    their GPUs in it."""
+    _, _, index = gpu.rpartition("-")
+    return (int(index), gpu) if index.isdigit() else (1 << 30, gpu)
+
+
+def _resident_on_gpus(results: Iterable[Mapping[str, Any]],
+                      device_memory: Mapping[str, int] | None) -> dict[str, int]:
+    """Resident bytes per physical GPU over a claim's allocation results (shares of one
+    GPU add up)."""
+    found: dict[str, int] = {}
+    for result in results:
+        device = str(result.get("device", ""))
+        consumed = (result.get("consumedCapacity") or {}).get("memory")
+        try:
+            resident = (parse_quantity(consumed) if consumed is not None
+                        else (device_memory or {}).get(device, 0))
+        except ValueError:
+            resident = 0
+        gpu = physical_device(device)
+        found[gpu] = found.get(gpu, 0) + resident
+    return found
+
+
 def claimants_from(claims: Iterable[Mapping[str, Any]],
                    pods: Mapping[str, Mapping[str, Any]], *,
                    node: str | None = None, driver: str = DRIVER,
@@ -173,12 +242,9 @@ def claimants_from(claims: Iterable[Mapping[str, Any]],
         result = results[0]
         pod = _reserved_pod(claim, pods, node=str(result.get("pool", "")))
         model, port, level = _override(config, pod)
-        consumed = (result.get("consumedCapacity") or {}).get("memory")
-        try:
-            resident = (parse_quantity(consumed) if consumed is not None
-                        else (device_memory or {}).get(str(result.get("device", "")), 0))
-        except ValueError:
-            resident = 0
+        on_gpu = _resident_on_gpus((r for r in results if r.get("pool") == result.get("pool")),
+                                   device_memory)
+        resident = on_gpu.get(physical_device(str(result.get("device", ""))), 0)
         pod_meta = (pod or {}).get("metadata", {})
         found.append(Claimant(
             claim_uid=str(meta.get("uid", "")), namespace=str(meta.get("namespace", "")),
@@ -190,5 +256,6 @@ def claimants_from(claims: Iterable[Mapping[str, Any]],
             pod_ip=(pod or {}).get("status", {}).get("podIP") or None,
             pod_ready=_pod_ready(pod or {}),
             pod_deleting=bool(pod_meta.get("deletionTimestamp")),
+            resident_on_gpu=tuple(sorted(on_gpu.items(), key=lambda kv: gpu_order(kv[0]))),
         ))
     return sorted(found, key=lambda c: (c.node, c.device, c.namespace, c.claim_name))

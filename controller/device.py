@@ -39,9 +39,29 @@ class GpuSnapshot:
     processes: tuple[GpuProcess, ...]
 
     def used_by(self, claim_uid: str) -> int:
-        """Memory of the processes that name ``claim_uid`` themselves: a report, not proof
-        (:func:`check_before_wake` attributes by pod, see :func:`owner_of`)."""
+        """Memory of the processes that name ``claim_uid`` themselves: a report, not proof,
+        only for the memory metrics (every decision attributes by pod: :meth:`held_by`)."""
         return sum(p.used_bytes for p in self.processes if p.claim_uid == claim_uid)
+
+    def processes_of(self, claimant: Claimant, claimants: Sequence[Claimant]
+                     ) -> tuple[GpuProcess, ...]:
+        """The processes on this GPU that belong to ``claimant`` by :func:`owner_of` (its
+        pod), among ``claimants``: what a co-tenant writes into its environment does not
+        count."""
+        everyone = _with(claimants, claimant)
+        return tuple(p for p in self.processes
+                     if (owner := owner_of(p, everyone)) is not None
+                     and owner.claim_uid == claimant.claim_uid)
+
+    def held_by(self, claimant: Claimant, claimants: Sequence[Claimant]) -> int:
+        """Memory of :meth:`processes_of` ``claimant``."""
+        return sum(p.used_bytes for p in self.processes_of(claimant, claimants))
+
+
+def _with(claimants: Sequence[Claimant], claimant: Claimant) -> list[Claimant]:
+    if any(c.claim_uid == claimant.claim_uid for c in claimants):
+        return list(claimants)
+    return [*claimants, claimant]
 
 
 class DeviceError(RuntimeError):
@@ -120,14 +140,16 @@ def owner_of(process: GpuProcess, claimants: Sequence[Claimant]) -> Claimant | N
 
 def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
                       claimants: Sequence[Claimant], tolerance_bytes: int,
-                      unknown_limit_bytes: int) -> HandbackProblem | None:
-    """The NVML check of step 4: every other claimant is down to its resident footprint,
-    no unknown process holds memory, and free memory covers the target's wake. Processes
-    are attributed by :func:`owner_of`. A process whose size NVML cannot tell may hold
-    anything: a stranger's stops the wake, another claimant's has not handed its memory
-    back, and the target's own counts as nothing held (its whole wake must fit)."""
-    everyone = [*claimants] + ([] if any(c.claim_uid == target.claim_uid for c in claimants)
-                               else [target])
+                      unknown_limit_bytes: int, starting: bool = False
+                      ) -> HandbackProblem | None:
+    """The NVML check of step 4 on one GPU: every other claimant is down to its resident
+    footprint on that GPU, no unknown process holds memory, and free memory covers the
+    target's wake. Processes are attributed by :func:`owner_of`. A process whose size NVML
+    cannot tell may hold anything: a stranger's stops the wake, another claimant's has not
+    handed its memory back, and the target's own counts as nothing held (its whole wake
+    must fit). For a ``starting`` engine nothing its pod holds now is memory it reuses (a
+    previous container still exiting): its whole awake budget must be free."""
+    everyone = _with(claimants, target)
     owners = [(p, owner_of(p, everyone)) for p in snapshot.processes]
 
     def used_by(claimant: Claimant) -> int:
@@ -138,7 +160,8 @@ def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
         if claimant.claim_uid == target.claim_uid:
             continue
         used = used_by(claimant)
-        limit = claimant.resident_bytes + tolerance_bytes
+        resident = claimant.resident_on(snapshot.device)
+        limit = resident + tolerance_bytes
         if any(p.used_bytes_unknown for p, owner in owners
                if owner is not None and owner.claim_uid == claimant.claim_uid):
             return HandbackProblem(
@@ -150,7 +173,7 @@ def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
             return HandbackProblem(
                 "memory_not_returned",
                 f"{claimant.ref} ({claimant.model}) holds {format_bytes(used)} on "
-                f"{snapshot.device}, above its resident {format_bytes(claimant.resident_bytes)}"
+                f"{snapshot.device}, above its resident {format_bytes(resident)}"
                 f" + {format_bytes(tolerance_bytes)}: its memory was not handed back")
     strangers = [p for p, owner in owners if owner is None]
     held = sum(p.used_bytes for p in strangers)
@@ -166,7 +189,8 @@ def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
             "unknown_process",
             f"processes that belong to no claimant hold {format_bytes(held)} on "
             f"{snapshot.device}: {pids}")
-    needed = max(0, target.config.awake_memory - used_by(target))
+    reused = 0 if starting else used_by(target)
+    needed = max(0, target.config.awake_memory - reused)
     if needed > snapshot.free_bytes:
         return HandbackProblem(
             "insufficient_memory",

@@ -13,6 +13,11 @@ their first request arrived. Policy against thrash: the holder keeps the GPU for
 ``min_residency_s`` before a switch away (its requests keep flowing meanwhile), and an
 optional idle TTL puts a holder without work to sleep.
 
+Engines that span GPUs (tensor parallel) join their GPUs' workers into one *domain*
+(:mod:`controller.gpu_locks`): every step holds the locks of its whole domain, taken in
+GPU order, so a gang switch (:mod:`controller.gang`) and the steps of the GPUs it touches
+never overlap. A gang engine's activations and start queue at the worker of its first GPU.
+
 Closing (leadership lost, or the controller stopping) answers every waiter at once and
 refuses new work; the step in flight is not cancelled here (a wake cannot be called back
 from an engine): it ends at its next fencing check or when it is done, and its waiters
@@ -31,6 +36,8 @@ from controller.admission import StartSwitch, StartTicket
 from controller.claimants import Claimant
 from controller.engines.base import EngineAdapter
 from controller.engines.errors import EngineError
+from controller.gang import GangResult, GangSwitch, gang_set, holders_of, needs_gang
+from controller.gpu_locks import GpuLocks
 from controller.kube import ControllerKube
 from controller.leases import GpuLease, lease_body
 from controller.reconcile import Seen, classify, plan
@@ -106,6 +113,8 @@ class KubeLeasePort:
 class _Waiting:
     claimant: Claimant
     futures: list[asyncio.Future[Activation]]
+    fenced: int = 0
+    """How often its switch was fenced off before it began."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,11 @@ class Policy:
     coalesce_window_s: float = 0.0
     resync_s: float = 10.0
     tolerance_bytes: int = 512 * 1024**2
+    lock_wait_s: float = 1800.0
+    """The bound on a step's wait for the locks of its domain (longer than any step)."""
+    fenced_retries: int = 2
+    """How often a switch fenced off before it began (a conflicting write of its Lease)
+    is tried again, after reconciliation, before its waiters are answered."""
 
 
 class GpuWorker:
@@ -123,8 +137,14 @@ class GpuWorker:
                  engine: Callable[[Claimant], EngineAdapter], policy: Policy,
                  clock: Callable[[], float], identity: str = "",
                  starter: StartSwitch | None = None,
-                 visibility: GpuVisibility | None = None) -> None:
+                 visibility: GpuVisibility | None = None, locks: GpuLocks | None = None,
+                 domain: Callable[[], tuple[str, ...]] | None = None,
+                 sibling: Callable[[str], GpuWorker] | None = None) -> None:
         self.gpu = gpu
+        self.locks = locks or GpuLocks()
+        self._domain = domain or (lambda: (gpu,))
+        """The GPUs whose locks every step of this worker holds (see the module doc)."""
+        self._sibling = sibling
         self.visibility = visibility
         """Events, pod labels and claim conditions (None: nothing is shown)."""
         self.lease_port = lease_port
@@ -154,8 +174,9 @@ class GpuWorker:
         self._new_term = False
         self._next_reconcile = clock()
         self._unsettled_pauses = _unsettled_backoff()
-        self.lock = asyncio.Lock()
-        """Held by every switch and by reconciliation of this GPU: one actor at a time."""
+        self.lock = self.locks.lock(gpu)
+        """Held by every switch and by reconciliation of this GPU (and by every step of
+        its domain's other workers): one actor at a time."""
         self._holder_since = clock()
         self._last_busy = clock()
 
@@ -242,6 +263,14 @@ class GpuWorker:
     def _reconcile_due(self) -> bool:
         return self._dirty or self.clock() >= self._next_reconcile
 
+    def _due(self, domain: tuple[str, ...]) -> list[GpuWorker]:
+        """The workers of ``domain`` (this one first) that take work and should reconcile
+        now: a step reconciles every GPU of its domain that needs it before it acts, so
+        that a gang switch never starts from a GPU Lease nobody has checked this term."""
+        workers = [self, *(self.sibling(g) for g in domain if g != self.gpu)]
+        return [w for w in workers
+                if (w is self or w.accepting) and w._reconcile_due()]
+
     async def run(self, stop: asyncio.Event) -> None:
         failures = _failed_step_backoff()
         while not stop.is_set():
@@ -252,12 +281,15 @@ class GpuWorker:
                 self._wakeup.clear()
             if stop.is_set() or not self._accepting:
                 continue
+            domain = self._domain()
             try:
-                async with self.lock:
+                async with self.locks.hold(domain, timeout_s=self.policy.lock_wait_s):
                     if not self._accepting:
                         continue
-                    if self._reconcile_due():
-                        await self.reconcile()
+                    if not set(self._domain()) <= set(domain):
+                        continue  # claimants joined more GPUs meanwhile: take them too
+                    for worker in self._due(domain):
+                        await worker.reconcile()
                     if self._start_ready():
                         await self._serve_start()
                     elif self._queue:
@@ -265,6 +297,11 @@ class GpuWorker:
                     elif self.policy.idle_sleep_s > 0:
                         await self._idle_check()
                 failures.reset()
+            except TimeoutError:
+                log.error("the locks of the GPU's domain were not free within their bound",
+                          extra={"device": self.gpu, "domain": list(domain),
+                                 "wait_s": self.policy.lock_wait_s})
+                await failures.sleep(stop)
             except Fenced as exc:
                 log.warning("GPU step fenced off; another writer moved the lease or this "
                             "instance no longer leads", extra={"device": self.gpu,
@@ -294,7 +331,23 @@ class GpuWorker:
 
     def _on_gpu(self) -> list[Claimant]:
         """Claimants of this GPU whose engine may run (their pod has an address)."""
-        return [c for c in self.claimants() if c.gpu == self.gpu and c.pod_ip]
+        return [c for c in self.claimants() if self.gpu in c.gpus and c.pod_ip]
+
+    def sibling(self, gpu: str) -> GpuWorker:
+        """The worker of another GPU of this node (this one for its own GPU)."""
+        if gpu == self.gpu or self._sibling is None:
+            if gpu != self.gpu:
+                raise LookupError(f"no worker for {gpu} beside {self.gpu}")
+            return self
+        return self._sibling(gpu)
+
+    async def lease_of(self, gpu: str) -> GpuLease:
+        """The Lease of one GPU of this worker's domain, as its worker last wrote or read
+        it (read now when it has none); call with the domain's locks held."""
+        worker = self.sibling(gpu)
+        if worker.lease is None:
+            worker.lease = await worker.lease_port.read()
+        return worker.lease
 
     # -- reconciliation --------------------------------------------------------------------
 
@@ -328,15 +381,15 @@ class GpuWorker:
                                "target": lease.target_model or None})
         snapshot = await self.switcher.snapshot(self.gpu, timings)
         answers = await asyncio.gather(*(self._sleeping(c) for c in on_gpu))
-        holders_of = {p.claim_uid for p in snapshot.processes}
-        seen = {c.claim_uid: classify(answer, used_bytes=snapshot.used_by(c.claim_uid),
-                                      has_process=c.claim_uid in holders_of,
-                                      resident_bytes=c.resident_bytes,
+        seen = {c.claim_uid: classify(answer, used_bytes=snapshot.held_by(c, on_gpu),
+                                      has_process=bool(snapshot.processes_of(c, on_gpu)),
+                                      resident_bytes=c.resident_on(self.gpu),
                                       tolerance_bytes=self.policy.tolerance_bytes)
                 for c, answer in zip(on_gpu, answers, strict=True)}
         suspects = {c.claim_uid for c in on_gpu if unfinished and c.model and c.model in (
             lease.target_model, lease.draining_model)} | set(self.unsettled)
-        decision = plan(on_gpu, seen, lease.holder, suspects=suspects)
+        decision = plan(on_gpu, seen, lease.holder, suspects=suspects,
+                        may_not_keep=await self._gangs_held_elsewhere(on_gpu))
         if self._new_term or unfinished or decision.put_to_sleep:
             # A new fencing number first: whatever an earlier instance was doing is over,
             # and its next engine call is refused.
@@ -346,6 +399,9 @@ class GpuWorker:
         for extra in decision.put_to_sleep:
             seen[extra.claim_uid] = await self._put_to_sleep(extra, lease.fence,
                                                              seen[extra.claim_uid])
+            for gpu in extra.gpus:  # its other GPUs' Leases may still name it
+                if gpu != self.gpu:
+                    self.sibling(gpu).mark_dirty()
         keep = decision.keep
         # A suspect stays unsettled until a sleep of ours completed (it is then ASLEEP).
         self.unsettled = {c.claim_uid: c for c in on_gpu if c is not keep and (
@@ -358,7 +414,7 @@ class GpuWorker:
                 lease = Switcher.serving(lease, keep).with_(controller=self.identity)
             else:
                 lease = lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                    state=naming.STATE_IDLE,
+                                    gang="", state=naming.STATE_IDLE,
                                     target_model="", draining_model="",
                                     controller=self.identity)
             lease = await self.switcher.write(lease, timings)
@@ -377,6 +433,18 @@ class GpuWorker:
         else:
             self._unsettled_pauses = _unsettled_backoff()
             self._next_reconcile = self.clock() + self.policy.resync_s
+
+    async def _gangs_held_elsewhere(self, on_gpu: list[Claimant]) -> set[str]:
+        """Claim uids of the engines on this GPU that span GPUs and that the Lease of one
+        of their other GPUs does not name: such an engine may not keep this GPU (it is
+        awake only as the holder of all of them), and is put to sleep if awake."""
+        barred: set[str] = set()
+        for claimant in on_gpu:
+            for gpu in claimant.gpus:
+                if gpu != self.gpu and (await self.lease_of(gpu)).holder != claimant.ref:
+                    barred.add(claimant.claim_uid)
+                    break
+        return barred
 
     async def _put_to_sleep(self, claimant: Claimant, fence: int, was: Seen) -> Seen:
         log.warning("engine awake (or possibly awake) beside the holder; putting it to sleep",
@@ -420,6 +488,12 @@ class GpuWorker:
                         extra={"device": self.gpu, "claim": newcomer.ref, "blockers": blockers})
             return
         lease = self.lease if self.lease is not None else await self.lease_port.read()
+        self.lease = lease
+        leases = {gpu: await self.lease_of(gpu) for gpu in newcomer.gpus}
+        gang_holders = holders_of(newcomer, leases, self.claimants())
+        if needs_gang(newcomer, gang_holders):
+            await self._serve_gang_start(ticket, newcomer, gang_holders)
+            return
         on_gpu = [c for c in self._on_gpu() if c.claim_uid != uid]
         holder = next((c for c in on_gpu if c.ref == lease.holder), None)
         if lease.state != naming.STATE_AWAKE:
@@ -440,15 +514,62 @@ class GpuWorker:
                 ticket.refuse()
                 self._dirty = True
         self._switched(result, holder, newcomer, start=True)
-        if result.ok:
+        self._start_done(newcomer, ok=result.ok, reason=result.reason)
+
+    def _start_done(self, newcomer: Claimant, *, ok: bool, reason: str) -> None:
+        uid = newcomer.claim_uid
+        if ok:
             self._start_backoff.pop(uid, None)
-        else:
-            _, pauses = self._start_backoff.get(uid, (0.0, _failed_start_backoff()))
-            pause = pauses.next_delay()
-            self._start_backoff[uid] = (self.clock() + pause, pauses)
-            log.warning("start failed; its next attempt waits", extra={
-                "device": self.gpu, "claim": newcomer.ref, "reason": result.reason,
-                "pause_s": round(pause, 1)})
+            return
+        _, pauses = self._start_backoff.get(uid, (0.0, _failed_start_backoff()))
+        pause = pauses.next_delay()
+        self._start_backoff[uid] = (self.clock() + pause, pauses)
+        log.warning("start failed; its next attempt waits", extra={
+            "device": self.gpu, "claim": newcomer.ref, "reason": reason,
+            "pause_s": round(pause, 1)})
+
+    async def _serve_gang_start(self, ticket: StartTicket, newcomer: Claimant,
+                                holders: tuple[Claimant, ...]) -> None:
+        """Start-up admission of an engine that spans GPUs, or whose GPUs' holders do:
+        across every GPU of the set (see :meth:`controller.gang.GangSwitch.start`)."""
+        assert self.starter is not None
+        uid = newcomer.claim_uid
+        leases = {gpu: await self.lease_of(gpu)
+                  for gpu in {*newcomer.gpus, *(g for h in holders for g in h.gpus)}}
+        gpus = gang_set(newcomer, holders, leases)
+        blockers = self._gang_blockers(gpus, uid)
+        if blockers:
+            self._starts.pop(uid, None)
+            ticket.refuse()
+            log.warning("start held: engines on the GPUs are in an unknown state",
+                        extra={"device": ",".join(gpus), "claim": newcomer.ref,
+                               "blockers": blockers})
+            return
+        claimants = [c for c in self.claimants() if c.pod_ip and set(c.gpus) & set(gpus)]
+        for gpu in gpus:
+            self.sibling(gpu)._switching = True
+        if self.visibility is not None:
+            self.visibility.switching(holders[0] if holders else None, newcomer,
+                                      starting=True)
+        result: GangResult | None = None
+        try:
+            result = await self._gang(gpus).start(
+                {g: leases[g] for g in gpus}, holders=holders, newcomer=newcomer,
+                claimants=claimants, ticket=ticket, starter=self.starter,
+                wanted=lambda: uid in self._queue)
+        finally:
+            for gpu in gpus:
+                worker = self.sibling(gpu)
+                worker._switching = False
+                if result is None:
+                    worker.lease = None
+                    worker.mark_dirty()
+            if self._starts.get(uid) is ticket:
+                self._starts.pop(uid)
+            if result is None:
+                ticket.refuse()
+        self._gang_switched(result, holders, newcomer, start=True)
+        self._start_done(newcomer, ok=result.ok, reason=result.reason)
 
     # -- activations -----------------------------------------------------------------------
 
@@ -477,9 +598,15 @@ class GpuWorker:
         self.lease = lease
         on_gpu = self._on_gpu()
         holder = next((c for c in on_gpu if c.ref == lease.holder), None)
-        if holder is not None and holder.claim_uid == uid and lease.state == naming.STATE_AWAKE:
+        leases = {gpu: await self.lease_of(gpu) for gpu in target.gpus}
+        if all(v.holder == target.ref and v.state == naming.STATE_AWAKE
+               for v in leases.values()):
             self._queue.pop(uid)
             self._resolve(waiting, Activation(True, target, False, lease.fence))
+            return
+        gang_holders = holders_of(target, leases, self.claimants())
+        if needs_gang(target, gang_holders):
+            await self._serve_gang(waiting, target, gang_holders, stop)
             return
         if holder is not None and lease.state == naming.STATE_AWAKE:
             remaining = self._holder_since + self.policy.min_residency_s - self.clock()
@@ -502,15 +629,110 @@ class GpuWorker:
                 target=target, claimants=on_gpu)
         finally:
             self._switching = False
-            if result is None:  # fenced, failed or cancelled: its waiters get an answer
-                self._resolve(waiting, Activation(False, target, False, lease.fence,
-                                                  "interrupted", "the switch was cut short "
-                                                  "(fenced off, or the controller stopping)"))
-                self._dirty = True
+            if result is None:  # fenced, failed or cancelled: reconcile, then again
+                self._fenced_off(waiting, target, lease.fence)
         self._switched(result, holder, target)
         self._resolve(waiting, Activation(result.ok, target, switched=result.ok,
                                           fence=result.lease.fence, reason=result.reason,
                                           message=result.message, timings=result.timings))
+
+    def _fenced_off(self, waiting: _Waiting, target: Claimant, fence: int) -> None:
+        """A switch ended by fencing (another writer moved a Lease, or leadership went):
+        its waiters queue again, at the front, to be served after reconciliation, a
+        bounded number of times; then (or when this worker no longer takes work) they
+        are answered."""
+        self._dirty = True
+        if self._accepting and waiting.fenced < self.policy.fenced_retries:
+            waiting.fenced += 1
+            self._queue = {target.claim_uid: waiting, **self._queue}
+            return
+        reason, message = (("interrupted", "the switch was cut short (fenced off, or the "
+                            "controller stopping)") if self._accepting else self._closed)
+        self._resolve(waiting, Activation(False, target, False, fence, reason, message))
+
+    # -- gang switches -----------------------------------------------------------------
+
+    def _gang_blockers(self, gpus: tuple[str, ...], uid: str) -> list[str]:
+        return sorted(c.ref for gpu in gpus for c in self.sibling(gpu).unsettled.values()
+                      if c.claim_uid != uid)
+
+    def _gang(self, gpus: tuple[str, ...]) -> GangSwitch:
+        return GangSwitch(self.switcher, {g: self.sibling(g).lease_port for g in gpus})
+
+    async def _serve_gang(self, waiting: _Waiting, target: Claimant,
+                          holders: tuple[Claimant, ...], stop: asyncio.Event) -> None:
+        """A switch that changes several GPU Leases (see :mod:`controller.gang`)."""
+        uid = target.claim_uid
+        leases = {gpu: await self.lease_of(gpu)
+                  for gpu in {*target.gpus, *(g for h in holders for g in h.gpus)}}
+        gpus = gang_set(target, holders, leases)
+        blockers = self._gang_blockers(gpus, uid)
+        if blockers:
+            self._queue.pop(uid)
+            self._resolve(waiting, Activation(
+                False, target, False, leases[self.gpu].fence if self.gpu in leases else 0,
+                "state_unknown", f"engines on {', '.join(gpus)} are in an unknown state "
+                f"(possibly awake): {', '.join(blockers)}; no wake until they are known"))
+            return
+        residency = [self.sibling(g)._holder_since for g in gpus
+                     if leases[g].state == naming.STATE_AWAKE]
+        if holders and residency:
+            remaining = max(residency) + self.policy.min_residency_s - self.clock()
+            if remaining > 0 and await wait_any(stop, timeout_s=remaining):
+                return
+        self._queue.pop(uid)
+        claimants = [c for c in self.claimants() if c.pod_ip and set(c.gpus) & set(gpus)]
+        for gpu in gpus:
+            self.sibling(gpu)._switching = True
+        if self.visibility is not None:
+            self.visibility.switching(holders[0] if holders else None, target)
+        result: GangResult | None = None
+        try:
+            result = await self._gang(gpus).switch({g: leases[g] for g in gpus},
+                                                   holders=holders, target=target,
+                                                   claimants=claimants)
+        finally:
+            for gpu in gpus:
+                worker = self.sibling(gpu)
+                worker._switching = False
+                if result is None:
+                    worker.lease = None
+                    worker.mark_dirty()
+            if result is None:
+                self._fenced_off(waiting, target, leases[gpus[0]].fence)
+        self._gang_switched(result, holders, target)
+        home = result.leases.get(self.gpu) or next(iter(result.leases.values()))
+        self._resolve(waiting, Activation(result.ok, target, switched=result.ok,
+                                          fence=home.fence, reason=result.reason,
+                                          message=result.message, timings=result.timings))
+
+    def _gang_switched(self, result: GangResult, holders: tuple[Claimant, ...],
+                       target: Claimant, *, start: bool = False) -> None:
+        """Every worker of the set takes its GPU's new Lease and shows it."""
+        for gpu, lease in result.leases.items():
+            worker = self.sibling(gpu)
+            previous = worker.lease.holder if worker.lease is not None else ""
+            if lease.holder != previous:
+                worker._holder_since = worker._last_busy = self.clock()
+            worker.lease = lease
+            worker.unsettled.update({c.claim_uid: c for c in result.unsettled
+                                     if gpu in c.gpus})
+            if worker.unsettled:
+                worker._next_reconcile = self.clock() + worker._unsettled_pauses.next_delay()
+            worker.last_switch = {"ok": result.ok, "from": [h.ref for h in holders],
+                                  "to": target.ref, "reason": result.reason,
+                                  "fence": lease.fence, "gang": list(result.leases),
+                                  "timings": {k: round(v, 6)
+                                              for k, v in result.timings.items()}}
+            if worker.visibility is not None:
+                worker.visibility.settled(worker._on_gpu(), lease,
+                                          unknown=worker.unsettled.keys())
+        if self.visibility is not None:
+            home = result.leases.get(self.gpu) or next(iter(result.leases.values()))
+            self.visibility.switched(
+                SwitchResult(result.ok, home, result.reason, result.message, result.timings,
+                             result.unsettled), holders[0] if holders else None, target,
+                start=start)
 
     def _switched(self, result: SwitchResult, holder: Claimant | None, target: Claimant,
                   *, start: bool = False) -> None:
@@ -555,8 +777,8 @@ class GpuWorker:
         if not lease.holder or lease.state != naming.STATE_AWAKE:
             return
         holder = next((c for c in self._on_gpu() if c.ref == lease.holder), None)
-        if holder is None:
-            return
+        if holder is None or holder.gpu != self.gpu:
+            return  # an engine that spans GPUs is timed by the worker of its first GPU
         try:
             busy = await self.engine(holder).in_flight()
         except EngineError as exc:
@@ -573,3 +795,5 @@ class GpuWorker:
             finally:
                 self._switching = False
             self._switched(result, holder, holder)
+            for gpu in holder.gpus[1:]:  # its other GPUs' Leases still name it
+                self.sibling(gpu).mark_dirty()

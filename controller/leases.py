@@ -49,6 +49,8 @@ class GpuLease:
     last_error: str = ""
     controller: str = ""
     gpu_uuid: str = ""
+    gang: str = ""
+    """:data:`naming.GANG`: the holder's (or the target's) GPUs when it spans several."""
     renewed: dt.datetime | None = None
     resource_version: str | None = None
     extra_annotations: dict[str, str] = field(default_factory=dict)
@@ -75,12 +77,18 @@ class GpuLease:
             target_model=pop(naming.TARGET_MODEL),
             draining_model=pop(naming.DRAINING_MODEL), last_error=pop(naming.LAST_ERROR),
             controller=pop(naming.ACTING_CONTROLLER), gpu_uuid=pop(naming.GPU_UUID),
+            gang=pop(naming.GANG),
             renewed=parse_micro_time(spec.get("renewTime")),
             resource_version=meta.get("resourceVersion"), extra_annotations=annotations,
         )
 
     def with_(self, **changes: Any) -> GpuLease:
         return replace(self, **changes)
+
+    @property
+    def gang_gpus(self) -> tuple[str, ...]:
+        """The GPUs of :attr:`gang` (empty for a one-GPU holder)."""
+        return tuple(g for g in self.gang.split(",") if g)
 
 
 def lease_body(lease: GpuLease, namespace: str, *, labels_node: str, labels_device: str
@@ -92,7 +100,7 @@ def lease_body(lease: GpuLease, namespace: str, *, labels_node: str, labels_devi
                        (naming.DRAINING_MODEL, lease.draining_model),
                        (naming.LAST_ERROR, lease.last_error[:1024]),
                        (naming.ACTING_CONTROLLER, lease.controller),
-                       (naming.GPU_UUID, lease.gpu_uuid)):
+                       (naming.GPU_UUID, lease.gpu_uuid), (naming.GANG, lease.gang)):
         if value:
             annotations[key] = value
     metadata: dict[str, Any] = {

@@ -55,6 +55,10 @@ INSTANCE = f"{DOMAIN}/instance"
 """On the controller Lease: the process that holds it (a fresh id per process start), so
 that a restarted process with the same identity waits for the Lease like anyone else."""
 GPU_UUID = f"{DOMAIN}/gpu-uuid"
+GANG = f"{DOMAIN}/gang"
+"""GPU Lease annotation: the GPUs of the holder (or of the switch's target) when it holds
+more than one, comma-separated in GPU order (``gpu-0,gpu-1``): a tensor-parallel engine is
+awake only while every one of those GPU Leases names it. Absent for a one-GPU holder."""
 
 class LeaseState(StrEnum):
     """The :data:`STATE` annotation of a GPU Lease."""

@@ -7,7 +7,9 @@ call is made, and a step in flight stops at its next fencing check.
 
 Workers, GPU Leases and reconciliation are keyed by the physical GPU
 (:attr:`controller.claimants.Claimant.gpu`): in ``partitioned`` mode every share of a GPU
-(``gpu-0-share-<k>``) belongs to the one worker of ``gpu-0``.
+(``gpu-0-share-<k>``) belongs to the one worker of ``gpu-0``. A claimant that holds several
+GPUs has a worker on each; the workers of GPUs joined by such claimants take each other's
+locks for every step (:mod:`controller.gpu_locks`).
 
 Stopping (:meth:`NodeController.drain`): workers close and answer their waiters, the step
 in flight finishes within the grace period, and only then may the Lease be released.
@@ -27,12 +29,13 @@ import aiohttp
 from controller import metrics
 from controller.admission import StartLimits, StartSwitch
 from controller.cache import NodeCache
-from controller.claimants import Claimant
+from controller.claimants import Claimant, gpu_order
 from controller.device import DeviceReader, GpuSnapshot
 from controller.election import Election
 from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
 from controller.engines.registry import make_adapter
 from controller.gpu import Activation, GpuWorker, KubeLeasePort, Policy
+from controller.gpu_locks import GpuLocks, domains
 from controller.kube import ControllerKube
 from controller.settings import LeaseSettings
 from controller.switch import Fenced, Limits, Ports, Switcher
@@ -77,6 +80,8 @@ class NodeController:
             sleep_s=settings.timeouts.sleep_s, wake_level1_s=settings.timeouts.wake_s,
             wake_level2_s=settings.timeouts.wake_s, probe_total_s=settings.timeouts.probe_s)
         self.workers: dict[str, GpuWorker] = {}
+        self.locks = GpuLocks()
+        self._domains: dict[str, tuple[str, ...]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._workers_stop = asyncio.Event()
         self._leading = False
@@ -139,6 +144,8 @@ class NodeController:
             worker = GpuWorker(
                 gpu=gpu, lease_port=lease_port, switcher=switcher, claimants=self.claimants,
                 engine=self.engine, clock=self.clock, identity=s.identity, starter=starter,
+                locks=self.locks, domain=functools.partial(self._domain_of, gpu),
+                sibling=self._worker,
                 visibility=GpuVisibility(self.visible, gpu) if self.visible else None,
                 policy=Policy(min_residency_s=s.min_residency_s, idle_sleep_s=s.idle_sleep_s,
                               coalesce_window_s=s.coalesce_window_s, resync_s=s.resync_s,
@@ -150,10 +157,14 @@ class NodeController:
                 worker.open()
         return worker
 
+    def _domain_of(self, gpu: str) -> tuple[str, ...]:
+        return self._domains.get(gpu, (gpu,))
+
     def _follow_claimants(self) -> None:
         """A worker for every GPU with claimants; every worker reconciles after a change."""
         claimants = self.claimants()
-        for gpu in sorted({c.gpu for c in claimants}):
+        self._domains = domains(claimants)
+        for gpu in sorted({g for c in claimants for g in c.gpus}, key=gpu_order):
             self._worker(gpu)
         if self.visible is not None:
             self.visible.forget(pod_uids={c.pod_uid for c in claimants if c.pod_uid},

@@ -66,9 +66,13 @@ class ReconcilePlan:
 
 
 def plan(claimants: Sequence[Claimant], seen: Mapping[str, Seen], holder: str, *,
-         suspects: Collection[str] = ()) -> ReconcilePlan:
+         suspects: Collection[str] = (), may_not_keep: Collection[str] = ()
+         ) -> ReconcilePlan:
     """``seen`` maps claim uid to :class:`Seen`; ``holder`` is the Lease's holder ref;
-    ``suspects`` are the claim uids of suspects (see the module docstring).
+    ``suspects`` are the claim uids of suspects (see the module docstring);
+    ``may_not_keep`` those of engines that may not keep this GPU whatever they are (an
+    engine spanning GPUs that another of its GPUs' Leases does not name): awake or
+    unknown, they are put to sleep like any extra engine.
 
     The Lease's holder keeps the GPU when it is awake and serving, or when it is unknown
     and nobody else is awake (it may well be awake: never strike it on a missed answer).
@@ -79,10 +83,11 @@ def plan(claimants: Sequence[Claimant], seen: Mapping[str, Seen], holder: str, *
     def state(c: Claimant) -> Seen:
         return seen.get(c.claim_uid, Seen.ABSENT)
 
-    awake = [c for c in claimants if state(c) is Seen.AWAKE and c.claim_uid not in suspects]
+    barred = {*suspects, *may_not_keep}
+    awake = [c for c in claimants if state(c) is Seen.AWAKE and c.claim_uid not in barred]
     unknown = tuple(c for c in claimants if state(c) is Seen.UNKNOWN)
     current = next((c for c in claimants if c.ref == holder
-                    and c.claim_uid not in suspects), None)
+                    and c.claim_uid not in barred), None)
     keep: Claimant | None = None
     if current is not None and current.serving and state(current) is Seen.AWAKE:
         keep = current

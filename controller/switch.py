@@ -64,6 +64,11 @@ SLEEP_MARGIN_S = 5.0
 sleep ends with the adapter's own timeout (a known "state unknown"), not a cancelled call."""
 
 
+def gang_of(claimant: Claimant) -> str:
+    """The :data:`naming.GANG` annotation of a Lease ``claimant`` holds ("" for one GPU)."""
+    return ",".join(claimant.gpus) if claimant.spans_gpus else ""
+
+
 class Fenced(RuntimeError):
     """Another writer changed the GPU Lease, or this instance lost the node: stop now."""
 
@@ -213,11 +218,14 @@ class Switcher:
 
     async def hand_back(self, holder: Claimant | None, target: Claimant,
                         claimants: Sequence[Claimant], fence: int,
-                        timings: dict[str, float]) -> HandbackProblem | None:
+                        timings: dict[str, float], *, starting: bool = False
+                        ) -> HandbackProblem | None:
         """Sleep ``holder`` (when there is one) and read the GPU for ``target``: what
-        stands between a holder and a wake of ``target``. The holder's sleep confirmation
-        and the GPU read run at once: both are reads, and the wake waits for both."""
-        read = functools.partial(self.check_device, target, claimants, timings)
+        stands between a holder and a wake (or a ``starting`` engine's start) of
+        ``target``. The holder's sleep confirmation and the GPU read run at once: both are
+        reads, and the wake waits for both."""
+        read = functools.partial(self.check_device, target, claimants, timings,
+                                 starting=starting)
         if holder is None:
             return await read()
         return await self._sleep_beside(holder, fence, timings, read)
@@ -266,11 +274,19 @@ class Switcher:
                                 self.limits.timeouts.inspect_s, timings)
 
     async def check_device(self, target: Claimant, claimants: Sequence[Claimant],
-                            timings: dict[str, float]) -> HandbackProblem | None:
-        snapshot = await self.snapshot(target.gpu, timings)
-        return check_before_wake(snapshot, target=target, claimants=claimants,
-                                 tolerance_bytes=self.limits.tolerance_bytes,
-                                 unknown_limit_bytes=self.limits.unknown_limit_bytes)
+                            timings: dict[str, float], *, starting: bool = False
+                            ) -> HandbackProblem | None:
+        """The NVML check before a wake of ``target``, on every GPU it holds (one read
+        each, in GPU order): the first problem found, or None."""
+        for gpu in target.gpus:
+            snapshot = await self.snapshot(gpu, timings)
+            problem = check_before_wake(snapshot, target=target, claimants=claimants,
+                                        tolerance_bytes=self.limits.tolerance_bytes,
+                                        unknown_limit_bytes=self.limits.unknown_limit_bytes,
+                                        starting=starting)
+            if problem is not None:
+                return problem
+        return None
 
     async def wake_and_probe(self, target: Claimant, fence: int,
                               timings: dict[str, float]) -> float:
@@ -346,7 +362,7 @@ class Switcher:
         except SleepUnknown as exc:
             return await self.unsettled(lease, exc, timings)
         except Exception as exc:
-            return await self.restore(lease, holder, exc, timings)
+            return await self.restore(lease, holder, exc, timings, claimants)
         try:
             first_token_at = await self.wake_and_probe(target, fence, timings)
         except Fenced:
@@ -369,7 +385,7 @@ class Switcher:
         return lease.with_(holder=claimant.ref, holder_model=claimant.model,
                            holder_claim_uid=claimant.claim_uid,
                            state=naming.STATE_AWAKE,
-                           target_model="", draining_model="")
+                           target_model="", draining_model="", gang=gang_of(claimant))
 
     async def fail(self, lease: GpuLease, reason: str, message: str, *,
                     restored: Claimant | None, timings: dict[str, float],
@@ -380,7 +396,7 @@ class Switcher:
             lease = self.serving(lease, restored).with_(last_error=f"{reason}: {message}")
         else:
             # target-model stays, so gateways can tell which model failed to come up.
-            lease = lease.with_(holder="", holder_model="", holder_claim_uid="",
+            lease = lease.with_(holder="", holder_model="", holder_claim_uid="", gang="",
                                 state=naming.STATE_FAILED,
                                 draining_model="", last_error=f"{reason}: {message}")
         lease = await self.write(lease, timings)
@@ -398,14 +414,19 @@ class Switcher:
                                 unsettled=(exc.claimant,))
 
     async def restore(self, lease: GpuLease, holder: Claimant | None, exc: BaseException,
-                       timings: dict[str, float]) -> SwitchResult:
-        """The target was never woken: give the GPU back to the old holder, whose sleep
-        completed (or was refused: it never began)."""
+                       timings: dict[str, float], claimants: Sequence[Claimant]
+                       ) -> SwitchResult:
+        """Give the GPU back to the old holder, whose sleep completed (or was refused: it
+        never began), once the GPU is read again: like every wake, this one follows an
+        NVML check of every GPU the holder holds (a third engine or a stranger that made
+        the switch fail keeps the holder asleep, and the Lease says ``failed``)."""
         reason, message = reason_of(exc), str(exc) or type(exc).__name__
         if holder is None:
             return await self.fail(lease, reason, message, restored=None, timings=timings)
-        # Even when the holder kept its memory while claiming to sleep, waking it is the
-        # way back to a serving GPU: the target holds no more than its resident budget.
+        problem = await self.check_restore(holder, claimants, timings)
+        if problem is not None:
+            return await self.fail(lease, reason, f"{message}; the old holder stays asleep: "
+                                    f"{problem.message}", restored=None, timings=timings)
         try:
             await self.wake_and_probe(holder, lease.fence, timings)
         except Fenced:
@@ -414,6 +435,17 @@ class Switcher:
             return await self.fail(lease, reason, f"{message}; waking {holder.ref} back "
                                     f"failed too: {again}", restored=None, timings=timings)
         return await self.fail(lease, reason, message, restored=holder, timings=timings)
+
+    async def check_restore(self, holder: Claimant, claimants: Sequence[Claimant],
+                            timings: dict[str, float]) -> HandbackProblem | None:
+        """:meth:`check_device` for waking an old holder back (a failed read is a
+        problem, never a pass)."""
+        try:
+            return await self.check_device(holder, claimants, timings)
+        except Fenced:
+            raise
+        except Exception as read_exc:
+            return HandbackProblem("inspect_failed", str(read_exc) or type(read_exc).__name__)
 
     async def _back_out(self, lease: GpuLease, holder: Claimant | None, target: Claimant,
                         claimants: Sequence[Claimant], exc: BaseException,
@@ -434,30 +466,20 @@ class Switcher:
         except Exception as sleep_exc:
             log.warning("could not put the failed target back to sleep",
                         extra={"claim": target.ref, "error": str(sleep_exc)})
-        if holder is None:
-            return await self.fail(lease, reason, message, restored=None, timings=timings)
-        # Never wake the old holder while the target's memory is not handed back.
-        try:
-            problem = await self.check_device(holder, claimants, timings)
-        except Fenced:
-            raise
-        except Exception as read_exc:
-            problem = HandbackProblem("inspect_failed", str(read_exc))
-        if problem is not None:
-            return await self.fail(lease, reason, f"{message}; the old holder stays asleep: "
-                                    f"{problem.message}", restored=None, timings=timings)
-        return await self.restore(lease, holder, exc, timings)
+        # Never wake the old holder while the target's memory is not handed back: restore
+        # reads the GPU first.
+        return await self.restore(lease, holder, exc, timings, claimants)
 
     async def gone(self, claimant: Claimant, timings: dict[str, float],
                    within_s: float = GONE_S) -> bool:
-        """True once the GPU shows no process of ``claimant`` (an engine that does not
-        answer and holds nothing is not running: it cannot be awake, nor wake later);
-        waits up to ``within_s`` for a dying process to let go."""
+        """True once no GPU of ``claimant`` shows a process of its pod (an engine that
+        does not answer and holds nothing is not running: it cannot be awake, nor wake
+        later); waits up to ``within_s`` for a dying process to let go."""
         pauses = Backoff(first_s=0.05, max_s=1.0)
         deadline = self.ports.clock() + within_s
         while True:
-            snapshot = await self.snapshot(claimant.gpu, timings)
-            if not any(p.claim_uid == claimant.claim_uid for p in snapshot.processes):
+            snapshots = [await self.snapshot(gpu, timings) for gpu in claimant.gpus]
+            if not any(snap.processes_of(claimant, ()) for snap in snapshots):
                 return True
             if self.ports.clock() >= deadline:
                 return False
@@ -500,6 +522,6 @@ class Switcher:
         log.info("holder put to sleep", extra={"device": lease.device, "claim": holder.ref,
                                                "reason": reason})
         lease = await self.write(lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                              state=naming.STATE_IDLE,
+                                              gang="", state=naming.STATE_IDLE,
                                               draining_model=""), timings)
         return SwitchResult(True, lease, timings=timings)

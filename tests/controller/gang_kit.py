@@ -1,0 +1,242 @@
+"""An in-memory node with several GPUs for the gang-switch tests: real engine simulators over
+HTTP, one in-memory GPU Lease per GPU (compare-and-swap as the API server does), a device
+port that reads each simulator's memory as NVML shows a tensor-parallel engine (one worker
+process per GPU, each holding its shard), and the controller's own GPU workers and locks.
+
+:class:`OneAwakeWatch` checks the promise at every memory change of every simulator, not
+by sampling: no instant with two engines awake on one GPU goes unseen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from controller import naming
+from controller.admission import StartLimits, StartSwitch
+from controller.claimants import Claimant
+from controller.device import GpuProcess, GpuSnapshot
+from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
+from controller.engines.registry import make_adapter
+from controller.gpu import GpuWorker, Policy
+from controller.gpu_locks import GpuLocks, domains
+from controller.leases import GpuLease
+from controller.settings import StepTimeouts
+from controller.switch import Limits, Ports, Switcher
+from driver.opaque import API_VERSION, KIND, parse_engine_config
+from e2e.ports import MemoryLeasePort
+from tests.controller.conftest import ENGINE_SIM_GIB, EngineSim, EngineSimFactory
+
+GPU_TOTAL = 141 * ENGINE_SIM_GIB
+NODE = "node-a"
+TOLERANCE = 512 * 1024**2
+
+
+@dataclass
+class Engine:
+    """One engine on the node: its simulator and the GPUs it holds."""
+
+    sim: EngineSim
+    claimant: Claimant
+    gone_from: set[str] = field(default_factory=set)
+    """GPUs where its process exited (a tensor-parallel worker that died)."""
+    base_url: str = ""
+
+    def __post_init__(self) -> None:
+        self.base_url = self.sim.base_url  # still its address once the server stops
+
+    def shard(self) -> int:
+        return self.sim.engine.memory.used_bytes // len(self.claimant.gpus)
+
+    def awake_on(self, gpu: str) -> bool:
+        """Holds more than its resident footprint on ``gpu``, as NVML would show."""
+        return (gpu in self.claimant.gpus and gpu not in self.gone_from
+                and self.shard() > self.claimant.resident_on(gpu) + TOLERANCE)
+
+
+@dataclass
+class OneAwakeWatch:
+    engines: list[Engine]
+    gpus: tuple[str, ...]
+    violations: list[str] = field(default_factory=list)
+    checks: int = 0
+
+    def check(self) -> None:
+        self.checks += 1
+        for gpu in self.gpus:
+            awake = [e.claimant.ref for e in self.engines if e.awake_on(gpu)]
+            if len(awake) > 1:
+                self.violations.append(f"{gpu}: {', '.join(awake)}")
+
+
+class GangDevice:
+    """The node's GPUs as NVML shows them: one process per engine and GPU."""
+
+    def __init__(self, engines: list[Engine]) -> None:
+        self.engines = engines
+        self.strangers: dict[str, int] = {}
+        """Bytes held on a GPU by processes in no claimant's pod."""
+        self.reads: list[str] = []
+
+    async def snapshot(self, device: str) -> GpuSnapshot:
+        self.reads.append(device)
+        processes = [GpuProcess(pid=1000 + 10 * i + int(device.rpartition("-")[2]),
+                                used_bytes=e.shard(), claim_uid=e.claimant.claim_uid,
+                                pod_uid=e.claimant.pod_uid or "")
+                     for i, e in enumerate(self.engines)
+                     if device in e.claimant.gpus and device not in e.gone_from]
+        if self.strangers.get(device):
+            processes.append(GpuProcess(pid=99, used_bytes=self.strangers[device],
+                                        claim_uid="", pod_uid=""))
+        used = sum(p.used_bytes for p in processes)
+        return GpuSnapshot(uuid=f"GPU-{device}", device=device, total_bytes=GPU_TOTAL,
+                           used_bytes=used, free_bytes=GPU_TOTAL - used,
+                           processes=tuple(processes))
+
+
+def gang_claimant(sim: EngineSim, name: str, gpus: Sequence[str]) -> Claimant:
+    """What ``claimants_from`` builds for a claim with one result per GPU of ``gpus``."""
+    settings = sim.settings
+    per_gpu_awake = settings.awake_memory_bytes // len(gpus)
+    per_gpu_resident = settings.resident_memory_bytes // len(gpus)
+    config = parse_engine_config({
+        "apiVersion": API_VERSION, "kind": KIND, "model": settings.model,
+        "awakeMemory": per_gpu_awake, "sleepLevel": 1, "enginePort": sim.server.port,
+        "adapter": "vllm"})
+    return Claimant(
+        claim_uid=f"uid-{name}", namespace="ns", claim_name=name, node=NODE, device=gpus[0],
+        share_id=None, config=config, model=settings.model, port=int(sim.server.port or 0),
+        sleep_level=1, resident_bytes=per_gpu_resident, pod_name=f"pod-{name}",
+        pod_uid=f"pod-uid-{name}", pod_ip="127.0.0.1", pod_ready=True, pod_deleting=False,
+        resident_on_gpu=tuple((g, per_gpu_resident) for g in gpus))
+
+
+@dataclass
+class GangNode:
+    """The workers of one node's GPUs on in-memory Leases."""
+
+    engines: list[Engine]
+    device: GangDevice
+    leases: dict[str, MemoryLeasePort]
+    workers: dict[str, GpuWorker]
+    watch: OneAwakeWatch
+    tasks: list[asyncio.Task[None]]
+    stop: asyncio.Event
+    locks: GpuLocks
+    adapter: Callable[[Claimant], EngineAdapter]
+
+    def start(self) -> None:
+        """Open every worker (this instance leads the node) and run it."""
+        for worker in self.workers.values():
+            worker.open()
+            self.tasks.append(asyncio.create_task(worker.run(self.stop)))
+
+    def claimants(self) -> list[Claimant]:
+        return [e.claimant for e in self.engines]
+
+    def lease(self, gpu: str) -> GpuLease:
+        return self.leases[gpu].current
+
+    def holders(self) -> dict[str, str]:
+        return {gpu: port.current.holder for gpu, port in self.leases.items()}
+
+    def hold(self, engine: Engine) -> None:
+        """Make every Lease of ``engine``'s GPUs name it awake (the state after a switch)."""
+        for gpu in engine.claimant.gpus:
+            port = self.leases[gpu]
+            port.current = Switcher.serving(port.current, engine.claimant)
+
+    async def activate(self, engine: Engine) -> Any:
+        return await self.workers[engine.claimant.gpu].activate(engine.claimant)
+
+    async def close(self) -> None:
+        self.stop.set()
+        for worker in self.workers.values():
+            worker.close("stopping", "test over")
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _watched(engine: Engine, watch: OneAwakeWatch) -> None:
+    memory = engine.sim.engine.memory
+    apply = memory.apply
+
+    async def apply_and_check(ops: Any) -> Any:
+        try:
+            return await apply(ops)
+        finally:
+            watch.check()
+
+    memory.apply = apply_and_check  # type: ignore[method-assign]
+
+
+async def gang_node(factory: EngineSimFactory, session: aiohttp.ClientSession,
+                    specs: Sequence[tuple[str, Sequence[str], int]], *, gpus: int,
+                    awake: Sequence[str] = (), timeouts: StepTimeouts | None = None
+                    ) -> GangNode:
+    """Simulators for ``specs`` (name, GPUs, awake GiB across all its GPUs; each starts
+    asleep unless named in ``awake``, whose Leases then name it), and the node's workers,
+    opened and running."""
+    engines: list[Engine] = []
+    for name, on, gib in specs:
+        sim = await factory(model=f"m-{name}", awake_memory_bytes=gib * ENGINE_SIM_GIB,
+                            resident_memory_bytes=len(on) * ENGINE_SIM_GIB,
+                            weights_bytes=(gib // 2) * ENGINE_SIM_GIB)
+        engines.append(Engine(sim, gang_claimant(sim, name, on)))
+    names = tuple(f"gpu-{i}" for i in range(gpus))
+    leases = {g: MemoryLeasePort(GpuLease(name=naming.gpu_lease_name(NODE, g), node=NODE,
+                                          device=g)) for g in names}
+    node = node_of(engines, session, leases, timeouts=timeouts)
+    for engine in engines:  # simulators start awake, as vLLM does
+        if engine.claimant.claim_name not in awake:
+            await node.adapter(engine.claimant).sleep(1)
+        else:
+            node.hold(engine)
+    for engine in engines:
+        _watched(engine, node.watch)
+    node.watch.check()
+    node.start()
+    return node
+
+
+def node_of(engines: list[Engine], session: aiohttp.ClientSession,
+            leases: dict[str, MemoryLeasePort], *, timeouts: StepTimeouts | None = None
+            ) -> GangNode:
+    """A controller instance's workers for ``engines`` on ``leases`` (not yet running)."""
+    names = tuple(leases)
+    watch = OneAwakeWatch(engines, names)
+    device = GangDevice(engines)
+    engine_timeouts = Timeouts(sleep_s=10.0, wake_level1_s=10.0, wake_level2_s=10.0,
+                               probe_total_s=10.0)
+    by_uid = {e.claimant.claim_uid: e for e in engines}
+
+    def adapter(claimant: Claimant) -> EngineAdapter:
+        return make_adapter(claimant.config, EngineEndpoint(
+            base_url=by_uid[claimant.claim_uid].base_url, model=claimant.model, claim=claimant.ref,
+            pod=f"ns/{claimant.pod_name}"), session, engine_timeouts)
+
+    locks = GpuLocks()
+    joined = domains(e.claimant for e in engines)
+    workers: dict[str, GpuWorker] = {}
+    for gpu in names:
+        switcher = Switcher(
+            ports=Ports(lease=leases[gpu], device=device, engine=adapter, guard=lambda: None),
+            limits=Limits(tolerance_bytes=TOLERANCE, unknown_limit_bytes=TOLERANCE,
+                          timeouts=timeouts or StepTimeouts()),
+            identity="controller-a")
+        workers[gpu] = GpuWorker(
+            gpu=gpu, lease_port=leases[gpu], switcher=switcher,  # type: ignore[arg-type]
+            claimants=lambda: [e.claimant for e in engines], engine=adapter,
+            policy=Policy(resync_s=3600.0, tolerance_bytes=TOLERANCE),
+            clock=asyncio.get_running_loop().time, identity="controller-a",
+            starter=StartSwitch(switcher, limits=StartLimits(start_s=10.0, grant_s=5.0),
+                                claimant_of=lambda uid: by_uid[uid].claimant
+                                if uid in by_uid else None),
+            locks=locks, domain=functools.partial(joined.get, gpu, (gpu,)),
+            sibling=workers.__getitem__)
+    return GangNode(engines, device, leases, workers, watch, [], asyncio.Event(), locks,
+                    adapter)
