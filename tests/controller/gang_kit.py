@@ -203,6 +203,10 @@ async def gang_node(factory: EngineSimFactory, session: aiohttp.ClientSession,
     return node
 
 
+def _domain(joined: dict[str, tuple[str, ...]], gpu: str) -> tuple[str, ...]:
+    return joined.get(gpu, (gpu,))
+
+
 def node_of(engines: list[Engine], session: aiohttp.ClientSession,
             leases: dict[str, MemoryLeasePort], *, timeouts: StepTimeouts | None = None
             ) -> GangNode:
@@ -236,7 +240,7 @@ def node_of(engines: list[Engine], session: aiohttp.ClientSession,
             starter=StartSwitch(switcher, limits=StartLimits(start_s=10.0, grant_s=5.0),
                                 claimant_of=lambda uid: by_uid[uid].claimant
                                 if uid in by_uid else None),
-            locks=locks, domain=functools.partial(joined.get, gpu, (gpu,)),
+            locks=locks, domain=functools.partial(_domain, joined, gpu),
             sibling=workers.__getitem__)
     return GangNode(engines, device, leases, workers, watch, [], asyncio.Event(), locks,
                     adapter)

@@ -154,7 +154,7 @@ async def test_a_controller_killed_mid_gang_switch_leaves_one_owner_per_gpu(
         await asyncio.sleep(0.2)
         return await original(**kwargs)  # type: ignore[arg-type]
 
-    b.sim.engine.sleep = slow_sleep  # type: ignore[method-assign]
+    b.sim.engine.sleep = slow_sleep  # type: ignore[method-assign,assignment]
     pending = asyncio.create_task(node.activate(tp))
     async with asyncio.timeout(DEADLINE_S):
         await sleeping.wait()
