@@ -1,9 +1,19 @@
 """Leadership per node: the controller instance that may act on this node's GPUs.
 
-One Lease per node names the acting instance. An instance acquires it when it is free or
-expired, renews it every third of its duration, and considers itself leader only until a
-local deadline (``renewed at + duration - margin``, measured on the monotonic clock) so
+One Lease per node (:class:`controller.api.controller_lease.ControllerLease`) names the
+acting instance. An instance acquires it when it is free or expired, renews it every third
+of its duration, and considers itself leader only until a local deadline (``asked at +
+duration * 2/3``, measured on the monotonic clock from when it *asked* for the renewal) so
 that an instance cut off from the API server stops acting before anyone else may start.
+
+Another instance's Lease is expired by the observer's rule
+(:class:`~controller.api.controller_lease.LeaseObserver`): when this instance has not
+seen the record change for the Lease's duration, on this instance's own monotonic clock.
+The holder's ``renewTime`` was stamped by its wall clock and is never compared with this
+one's, so a skewed or stepped wall clock on either side neither lets a standby take over
+from a holder that still renews nor delays it. A standby that starts counts the Lease it
+first sees as renewed then: it waits one whole duration before taking over from a holder
+that died before it started.
 
 Losing the Lease sets :attr:`Election.lost`: the node controller stops taking work at once
 and every switch stops at its next fencing check (the call in flight is not cancelled: a
@@ -15,9 +25,6 @@ waits for the Lease to expire like any other instance, so that calls its predece
 have landed or timed out before it acts. An instance that stops cleanly releases the
 Lease, and its successor acquires it at once; one that stops with a step still in flight
 (:attr:`Election.keep_on_exit`) leaves it to expire.
-
-Expiry compares the holder's ``renewTime`` with this machine's wall clock, as every
-Kubernetes leader election does: instances must share a clock that is not stepped.
 """
 
 from __future__ import annotations
@@ -27,33 +34,35 @@ import datetime as dt
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from controller import naming
+from controller.api.controller_lease import ControllerLease, LeaseObserver
 from controller.kube import ControllerKube
-from controller.leases import micro_time, parse_micro_time
 from driver.errors import KubeConflictError, KubeError, KubeNotFoundError
 
 log = logging.getLogger(__name__)
 
 
-class NotLeader(RuntimeError):
-    """This instance does not (or no longer) hold the node's controller Lease."""
-
-
 class Election:
     def __init__(self, *, kube: ControllerKube, namespace: str, node: str, identity: str,
-                 duration_s: float, activation_url: str) -> None:
+                 duration_s: float, activation_url: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.kube = kube
         self.namespace = namespace
         self.node = node
         self.identity = identity
         self.duration_s = duration_s
         self.activation_url = activation_url
+        self.clock = clock
+        """The monotonic clock of both rules: this instance's leadership and the others'
+        expiry."""
         self.name = naming.controller_lease_name(node)
         self.acquired = asyncio.Event()
         self.lost = asyncio.Event()
         self._valid_until = 0.0
+        self._observer = LeaseObserver()
         self.term = 0
         self.instance = uuid.uuid4().hex
         """This process's id in the Lease (see the module docstring)."""
@@ -61,69 +70,50 @@ class Election:
         """Set when stopping with work in flight: the Lease is then left to expire."""
 
     def is_leader(self) -> bool:
-        return time.monotonic() < self._valid_until
+        return self.clock() < self._valid_until
 
-    def check(self) -> None:
-        """Raise :class:`NotLeader` unless this instance may act now."""
-        if not self.is_leader():
-            raise NotLeader(f"{self.identity} does not hold the controller lease of "
-                            f"{self.node}")
-
-    def _body(self, resource_version: str | None, transitions: int, acquire: bool
-              ) -> dict[str, Any]:
-        now = micro_time()
-        spec: dict[str, Any] = {"holderIdentity": self.identity,
-                                "leaseDurationSeconds": max(1, round(self.duration_s)),
-                                "renewTime": now, "leaseTransitions": transitions}
-        if acquire:
-            spec["acquireTime"] = now
-        metadata: dict[str, Any] = {
-            "name": self.name, "namespace": self.namespace,
-            "labels": {naming.LABEL_MANAGED_BY: naming.MANAGED_BY,
-                       naming.LABEL_KIND: naming.KIND_CONTROLLER,
-                       naming.LABEL_NODE: naming.label_value(self.node)},
-            "annotations": {naming.ACTIVATION_URL: self.activation_url,
-                            naming.INSTANCE: self.instance,
-                            naming.NODE_NAME: self.node},
-        }
-        if resource_version:
-            metadata["resourceVersion"] = resource_version
-        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata,
-                "spec": spec}
+    def _body(self, current: ControllerLease | None, transitions: int, *, acquire: bool,
+              holder: bool = True) -> dict[str, Any]:
+        now = dt.datetime.now(dt.UTC)
+        acquired = now if acquire else (None if current is None else current.acquire_time)
+        return ControllerLease(
+            name=self.name, node=self.node, holder=self.identity if holder else "",
+            instance=self.instance, activation_url=self.activation_url, renew_time=now,
+            acquire_time=acquired if holder else None, duration_s=self.duration_s,
+            transitions=transitions,
+            resource_version="" if current is None else current.resource_version,
+        ).body(self.namespace)
 
     async def try_acquire_or_renew(self) -> bool:
-        started = time.monotonic()
+        started = self.clock()
         try:
-            current = await self.kube.get_lease(self.namespace, self.name)
+            current = ControllerLease.parse(await self.kube.get_lease(self.namespace, self.name))
         except KubeNotFoundError:
             try:
-                await self.kube.create_lease(self.namespace, self._body(None, 0, True))
+                await self.kube.create_lease(self.namespace, self._body(None, 0, acquire=True))
             except KubeConflictError:
                 return self._set(False)
             return self._became(started)
-        spec = current.get("spec", {}) or {}
-        holder = spec.get("holderIdentity") or ""
-        renewed = parse_micro_time(spec.get("renewTime"))
-        duration = float(spec.get("leaseDurationSeconds") or self.duration_s)
-        expired = renewed is None or (dt.datetime.now(dt.UTC) - renewed).total_seconds() > duration
-        instance = ((current.get("metadata") or {}).get("annotations") or {}).get(
-            naming.INSTANCE, "")
-        ours = holder == self.identity and instance == self.instance
-        if holder and not ours and not expired:
-            if holder == self.identity and not self.acquired.is_set():
+        # Seen when the answer came, not when we asked: a slow answer only delays expiry.
+        seen_at = self.clock()
+        held = self._observer.observe(current, seen_at).fresh(seen_at)
+        ours = current.holder == self.identity and current.instance == self.instance
+        if held and not ours:
+            if current.holder == self.identity and not self.acquired.is_set():
                 log.info("an earlier process of this identity holds the controller lease; "
                          "waiting for it to expire", extra={"node": self.node,
                                                             "identity": self.identity})
             return self._set(False)
-        transitions = int(spec.get("leaseTransitions") or 0) + (0 if ours else 1)
+        transitions = current.transitions + (0 if ours else 1)
         try:
             await self.kube.replace_lease(self.namespace, self._body(
-                current["metadata"]["resourceVersion"], transitions, acquire=not ours))
+                current, transitions, acquire=not ours))
         except KubeConflictError:
             return self._set(False)
         if not ours:
             log.info("took over the controller lease", extra={
-                "node": self.node, "identity": self.identity, "previous": holder or None})
+                "node": self.node, "identity": self.identity,
+                "previous": current.holder or None})
         return self._became(started)
 
     def _became(self, started: float) -> bool:
@@ -170,13 +160,9 @@ class Election:
             return
         self._set(False)
         try:
-            current = await self.kube.get_lease(self.namespace, self.name)
-            annotations = (current.get("metadata") or {}).get("annotations") or {}
-            if ((current.get("spec") or {}).get("holderIdentity") == self.identity
-                    and annotations.get(naming.INSTANCE) == self.instance):
-                body = self._body(current["metadata"]["resourceVersion"],
-                                  int(current["spec"].get("leaseTransitions") or 0), False)
-                body["spec"].pop("holderIdentity")
-                await self.kube.replace_lease(self.namespace, body)
+            current = ControllerLease.parse(await self.kube.get_lease(self.namespace, self.name))
+            if current.holder == self.identity and current.instance == self.instance:
+                await self.kube.replace_lease(self.namespace, self._body(
+                    current, current.transitions, acquire=False, holder=False))
         except KubeError as exc:
             log.warning("could not release the controller lease", extra={"error": str(exc)})

@@ -1,10 +1,12 @@
 """``kubectl rota``: rota's state where kubectl users look, and a switch on request.
 
 - ``kubectl rota status``: per node and GPU, the awake holder, its model, the fencing
-  number, the Lease's state and last error, and which controller instance acts (from the
-  GPU Leases and the controllers' Leases). With the activation token (the Secret, or
-  ``--token-file``) it also asks each node's controller (``GET /v1/state``) for the last
-  switch with its timings and the queue, when it can reach it.
+  number, the Lease's state and last error, and which controller instance holds the node's
+  controller Lease, with its last renewal as the node's clock stamped it (from the GPU
+  Leases and the controllers' Leases). It says nothing of whether that controller is
+  alive: one read cannot tell (:data:`LIVENESS_NOTE`). With the activation token (the
+  Secret, or ``--token-file``) it also asks each node's controller (``GET /v1/state``) for
+  the last switch with its timings and the queue, when it can reach it.
 - ``kubectl rota switch <model>``: asks the node's activation API to make the model awake,
   through the gateway's contract (:mod:`controller.activation_api`), and prints the answer.
 
@@ -32,6 +34,7 @@ import datetime as dt
 import http.client
 import json
 import sys
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
@@ -48,8 +51,9 @@ from controller.activation_api import (
     ActivateRequest,
     ErrorBody,
 )
+from controller.api.controller_lease import ControllerLease
 from controller.claimants import claimants_from
-from controller.leases import GpuLease, parse_micro_time
+from controller.leases import GpuLease, micro_time
 
 __all__ = ["Answer", "ControllerInfo", "Direct", "GpuRow", "SwitchOutcome", "ThroughApiServer",
            "Unreachable", "api_server_refusal", "controllers_from", "find_claimant",
@@ -60,20 +64,48 @@ DEFAULT_NAMESPACE = "rota-system"
 DEFAULT_SECRET = "rota-activation-token"
 
 
+LIVENESS_NOTE = (
+    "CTL-RENEWED (the node controller's last renewal of its Lease, over the Lease's "
+    "duration) and RENEWED (the GPU Lease's last write) are the node's clock's stamps read "
+    "against this machine's clock, which may differ from it. One read cannot tell whether a "
+    "controller is alive: the gateways and the controllers judge that by seeing its Lease "
+    "change, each on its own clock.")
+
+
 @dataclass(frozen=True)
 class ControllerInfo:
-    """A node's controller Lease: the acting instance and where its API listens."""
+    """A node's controller Lease (:class:`~controller.api.controller_lease.ControllerLease`,
+    its one parser): the acting instance and where its API listens.
 
-    node: str
-    identity: str
-    activation_url: str
-    renewed: dt.datetime | None
-    duration_s: float
+    No liveness verdict: that takes seeing the Lease change over time on the reader's own
+    clock (:class:`~controller.api.controller_lease.LeaseObserver`), which a one-shot
+    command cannot do. It shows the renewal as the node's clock stamped it instead.
+    """
 
-    def alive(self, now: dt.datetime) -> bool:
-        """The Lease was renewed within its duration."""
-        return self.renewed is not None and (now - self.renewed).total_seconds() <= \
-            self.duration_s
+    lease: ControllerLease
+
+    @property
+    def node(self) -> str:
+        """The node's label value (as GPU Leases name the node)."""
+        return self.lease.node_label
+
+    @property
+    def identity(self) -> str:
+        return self.lease.holder
+
+    @property
+    def activation_url(self) -> str:
+        return self.lease.activation_url
+
+    @property
+    def duration_s(self) -> float:
+        return self.lease.duration_s
+
+    def renew_age_s(self, now: dt.datetime) -> float | None:
+        """``now`` (this machine's wall clock) minus ``renewTime`` (the node's): includes
+        whatever the two clocks disagree by. For display only, never a verdict."""
+        renewed = self.lease.renew_time
+        return None if renewed is None else (now - renewed).total_seconds()
 
     @property
     def port(self) -> int | None:
@@ -107,15 +139,9 @@ def controllers_from(leases: Iterable[Mapping[str, Any]]) -> dict[str, Controlle
     """Node label value -> the controller Lease of that node."""
     out: dict[str, ControllerInfo] = {}
     for obj in leases:
-        if _kind(obj) != naming.KIND_CONTROLLER:
-            continue
-        meta, spec = obj.get("metadata", {}), obj.get("spec") or {}
-        node = str((meta.get("labels") or {}).get(naming.LABEL_NODE, ""))
-        out[node] = ControllerInfo(
-            node=node, identity=str(spec.get("holderIdentity") or ""),
-            activation_url=str((meta.get("annotations") or {}).get(naming.ACTIVATION_URL, "")),
-            renewed=parse_micro_time(spec.get("renewTime")),
-            duration_s=float(spec.get("leaseDurationSeconds") or 0))
+        lease = ControllerLease.from_object(obj)
+        if lease is not None:
+            out[lease.node_label] = ControllerInfo(lease)
     return out
 
 
@@ -145,12 +171,24 @@ def status_rows(leases: Iterable[Mapping[str, Any]],
 def _age(moment: dt.datetime | None, now: dt.datetime) -> str:
     if moment is None:
         return "-"
-    seconds = max(0, int((now - moment).total_seconds()))
+    return _span(max(0, int((now - moment).total_seconds())))
+
+
+def _span(seconds: int) -> str:
     if seconds < 120:
         return f"{seconds}s"
     if seconds < 7200:
         return f"{seconds // 60}m"
     return f"{seconds // 3600}h"
+
+
+def _renewal(ctl: ControllerInfo | None, now: dt.datetime) -> str:
+    """``<age>/<duration>`` of a controller Lease's renewal (a negative age: the node's
+    clock is ahead of this one), or ``-``."""
+    age = None if ctl is None else ctl.renew_age_s(now)
+    if ctl is None or age is None:
+        return "-"
+    return f"{'-' if age < 0 else ''}{_span(int(abs(age)))}/{ctl.duration_s:g}s"
 
 
 def _last_switch(live: Mapping[str, Any] | None) -> str:
@@ -185,19 +223,19 @@ def render_status(rows: Sequence[GpuRow], now: dt.datetime,
                     for node, why in sorted((unread or {}).items()))
     if not rows:
         return "No GPU Leases: no lease controller has run yet in this namespace.\n" + notes
-    header = ("NODE", "GPU", "STATE", "HOLDER", "MODEL", "FENCE", "CONTROLLER", "RENEWED",
-              "QUEUE")
+    header = ("NODE", "GPU", "STATE", "HOLDER", "MODEL", "FENCE", "CONTROLLER",
+              "CTL-RENEWED", "RENEWED", "QUEUE")
     lines = [header]
     details: dict[int, list[str]] = {}
     for i, row in enumerate(rows):
         lease, ctl = row.lease, row.controller
-        acting = "-" if ctl is None else (ctl.identity + ("" if ctl.alive(now) else
-                                                         " (expired)"))
+        acting = "-" if ctl is None else (ctl.identity or "(none)")
         model = lease.holder_model or "-"
         if lease.state == naming.STATE_SWITCHING and lease.target_model:
             model = f"{lease.draining_model or model} -> {lease.target_model}"
         lines.append((lease.node, row.gpu, lease.state, lease.holder or "-", model,
-                      str(lease.fence), acting, _age(lease.renewed, now), _queue(row.live)))
+                      str(lease.fence), acting, _renewal(ctl, now), _age(lease.renewed, now),
+                      _queue(row.live)))
         extra = []
         if row.live is not None:
             extra.append(f"last switch: {_last_switch(row.live)}")
@@ -210,7 +248,17 @@ def render_status(rows: Sequence[GpuRow], now: dt.datetime,
         out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True))
                    .rstrip())
         out += [f"    {d}" for d in details.get(i, [])]
+    if any(row.controller is not None for row in rows):
+        out.append(textwrap.fill(LIVENESS_NOTE, 100))
     return "\n".join(out) + "\n" + notes
+
+
+def _controller_json(ctl: ControllerInfo, now: dt.datetime) -> dict[str, Any]:
+    """No ``alive``: one read cannot tell (see :data:`LIVENESS_NOTE`)."""
+    renewed = ctl.lease.renew_time
+    return {"identity": ctl.identity, "url": ctl.activation_url,
+            "renew_time": None if renewed is None else micro_time(renewed),
+            "renew_age_s": ctl.renew_age_s(now), "duration_s": ctl.duration_s}
 
 
 def status_json(rows: Sequence[GpuRow], now: dt.datetime,
@@ -219,9 +267,7 @@ def status_json(rows: Sequence[GpuRow], now: dt.datetime,
              "holder": r.lease.holder, "model": r.lease.holder_model, "fence": r.lease.fence,
              "target_model": r.lease.target_model, "last_error": r.lease.last_error,
              "gpu_uuid": r.lease.gpu_uuid,
-             "controller": None if r.controller is None else {
-                 "identity": r.controller.identity, "url": r.controller.activation_url,
-                 "alive": r.controller.alive(now)},
+             "controller": None if r.controller is None else _controller_json(r.controller, now),
              "last_switch": (r.live or {}).get("last_switch"),
              "queue": (r.live or {}).get("queue"),
              "live_error": (unread or {}).get(r.lease.node)} for r in rows]
@@ -582,7 +628,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(common, defaults=False)
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", parents=[common], help="GPU -> holder, fence, state, "
-                                                             "last switch, per node.")
+                                                             "last switch, per node.",
+                            description="Per node and GPU: the awake holder, its model, the "
+                            "fencing number, the Lease's state and last error, the controller "
+                            "instance that holds the node's controller Lease and its last "
+                            "renewal. " + LIVENESS_NOTE)
     status.add_argument("--node", default=None, help="Only this node's GPUs.")
     status.add_argument("--no-live", action="store_true", help="Leases only; do not ask "
                         "the controllers for their last switch and queue.")

@@ -2,24 +2,28 @@
 
 - GPU Leases are parsed by their one contract, :class:`controller.leases.GpuLease`.
 - A controller Lease (``rota-controller-<node>``, renewed by the node's acting controller)
-  becomes a :class:`ControllerLease`: alive while ``renewTime + leaseDurationSeconds`` is
-  ahead (the same rule the controllers' own election applies), and its activation URL.
+  is parsed by its one contract too,
+  :class:`controller.api.controller_lease.ControllerLease`; its activation URL is made
+  usable here (:func:`activation_url`). Whether its controller is alive is not read from
+  the Lease alone: :mod:`controller.gateway.routing` feeds every read to a
+  :class:`~controller.api.controller_lease.LeaseObserver` on the gateway's monotonic clock
+  (the rule the controllers' own election applies; never ``renewTime`` against this
+  machine's clock).
 - Pods are cut down to what routing reads (uid, annotations, deletion, IP, readiness), so
   a replica does not hold whole pod specs of every namespace it watches.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from controller import naming
+from controller.api.controller_lease import ControllerLease
 from controller.gateway.endpoints import normalize_base_url
-from controller.leases import GpuLease, parse_micro_time
+from controller.leases import GpuLease
 
-__all__ = ["ControllerLease", "gpu_lease_of", "slim_pod"]
+__all__ = ["activation_url", "controller_lease_of", "gpu_lease_of", "slim_pod"]
 
 Obj = Mapping[str, Any]
 
@@ -40,46 +44,16 @@ def gpu_lease_of(obj: Obj) -> GpuLease | None:
         return None
 
 
-@dataclass(frozen=True)
-class ControllerLease:
-    """A node controller's own Lease, as the gateway reads it."""
+def controller_lease_of(obj: Obj) -> ControllerLease | None:
+    """The controller Lease ``obj`` is (parsed by its one contract), or None when it is
+    no controller Lease."""
+    return ControllerLease.from_object(obj)
 
-    name: str
-    holder: str
-    renewed: dt.datetime | None
-    duration_s: float
-    url: str | None
-    """The activation API's base URL (IPv6 bracketed), None when none is usable."""
 
-    @property
-    def expires(self) -> dt.datetime | None:
-        if self.renewed is None or self.duration_s <= 0:
-            return None
-        return self.renewed + dt.timedelta(seconds=self.duration_s)
-
-    def fresh(self, now: dt.datetime) -> bool:
-        """Held and renewed within its duration at ``now``."""
-        expires = self.expires
-        return bool(self.holder) and expires is not None and now <= expires
-
-    @classmethod
-    def from_object(cls, obj: Obj) -> ControllerLease | None:
-        """None when ``obj`` is no controller Lease."""
-        if _labels(obj).get(naming.LABEL_KIND) != naming.KIND_CONTROLLER:
-            return None
-        meta = obj.get("metadata") or {}
-        spec = obj.get("spec") or {}
-        url = (meta.get("annotations") or {}).get(naming.ACTIVATION_URL)
-        try:
-            duration = float(spec.get("leaseDurationSeconds") or 0)
-        except (TypeError, ValueError):
-            duration = 0.0
-        renewed = parse_micro_time(spec.get("renewTime"))
-        if renewed is not None and renewed.tzinfo is None:
-            renewed = renewed.replace(tzinfo=dt.UTC)
-        return cls(name=str(meta.get("name", "")), holder=str(spec.get("holderIdentity") or ""),
-                   renewed=renewed, duration_s=duration,
-                   url=normalize_base_url(str(url)) if url else None)
+def activation_url(lease: ControllerLease) -> str | None:
+    """The base URL of the activation API ``lease`` advertises, made usable (IPv6
+    bracketed); None when it advertises none that is."""
+    return normalize_base_url(lease.activation_url) if lease.activation_url else None
 
 
 def slim_pod(pod: Obj) -> dict[str, Any]:

@@ -12,10 +12,14 @@ by the request path. What each kind of object may decide:
   ``(node, Claimant.gpu)`` so the shares of one GPU meet in one Lease) say **who** holds
   each GPU — the holder's claim ref and uid under a fencing number — and whether a switch
   is under way. Never where to send traffic.
-- Controller Leases say which node controllers are alive (renewed within their duration)
-  and where their activation API listens. A GPU whose controller Lease expired is treated
-  as lost: its engine gets no traffic, and its unfinished switch does not hold requests
-  when another replica could be woken.
+- Controller Leases say which node controllers are alive and where their activation API
+  listens. Alive means: this gateway saw the Lease's record change within the Lease's
+  duration, on the gateway's own monotonic clock
+  (:class:`controller.api.controller_lease.LeaseObserver`, the rule the controllers'
+  election applies too); the ``renewTime`` the node's clock stamped is never compared
+  with this one. A GPU whose controller Lease expired is treated as lost: its engine gets
+  no traffic, and its unfinished switch does not hold requests when another replica
+  could be woken.
 
 The Leases are the truth: nothing here is replica-local knowledge that another gateway
 replica could contradict. Every change bumps :attr:`RoutingState.version` and wakes the
@@ -27,19 +31,25 @@ over with ``call_soon_threadsafe``).
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from controller import naming
+from controller.api.controller_lease import ControllerLease, LeaseObserver
 from controller.claimants import DRIVER, Claimant, claimants_from
 from controller.gateway.binding import ModelBinding
 from controller.gateway.engine_keys import secret_ref
-from controller.gateway.lease_view import ControllerLease, gpu_lease_of, slim_pod
+from controller.gateway.lease_view import (
+    activation_url,
+    controller_lease_of,
+    gpu_lease_of,
+    slim_pod,
+)
 from controller.leases import GpuLease
 from controller.urls import http_url
 
@@ -59,7 +69,8 @@ log = logging.getLogger(__name__)
 Obj = Mapping[str, Any]
 ObjectKind = Literal["claim", "pod", "lease"]
 ModelState = Literal["awake", "asleep", "switching", "failed"]
-Clock = Callable[[], dt.datetime]
+Clock = Callable[[], float]
+"""The gateway's monotonic clock (seconds), by which controller Leases are judged."""
 
 _TERMINAL = frozenset({naming.STATE_AWAKE, naming.STATE_IDLE, naming.STATE_FAILED})
 """Lease states in which no switch runs: the holder (if any) is the one awake engine."""
@@ -134,10 +145,6 @@ def _ours(claim: Obj) -> bool:
     return any(r.get("driver") == DRIVER for r in results)
 
 
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
-
 def _holds(lease: GpuLease, claimant: Claimant) -> bool:
     """``lease`` names ``claimant`` (ref and uid: not a namesake created again) as holder."""
     return (lease.holder == claimant.ref and bool(lease.holder_claim_uid)
@@ -147,7 +154,8 @@ def _holds(lease: GpuLease, claimant: Claimant) -> bool:
 class RoutingState:
     """Claims, pods and Leases as last seen, and the routing decisions they imply."""
 
-    def __init__(self, *, binding: ModelBinding | None = None, clock: Clock = _now) -> None:
+    def __init__(self, *, binding: ModelBinding | None = None,
+                 clock: Clock = time.monotonic) -> None:
         self._objects: dict[ObjectKind, dict[str, Obj]] = {"claim": {}, "pod": {}, "lease": {}}
         self._binding = binding if binding is not None else ModelBinding()
         self._clock = clock
@@ -161,6 +169,8 @@ class RoutingState:
         self._changed = asyncio.Event()
         self._turn = itertools.count()
         self._fresh_seen: dict[str, bool] = {}
+        self._observer = LeaseObserver()
+        """When this gateway saw each controller Lease change, on :attr:`clock`."""
         self.binding_changed = asyncio.Event()
         """Set when :meth:`set_binding` changed it (sources re-check what they watch)."""
         self.version = 0
@@ -177,6 +187,8 @@ class RoutingState:
                 return
         else:
             store[key] = slim_pod(obj) if kind == "pod" else obj
+        if kind == "lease":
+            self._observe(obj, deleted=event == "DELETED")
         self._touch()
 
     def replace(self, kind: ObjectKind, objs: Iterable[Obj], *,
@@ -190,7 +202,28 @@ class RoutingState:
                 store[_key(obj)] = slim_pod(obj)
             elif kind != "claim" or _ours(obj):
                 store[_key(obj)] = obj
+            if kind == "lease":
+                self._observe(obj, deleted=False)
         self._touch()
+
+    def _observe(self, obj: Obj, *, deleted: bool) -> None:
+        """A controller Lease read now (on :attr:`clock`): a change restarts its duration."""
+        controller = controller_lease_of(obj)
+        if controller is None:
+            return
+        if deleted:
+            self._observer.forget(controller.name)
+        else:
+            self._observer.observe(controller, self._clock())
+
+    @property
+    def clock(self) -> Clock:
+        """The monotonic clock controller Leases are judged by (tests move it)."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Clock) -> None:
+        self._clock = clock
 
     def set_binding(self, binding: ModelBinding) -> None:
         """The admin's binding changed (its file was re-read)."""
@@ -228,14 +261,14 @@ class RoutingState:
     def _next_expiry(self) -> float | None:
         """Seconds until the next fresh controller Lease runs out (None: none will)."""
         now = self._clock()
-        ahead = [(c.expires - now).total_seconds() for c in self._controllers.values()
-                 if c.expires is not None and c.expires > now]
+        ahead = [expires - now for name in self._controllers
+                 if (expires := self._observer.expires_at(name)) is not None and expires > now]
         return min(ahead) if ahead else None
 
     def _expired_since_refresh(self) -> bool:
         now = self._clock()
-        return any(self._fresh_seen.get(name, False) and not c.fresh(now)
-                   for name, c in self._controllers.items())
+        return any(self._fresh_seen.get(name, False) and not self._observer.fresh(name, now)
+                   for name in self._controllers)
 
     async def wait_changed(self, since: int, limit_s: float) -> bool:
         """Wait until :attr:`version` differs from ``since``; False after ``limit_s``.
@@ -283,7 +316,7 @@ class RoutingState:
         gpus: dict[str, GpuLease] = {}
         controllers: dict[str, ControllerLease] = {}
         for obj in self._objects["lease"].values():
-            controller = ControllerLease.from_object(obj)
+            controller = controller_lease_of(obj)
             if controller is not None:
                 controllers[controller.name] = controller
                 continue
@@ -296,8 +329,9 @@ class RoutingState:
         self._by_model, self._gpus, self._controllers = by_model, gpus, controllers
         self._by_uid = {c.claim_uid: c for cs in by_model.values() for c in cs}
         self._ignored = ignored
+        self._observer.retain(controllers)
         now = self._clock()
-        self._fresh_seen = {name: c.fresh(now) for name, c in controllers.items()}
+        self._fresh_seen = {name: self._observer.fresh(name, now) for name in controllers}
         self._dirty = False
 
     @property
@@ -326,11 +360,12 @@ class RoutingState:
     def _controller(self, claimant: Claimant) -> ControllerLease | None:
         return self._controllers.get(naming.controller_lease_name(claimant.node))
 
-    def _alive(self, claimant: Claimant, now: dt.datetime) -> bool:
+    def _alive(self, claimant: Claimant, now: float) -> bool:
+        """This gateway saw the node controller's Lease change within its duration."""
         controller = self._controller(claimant)
-        return controller is not None and controller.fresh(now)
+        return controller is not None and self._observer.fresh(controller.name, now)
 
-    def _awake(self, claimant: Claimant, now: dt.datetime) -> GpuLease | None:
+    def _awake(self, claimant: Claimant, now: float) -> GpuLease | None:
         """The Lease under which ``claimant`` may get traffic now, if it may."""
         lease = self.lease_of(claimant)
         if lease is None or lease.state != naming.STATE_AWAKE or not _holds(lease, claimant):
@@ -339,7 +374,7 @@ class RoutingState:
             return None
         return lease
 
-    def _switch_touching(self, model: str, now: dt.datetime, *, alive: bool) -> str | None:
+    def _switch_touching(self, model: str, now: float, *, alive: bool) -> str | None:
         """``switching`` or ``draining`` when a switch to or from ``model`` runs on a GPU
         whose controller is (``alive``) or is not alive."""
         for claimant in self._by_model.get(model, []):
@@ -373,13 +408,14 @@ class RoutingState:
         options: list[tuple[int, str, Claimant, str]] = []
         for claimant in claimants:
             controller = self._controller(claimant)
-            if not claimant.serving or controller is None or controller.url is None:
+            url = None if controller is None else activation_url(controller)
+            if not claimant.serving or url is None:
                 continue
-            if not controller.fresh(now):
+            if not self._alive(claimant, now):
                 continue
             lease = self.lease_of(claimant)
             rank = _NO_LEASE_RANK if lease is None else _ACTIVATION_RANK.get(lease.state, 5)
-            options.append((rank, claimant.ref, claimant, controller.url))
+            options.append((rank, claimant.ref, claimant, url))
         if options:
             _, ref, _, url = min(options, key=lambda o: (o[0], o[1]))
             return Decision(Action.ACTIVATE, model, claim=ref, activation_url=url)

@@ -17,6 +17,7 @@ from kubernetes import client
 
 from controller import naming
 from controller.activation_api import TOKEN_HEADER, ActivateAnswer
+from controller.api.controller_lease import ControllerLease
 from controller.kubectl_rota import (
     find_claimant,
     interpret_activation,
@@ -25,7 +26,7 @@ from controller.kubectl_rota import (
     render_switch,
     status_rows,
 )
-from controller.leases import GpuLease, lease_body, micro_time
+from controller.leases import GpuLease, lease_body
 from e2e.cluster import LocalCluster
 from e2e.cluster.nodes import create_node
 from e2e.harness import GpuNode
@@ -44,16 +45,11 @@ def _gpu(ns: str, node: str, device: str, **fields: Any) -> dict[str, Any]:
 
 
 def _controller(ns: str, node: str, url: str, *, renewed: dt.datetime) -> dict[str, Any]:
-    """A controller Lease as controller.election writes it."""
-    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-            "metadata": {"name": naming.controller_lease_name(node), "namespace": ns,
-                         "labels": {naming.LABEL_MANAGED_BY: naming.MANAGED_BY,
-                                    naming.LABEL_KIND: naming.KIND_CONTROLLER,
-                                    naming.LABEL_NODE: naming.label_value(node)},
-                         "annotations": {naming.ACTIVATION_URL: url}},
-            "spec": {"holderIdentity": f"rota-controller-{node[-4:]}",
-                     "leaseDurationSeconds": 15, "renewTime": micro_time(renewed),
-                     "leaseTransitions": 0}}
+    """A controller Lease as controller.election writes it (through its one contract)."""
+    return ControllerLease(name=naming.controller_lease_name(node), node=node,
+                           holder=f"rota-controller-{node[-4:]}", instance="i-1",
+                           activation_url=url, renew_time=renewed,
+                           duration_s=15).body(ns)
 
 
 def _leases(ns: str, now: dt.datetime) -> list[dict[str, Any]]:
@@ -68,6 +64,9 @@ def _leases(ns: str, now: dt.datetime) -> list[dict[str, Any]]:
         _controller(ns, "gpu-node-1", "http://127.0.0.1:9", renewed=now),
         _controller(ns, "gpu-node-2", "http://127.0.0.1:9",
                     renewed=now - dt.timedelta(minutes=5)),
+        _controller(ns, "gpu-node-3", "http://127.0.0.1:9",
+                    renewed=now + dt.timedelta(seconds=10)),  # its clock 10 s ahead
+        _gpu(ns, "gpu-node-3", "gpu-0", fence=1, state=naming.STATE_IDLE),
     ]
 
 
@@ -78,11 +77,11 @@ def test_status_rows_and_table() -> None:
     rows = status_rows(_leases("rota-system", NOW), {"gpu-node-1": state})
     assert [(r.lease.node, r.gpu, r.lease.state) for r in rows] == [
         ("gpu-node-1", "gpu-0", "awake"), ("gpu-node-1", "gpu-1", "failed"),
-        ("gpu-node-2", "gpu-0", "switching")]
+        ("gpu-node-2", "gpu-0", "switching"), ("gpu-node-3", "gpu-0", "idle")]
     text = render_status(rows, NOW)
     lines = text.splitlines()
     assert lines[0].split() == ["NODE", "GPU", "STATE", "HOLDER", "MODEL", "FENCE",
-                                "CONTROLLER", "RENEWED", "QUEUE"]
+                                "CONTROLLER", "CTL-RENEWED", "RENEWED", "QUEUE"]
     assert lines[1].split()[:6] == ["gpu-node-1", "gpu-0", "awake", "prod/chat", "org/chat",
                                     "7"]
     assert lines[1].split()[-1] == "2"
@@ -90,7 +89,15 @@ def test_status_rows_and_table() -> None:
             "wake_call 1.25s]") in text
     assert "last error: memory_not_returned: prod/embed holds 9.1 GiB asleep" in text
     assert "org/rerank -> org/chat-small" in text
-    assert "(expired)" in next(line for line in lines if line.startswith("gpu-node-2"))
+    # No liveness verdict from one read: the renewal as each node's clock stamped it.
+    assert "expired" not in text
+    def row(node: str) -> list[str]:
+        return next(line for line in lines if line.startswith(node)).split()
+
+    assert row("gpu-node-1")[6:8] == ["rota-controller-de-1", "0s/15s"]
+    assert row("gpu-node-2")[-4:-2] == ["rota-controller-de-2", "5m/15s"]
+    assert row("gpu-node-3")[6:8] == ["rota-controller-de-3", "-10s/15s"]
+    assert "One read cannot tell whether a controller is alive" in " ".join(lines)
     assert [r.gpu for r in status_rows(_leases("x", NOW), node="gpu-node-2")] == ["gpu-0"]
     assert "No GPU Leases" in render_status([], NOW)
 
@@ -154,14 +161,16 @@ def test_status_reads_the_leases_on_the_cluster(cluster: LocalCluster, kube_api:
     text = out.getvalue()
     assert "prod/chat" in text
     assert "last error: memory_not_returned" in text
-    assert "(expired)" in text
+    assert "5m/15s" in text  # node-2's renewal, as its clock stamped it
     out = io.StringIO()
     assert main(["status", "-n", lease_namespace, "--kubeconfig", str(cluster.kubeconfig),
                  "--no-live", "-o", "json", "--node", "gpu-node-1"], out) == 0
     rows = json.loads(out.getvalue())
     assert [(r["gpu"], r["holder"], r["fence"]) for r in rows] == [
         ("gpu-0", "prod/chat", 7), ("gpu-1", "", 3)]
-    assert rows[0]["controller"]["alive"] is True
+    assert "alive" not in rows[0]["controller"]
+    assert rows[0]["controller"]["duration_s"] == 15
+    assert rows[0]["controller"]["renew_age_s"] < 60
 
 
 @pytest.mark.cluster

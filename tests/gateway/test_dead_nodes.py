@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -26,9 +27,13 @@ pytestmark = pytest.mark.gateway
 
 
 def _node_1_dead(rig: Rig) -> None:
-    """node-1's controller stopped renewing its Lease (the node is gone)."""
+    """node-1's controller renewed its Lease (15 s) a last time and stopped (the node is
+    gone): every replica's monotonic clock then stands 16 s later, with no change seen."""
     url = str(rig.gateway.server.make_url("")).rstrip("/")  # any address: never called
-    rig.apply("lease", "MODIFIED", controller_lease(url, renewed_ago_s=60, duration_s=15))
+    rig.apply("lease", "MODIFIED", controller_lease(url, duration_s=15))
+    later = time.monotonic() + 16.0
+    for state in rig.states:
+        state.clock = lambda: later
 
 
 async def _replica_on_node_2(rig: Rig, model: str) -> Sim:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 from typing import Any
 
 import pytest
@@ -20,9 +19,20 @@ URL = "http://10.0.0.9:8085"
 BOUND = ModelBinding(namespaces=("engines",))
 
 
+class FakeClock:
+    """The gateway's monotonic clock, moved by the test."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _state(*, lease: dict[str, Any] | None = None, with_controller: bool = True,
-           synced: bool = True, binding: ModelBinding = BOUND) -> RoutingState:
-    state = RoutingState(binding=binding)
+           synced: bool = True, binding: ModelBinding = BOUND,
+           clock: FakeClock | None = None) -> RoutingState:
+    state = RoutingState(binding=binding, clock=clock or FakeClock())
     state.replace("claim", [claim_obj("ca", model=A, port=8000, pod_uid="pa"),
                             claim_obj("cb", model=B, port=8001, pod_uid="pb")])
     state.replace("pod", [pod_obj("pod-ca", uid="pa", ip="10.1.0.1"),
@@ -158,19 +168,24 @@ def test_only_bound_namespaces_serve_a_model() -> None:
     assert _state(binding=ModelBinding()).decide(A).action is Action.UNKNOWN
 
 
-def _clock(offset_s: float) -> dt.datetime:
-    return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=offset_s)
+def _stops_renewing(state: RoutingState, clock: FakeClock) -> None:
+    """node-1's controller renews once more (a 15 s Lease), then never again: the
+    gateway's clock moves past the duration without another change."""
+    state.apply("lease", "MODIFIED", controller_lease(URL, duration_s=15))
+    clock.now += 15.5
 
 
 def test_a_stale_switch_does_not_hold_a_model_another_replica_can_serve() -> None:
     """M4: node-1 died mid-switch to B; B also has a claimant on healthy node-2."""
-    state = _state(lease=_a_awake(state=naming.STATE_SWITCHING, target=B, draining=A))
+    clock = FakeClock()
+    state = _state(lease=_a_awake(state=naming.STATE_SWITCHING, target=B, draining=A),
+                   clock=clock)
     state.apply("claim", "ADDED", claim_obj("cb2", model=B, port=8001, pod_uid="pb2",
                                             node="node-2"))
     state.apply("pod", "ADDED", pod_obj("pod-cb2", uid="pb2", ip="10.2.0.2"))
     state.apply("lease", "ADDED", controller_lease("http://10.0.0.10:8090", node="node-2"))
     assert state.decide(B).action is Action.WAIT  # node-1's controller is alive: wait
-    state.apply("lease", "MODIFIED", controller_lease(URL, renewed_ago_s=30, duration_s=15))
+    _stops_renewing(state, clock)
     decision = state.decide(B)
     assert (decision.action, decision.claim, decision.activation_url) == (
         Action.ACTIVATE, "engines/cb2", "http://10.0.0.10:8090")
@@ -180,25 +195,26 @@ def test_a_stale_switch_does_not_hold_a_model_another_replica_can_serve() -> Non
 
 
 def test_an_awake_lease_on_a_dead_node_or_not_ready_pod_gets_no_traffic() -> None:
-    state = _state(lease=_a_awake())
+    clock = FakeClock()
+    state = _state(lease=_a_awake(), clock=clock)
     state.apply("pod", "MODIFIED", pod_obj("pod-ca", uid="pa", ip="10.1.0.1", ready=False))
     assert state.decide(A).action is not Action.FORWARD
     state.apply("pod", "MODIFIED", pod_obj("pod-ca", uid="pa", ip="10.1.0.1"))
     assert state.decide(A).action is Action.FORWARD
-    state.apply("lease", "MODIFIED", controller_lease(URL, renewed_ago_s=30, duration_s=15))
+    _stops_renewing(state, clock)
     assert (state.decide(A).action, state.decide(A).reason) == (Action.WAIT, "no_controller")
 
 
 async def test_a_controller_lease_running_out_wakes_waiters() -> None:
-    now = [0.0]
-    state = RoutingState(binding=BOUND, clock=lambda: _clock(now[0]))
+    clock = FakeClock()
+    state = RoutingState(binding=BOUND, clock=clock)
     state.replace("claim", [claim_obj("ca", model=A, port=8000, pod_uid="pa")])
     state.replace("pod", [pod_obj("pod-ca", uid="pa", ip="10.1.0.1")])
     state.replace("lease", [_a_awake(), controller_lease(URL, duration_s=15)])
     state.mark_synced()
     assert state.decide(A).action is Action.FORWARD
     version = state.version
-    now[0] = 60.0  # the clock passes the controller Lease's end without any event
+    clock.now += 60.0  # the clock passes the controller Lease's end without any event
     assert await state.wait_changed(version, 5.0)
     assert state.decide(A).action is Action.WAIT
 
