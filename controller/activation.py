@@ -3,12 +3,18 @@
 Gateways call it; each node's controller serves it on the address its controller Lease
 advertises, or through the API server's pod proxy (``kubectl rota``). It requires the token
 when one is configured (a mounted Secret), as ``Authorization: Bearer`` or in
-:data:`~controller.activation_api.TOKEN_HEADER`; engine control endpoints are never
+:data:`~controller.api.activation.TOKEN_HEADER`; engine control endpoints are never
 reachable through it.
 
-- ``POST /v1/activate``: the contract is :mod:`controller.activation_api`.
-- ``GET /v1/state``: the GPU Leases this instance knows and its claimants.
+- ``POST /v1/activate``: the contract is :mod:`controller.api.activation`.
+- ``GET /v1/state``: :class:`~controller.api.activation.StateAnswer`, the GPU Leases this
+  instance knows and its claimants.
 - ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+
+Every error below ``/v1/`` (a refused token, a body over the limit, an unknown path, a
+failed switch) is an :class:`~controller.api.activation.ErrorBody` sent with the status and
+``Retry-After`` that :data:`~controller.api.activation.ERRORS` gives its code: the code
+decides, never the moment or the path that produced it.
 """
 
 from __future__ import annotations
@@ -22,14 +28,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from controller import metrics
-from controller.activation_api import (
+from controller.api.activation import (
+    MAX_BODY_BYTES,
     PATH,
     STATE_PATH,
     TOKEN_HEADER,
     ActivateAnswer,
     ActivateRequest,
+    ClaimantState,
     ErrorBody,
-    ErrorDetail,
+    LastSwitch,
+    LeaseState,
+    StateAnswer,
+    refusal_of,
+    wire_reason,
 )
 from controller.gateway.credentials import ApiKeys
 from controller.node import NodeController, UnknownModel
@@ -39,14 +51,13 @@ log = logging.getLogger(__name__)
 
 NODE: web.AppKey[NodeController] = web.AppKey("node", NodeController)
 CALLERS: web.AppKey[ApiKeys] = web.AppKey("callers", ApiKeys)
-_MAX_BODY = 16 * 1024
 
 
-def _error(status: int, kind: str, message: str, *, retry_after: int | None = None
-           ) -> web.Response:
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    body = ErrorBody(error=ErrorDetail(type=kind, message=message))
-    return web.json_response(body.model_dump(), status=status, headers=headers)
+def _error(code: str, message: str) -> web.Response:
+    """The error answer of ``code``: its status and ``Retry-After`` come from the table."""
+    row = refusal_of(code)
+    return web.json_response(ErrorBody.of(code, message).model_dump(), status=row.status,
+                             headers=row.headers() or None)
 
 
 def _admitted(callers: ApiKeys, request: web.Request) -> bool:
@@ -57,10 +68,22 @@ def _admitted(callers: ApiKeys, request: web.Request) -> bool:
 
 
 @web.middleware
-async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    if request.path.startswith("/v1/") and not _admitted(request.app[CALLERS], request):
-        return _error(401, "unauthorized", "a valid bearer token is required")
-    response: web.StreamResponse = await handler(request)
+async def _contract(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Below ``/v1/``: the token first, then every error in the contract's shape."""
+    if not request.path.startswith("/v1/"):
+        response: web.StreamResponse = await handler(request)
+        return response
+    if not _admitted(request.app[CALLERS], request):
+        return _error("unauthorized", "a valid bearer token is required")
+    try:
+        response = await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        return _error("request_too_large",
+                      f"the request body is longer than {MAX_BODY_BYTES} bytes")
+    except web.HTTPMethodNotAllowed:
+        return _error("method_not_allowed", f"{request.method} {request.path}: not allowed")
+    except web.HTTPNotFound:
+        return _error("not_found", f"{request.method} {request.path}: no such path")
     return response
 
 
@@ -72,16 +95,16 @@ async def activate(request: web.Request) -> web.Response:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
                              for e in exc.errors()[:5])
-        return _error(400, "invalid_request", problems[:512])
+        return _error("invalid_request", problems[:512])
     try:
         result = await node.activate(body.model, body.claim)
     except UnknownModel as exc:
-        return _error(404, "unknown_model", str(exc))
+        return _error("unknown_model", str(exc))
     except Fenced as exc:
-        return _error(409, "not_leader", str(exc), retry_after=1)
+        return _error("not_leader", str(exc))
     if not result.ok:
-        return _error(503, result.reason or "switch_failed", result.message or result.reason,
-                      retry_after=2)
+        code = wire_reason(result.reason)
+        return _error(code, result.message or result.reason or code)
     claimant = result.claimant
     answer = ActivateAnswer(model=claimant.model, claim=claimant.ref,
                             switched=result.switched, fence=result.fence,
@@ -89,19 +112,24 @@ async def activate(request: web.Request) -> web.Response:
     return web.json_response(answer.model_dump())
 
 
+def state_of(node: NodeController) -> StateAnswer:
+    """What ``GET /v1/state`` answers: the GPU Leases this instance read and its claimants."""
+    return StateAnswer(
+        node=node.settings.node_name, identity=node.settings.identity,
+        leader=node.election.is_leader(),
+        leases={device: LeaseState(
+                    holder=w.lease.holder, state=w.lease.state, fence=w.lease.fence,
+                    last_error=w.lease.last_error,
+                    last_switch=LastSwitch.model_validate(w.last_switch)
+                    if w.last_switch else None)
+                for device, w in node.workers.items() if w.lease is not None},
+        claimants=[ClaimantState(claim=c.ref, model=c.model, device=c.device, gpu=c.gpu,
+                                 endpoint=c.endpoint, serving=c.serving)
+                   for c in node.claimants()])
+
+
 async def state(request: web.Request) -> web.Response:
-    node = request.app[NODE]
-    claimants = node.claimants()
-    return web.json_response({
-        "node": node.settings.node_name, "identity": node.settings.identity,
-        "leader": node.election.is_leader(),
-        "leases": {device: {"holder": w.lease.holder, "state": w.lease.state,
-                            "fence": w.lease.fence, "last_error": w.lease.last_error,
-                            "last_switch": w.last_switch}
-                   for device, w in node.workers.items() if w.lease is not None},
-        "claimants": [{"claim": c.ref, "model": c.model, "device": c.device, "gpu": c.gpu,
-                       "endpoint": c.endpoint, "serving": c.serving} for c in claimants],
-    })
+    return web.json_response(state_of(request.app[NODE]).model_dump(mode="json"))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -123,7 +151,7 @@ async def metrics_page(request: web.Request) -> web.Response:
 def make_app(node: NodeController, *, callers: ApiKeys) -> web.Application:
     """``callers`` holds the accepted tokens (every line of the token file, so a rotation
     can overlap); with no file the API is open."""
-    app = web.Application(middlewares=[_auth], client_max_size=_MAX_BODY)
+    app = web.Application(middlewares=[_contract], client_max_size=MAX_BODY_BYTES)
     app[NODE] = node
     app[CALLERS] = callers
     app.router.add_post(PATH, activate)

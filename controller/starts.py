@@ -12,8 +12,9 @@ start. Answers, always :class:`StartReply`:
 - 200 ``granted: true``: start now (the gate execs the engine);
 - 200 ``granted: false``: ask again after ``retry_after_s`` (the GPU is busy, the
   instance does not lead the node, the claim is not known yet);
-- 400 a malformed request, 401 a token that is not the claim's, 503 the driver's
-  inspection API did not answer (ask again).
+- 400 ``invalid_request`` a malformed request, 413 ``request_too_large`` a body over
+  :data:`MAX_BODY_BYTES`, 401 a token that is not the claim's, 503 the driver's inspection
+  API did not answer (ask again).
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from controller.device import DeviceError
 from controller.node import NodeController
 
-__all__ = ["PATH", "StartReply", "StartRequest", "make_app", "serve"]
+__all__ = ["MAX_BODY_BYTES", "PATH", "StartReply", "StartRequest", "make_app", "serve"]
 
 log = logging.getLogger(__name__)
 
 PATH = "/v1/start"
 NODE: web.AppKey[NodeController] = web.AppKey("node", NodeController)
-_MAX_BODY = 4096
+MAX_BODY_BYTES = 4096
+"""A question longer than this is answered 413 (a gate's is about 150 bytes)."""
 
 
 class StartRequest(BaseModel):
@@ -64,6 +66,9 @@ def _reply(reply: StartReply, status: int = 200) -> web.Response:
 async def start(request: web.Request) -> web.Response:
     try:
         body = StartRequest.model_validate_json(await request.read())
+    except web.HTTPRequestEntityTooLarge:
+        return _reply(StartReply(reason="request_too_large", message=f"the request body is "
+                                 f"longer than {MAX_BODY_BYTES} bytes"), 413)
     except ValidationError as exc:
         return _reply(StartReply(reason="invalid_request", message=str(exc)[:300]), 400)
     try:
@@ -84,7 +89,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 def make_app(node: NodeController) -> web.Application:
-    app = web.Application(client_max_size=_MAX_BODY)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[NODE] = node
     app.router.add_post(PATH, start)
     app.router.add_get("/healthz", healthz)

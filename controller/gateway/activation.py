@@ -1,9 +1,13 @@
 """Client of the lease controllers' activation API: "make this claimant the awake one".
 
-``POST <activation-url>/v1/activate`` with :class:`~controller.activation_api.ActivateRequest`
+``POST <activation-url>/v1/activate`` with :class:`~controller.api.activation.ActivateRequest`
 and the bearer token from the mounted Secret. The controller answers once the claimant
-holds its GPU (200, :class:`~controller.activation_api.ActivateAnswer`: the fencing number,
-no address) or the switch failed or was refused (409/503 with a reason and Retry-After).
+holds its GPU (200, :class:`~controller.api.activation.ActivateAnswer`: the fencing number,
+no address) or with an error code (:data:`~controller.api.activation.ERRORS`, with
+Retry-After): a failed switch, or "ask again" (a standby, a stopping instance, a switch
+cut short: the node's next leader answers), which the dispatcher does after Retry-After
+while the request's deadline allows. The code decides, by the contract's table, whatever
+the status it came with; a code the table does not know is "ask again" only with a 409.
 An answer means only "done": where to send the request is decided again from what this
 gateway watches (the claimant's pod IP, the GPU Lease). The controller serialises
 switches per GPU and lets concurrent callers share one switch; this replica also shares
@@ -13,8 +17,8 @@ connections: every replica may call, and correctness rests on the controller and
 A call that cannot reach the controller is retried a bounded number of times with
 jittered backoff (:class:`driver.aio.Backoff`); connecting has its own short timeout, so a
 controller whose address does not answer costs seconds, not the request's whole wait. A
-refusal is not retried here: it becomes a 503 for the client carrying the controller's
-reason and Retry-After.
+refusal is not retried here: it becomes :class:`ActivationFailed` carrying the controller's
+reason and Retry-After (``refused`` when the code says "ask again").
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from controller.activation_api import (
+from controller.api.activation import (
+    ERRORS,
     PATH,
     SWITCH_FAILURE_REASONS,
     ActivateAnswer,
     ActivateRequest,
     ErrorBody,
+    asks_again,
 )
 from controller.gateway.credentials import SecretFile
 from controller.gateway.errors import Unavailable
@@ -57,11 +63,9 @@ KNOWN_OUTCOMES = frozenset({
     "switched", "already_awake", "error", "controller_unreachable", "bad_activation_request",
     "bad_activation_answer", "activation_unauthorized", "activation_http_4xx",
     "activation_http_5xx", "activation_http_other",
-    # The activation API's own errors (controller.activation).
-    "invalid_request", "unauthorized", "unknown_model", "not_leader", "switch_failed",
-    "min_residency",
-    # Every reason a switch may fail with (the activation API's contract).
-    *SWITCH_FAILURE_REASONS, "fenced", "not_serving",
+    # Every error code of the activation API's contract, every reason a switch may fail
+    # with, and "fenced" (an earlier release's).
+    *ERRORS, *SWITCH_FAILURE_REASONS, "fenced",
     # Everything else a controller may say.
     "other",
 })
@@ -83,9 +87,10 @@ class Activation:
 class ActivationFailed(Unavailable):
     """The controller could not or would not make the model serve (503 to the client).
 
-    ``refused`` marks a 409: the controller declined for now by policy (minimum residency,
-    say) rather than failing a switch; a caller with time left may ask again after
-    ``retry_after``.
+    ``refused`` marks an answer whose code means "ask again"
+    (:func:`controller.api.activation.asks_again`: another instance acts for the node, this
+    one is stopping, the switch was cut short, or a policy declined for now) rather than a
+    failed switch; a caller with time left may ask again after ``retry_after``.
     """
 
     def __init__(self, message: str, *, code: str, retry_after: float | None,
@@ -101,10 +106,14 @@ def _retry_after(value: str | None, default: float) -> float:
         return default
 
 
+def _cleaned(value: str) -> str:
+    return _UNSAFE.sub("_", value.lower())[:48].strip("_")
+
+
 def _label(value: str) -> str:
     """A reason from the controller as a metric label and error code: one of
     :data:`KNOWN_OUTCOMES`."""
-    cleaned = _UNSAFE.sub("_", value.lower())[:48].strip("_")
+    cleaned = _cleaned(value)
     return cleaned if cleaned in KNOWN_OUTCOMES else "other"
 
 
@@ -252,7 +261,8 @@ class Activator:
             kind = "activation_unauthorized"
         reason = _label(kind) if kind else _http_label(status)
         detail = message or raw[:200].decode(errors="replace") or f"HTTP {status}"
-        said = f" ({_UNSAFE.sub('_', kind.lower())[:48]})" if kind and reason == "other" else ""
+        said = f" ({_cleaned(kind)})" if kind and reason == "other" else ""
         raise ActivationFailed(f"Model '{model}' could not be woken: {reason}{said}: {detail}",
-                               code=reason, refused=status == 409,
+                               code=reason, refused=asks_again(_cleaned(kind) if kind else None,
+                                                               status),
                                retry_after=_retry_after(retry_after, self._retry_after))

@@ -2,11 +2,15 @@
 the API server may proxy to.
 
 :class:`ActivationApiSimulator` checks the token as the controller does (``Authorization:
-Bearer`` or ``X-Rota-Activation-Token``, every other call 401 in the contract's error
-shape), validates ``POST /v1/activate`` bodies with the contract's model (400 otherwise),
-answers 404 ``unknown_model`` for a model it does not serve, and records every request
-with its headers. ``redirect_to`` makes it answer every call with a 302 to another URL
-instead, as a pod that is not rota's controller might.
+Bearer`` or ``X-Rota-Activation-Token``, every other call ``unauthorized``), refuses a body
+over the contract's limit (``request_too_large``), validates ``POST /v1/activate`` bodies
+with the contract's model (``invalid_request`` otherwise), answers ``unknown_model`` for a
+model it does not serve and ``failures[model]`` (an error code) when one is set, and
+records every request with its headers. Every error is the contract's
+:class:`~controller.api.activation.ErrorBody`, sent with the status and ``Retry-After``
+that the contract's table gives its code, as the controller sends it. ``redirect_to``
+makes it answer every call with a 302 to another URL instead, as a pod that is not rota's
+controller might.
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from controller.activation_api import (
+from controller.api.activation import (
+    MAX_BODY_BYTES,
     PATH,
     STATE_PATH,
     TOKEN_HEADER,
     ActivateAnswer,
     ActivateRequest,
     ErrorBody,
-    ErrorDetail,
+    StateAnswer,
+    refusal_of,
 )
 from controller.urls import http_url
 
@@ -71,10 +77,12 @@ class ActivationApiSimulator:
     host: str
     token: str | None
     """None: every call is admitted (a controller without a token file)."""
-    state: dict[str, Any] = field(default_factory=dict)
-    """What ``GET /v1/state`` answers."""
+    state: StateAnswer | dict[str, Any] = field(default_factory=dict)
+    """What ``GET /v1/state`` answers (a dict: as it is, for answers the model refuses)."""
     serves: dict[str, ActivateAnswer] = field(default_factory=dict)
     """model -> the answer of ``POST /v1/activate`` for it."""
+    failures: dict[str, str] = field(default_factory=dict)
+    """model -> the error code ``POST /v1/activate`` answers for it."""
     redirect_to: str | None = None
     seen: list[Seen] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -94,24 +102,32 @@ class ActivationApiSimulator:
         if not path.startswith("/v1/"):
             return 404, {}, b"not found\n"
         if not self.admits(headers):
-            return _error(401, "unauthorized", "a valid bearer token is required")
+            return _error("unauthorized", "a valid bearer token is required")
+        if len(body) > MAX_BODY_BYTES:
+            return _error("request_too_large", f"longer than {MAX_BODY_BYTES} bytes")
         if method == "GET" and path == STATE_PATH:
-            return 200, {"Content-Type": "application/json"}, json.dumps(self.state).encode()
+            state = self.state.model_dump(mode="json") if isinstance(self.state, StateAnswer) \
+                else self.state
+            return 200, {"Content-Type": "application/json"}, json.dumps(state).encode()
         if method == "POST" and path == PATH:
             try:
                 request = ActivateRequest.model_validate_json(body)
             except ValidationError as exc:
-                return _error(400, "invalid_request", str(exc)[:200])
+                return _error("invalid_request", str(exc)[:200])
+            if request.model in self.failures:
+                return _error(self.failures[request.model], "the simulated switch failed")
             answer = self.serves.get(request.model)
             if answer is None:
-                return _error(404, "unknown_model", f"no claimant serves {request.model}")
+                return _error("unknown_model", f"no claimant serves {request.model}")
             return 200, {"Content-Type": "application/json"}, answer.model_dump_json().encode()
-        return _error(404, "not_found", f"{method} {path}")
+        return _error("not_found", f"{method} {path}")
 
 
-def _error(status: int, kind: str, message: str) -> tuple[int, dict[str, str], bytes]:
-    body = ErrorBody(error=ErrorDetail(type=kind, message=message)).model_dump_json()
-    return status, {"Content-Type": "application/json"}, body.encode()
+def _error(code: str, message: str) -> tuple[int, dict[str, str], bytes]:
+    """The contract's answer for ``code``: its status and Retry-After from the table."""
+    row = refusal_of(code)
+    body = ErrorBody.of(code, message).model_dump_json()
+    return row.status, {"Content-Type": "application/json", **row.headers()}, body.encode()
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """Fixtures for the gateway: real engine simulators, a fake lease controller, the gateway.
 
 Everything runs in-process on 127.0.0.1, port 0. The fake controller serves the real
-activation API contract (``POST /v1/activate``) and performs each switch for real: it
+activation API contract (``POST /v1/activate``; every error in the contract's shape, with
+the status and Retry-After of the contract's table) and performs each switch for real: it
 marks the GPU Lease ``switching`` (draining the holder), puts the old engine to sleep with
 ``mode=wait``, wakes the new one and records the new holder, publishing each Lease version
 into the gateway's routing state as a watch would.
@@ -22,6 +23,7 @@ from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from controller import naming
+from controller.api.activation import ErrorBody, refusal_of
 from controller.gateway import keys
 from controller.gateway.app import make_app
 from controller.gateway.routing import ObjectKind, RoutingState, StaticSource
@@ -183,10 +185,25 @@ async def start_controller(sims: dict[str, Sim], states: list[RoutingState], *,
 
 @dataclass
 class Failure:
+    """The fake controller's next answers: the error code ``reason``. ``status`` is what
+    the test expects the contract's table to send it with (checked here)."""
+
     status: int
     reason: str
     retry_after: int
     times: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        assert refusal_of(self.reason).status == self.status, \
+            f"{self.reason} is a {refusal_of(self.reason).status} by the contract's table"
+
+
+def contract_error(code: str, message: str, *, retry_after: int | None = None
+                   ) -> web.Response:
+    """The activation API's answer for ``code``, as the controller sends it."""
+    row = refusal_of(code)
+    return web.json_response(ErrorBody.of(code, message).model_dump(), status=row.status,
+                             headers=row.headers(retry_after) or None)
 
 
 @dataclass
@@ -234,22 +251,18 @@ class FakeController:
 
     async def activate(self, request: web.Request) -> web.Response:
         if request.headers.get("Authorization") != f"Bearer {TOKEN}":
-            return web.json_response({"error": {"type": "unauthorized", "message": "no"}},
-                                     status=401)
+            return contract_error("unauthorized", "no")
         body = await request.json()
         self.calls += 1
         if self.hold_answer is not None:
             await self.hold_answer.wait()
         sim = next((s for s in self.sims.values() if s.claim == body["claim"]), None)
         if sim is None or sim.model != body["model"]:
-            return web.json_response(
-                {"error": {"type": "unknown_model", "message": body["model"]}}, status=404)
+            return contract_error("unknown_model", body["model"])
         if self.failure is not None and self.failure.times > 0:
             self.failure.times -= 1
-            return web.json_response(
-                {"error": {"type": self.failure.reason, "message": "the switch failed"}},
-                status=self.failure.status,
-                headers={"Retry-After": str(self.failure.retry_after)})
+            return contract_error(self.failure.reason, "the switch failed",
+                                  retry_after=self.failure.retry_after)
         async with self.lock:
             switched = self.holder is not sim
             if switched:
