@@ -506,6 +506,8 @@ class Engine(Traffic):
             "model": s.model,
             "pid": self.pid,
             "gpu_uuid": s.gpu_uuid,
+            "gpu_uuids": list(s.worker_gpus),
+            "tensor_parallel_size": s.tensor_parallel_size,
             "omni": s.omni,
             "sleeping": self.is_sleeping,
             "executor_sleeping": self.state.is_sleeping,

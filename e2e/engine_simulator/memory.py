@@ -19,6 +19,18 @@ allocator reservations) plus one *portion* per tag and stage (``stage0/weights``
   in a worker thread, and the measured copy times are reported. A real CUDA
   out-of-memory error becomes :class:`DeviceOutOfMemory` as well.
 
+**Tensor parallelism** (``tensor_parallel_size`` N above 1, fake backend only): vLLM runs
+one worker process per GPU, and NVML shows each on its own GPU. The holder still counts the
+engine's bytes as one; a :class:`TensorParallelRegistration` splits every count into N
+shards (1/N each, rank 0 taking the odd bytes) and registers shard *k* on the rank's GPU
+under the rank's own pid: rank 0 is this process, every other rank a :class:`WorkerProcess`
+(a child that only lives, with this process's environment, cgroup and pid namespace, so
+the driver attributes it to the same pod and claim, and that ends when this process closes
+its pipe or dies). A growth is checked on each GPU in rank order; one that does not fit on
+some GPU is undone on the GPUs it already grew on, so every portion is mapped on all the
+ranks or on none. A worker that dies takes its record with it (the fake NVML drops the
+records of dead processes), as a crashed vLLM worker's memory is freed on its GPU.
+
 A holder carries out the operations of one call in order and stops at the first that
 does not fit: operations are applied one at a time by the engine, so a wake that runs out
 halfway keeps its partial mappings, as vLLM's CuMem allocator does.
@@ -27,8 +39,11 @@ halfway keeps its partial mappings, as vLLM's CuMem allocator does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,7 +60,10 @@ __all__ = [
     "FakeMemory",
     "MemoryHolder",
     "NvmlRegistration",
+    "Registration",
+    "TensorParallelRegistration",
     "Transfer",
+    "WorkerProcess",
     "make_memory",
     "plan_portions",
 ]
@@ -155,6 +173,23 @@ def plan_portions(settings: Settings) -> dict[str, int]:
     return sizes
 
 
+class Registration(Protocol):
+    """Where the engine's GPU memory shows: one GPU's registry record, or one per rank."""
+
+    async def publish(self, used_bytes: int) -> None:
+        """Register ``used_bytes`` (the engine's whole count); :class:`DeviceOutOfMemory`,
+        and nothing changed, when the growth does not fit."""
+        ...
+
+    async def remove(self) -> None:
+        """Unregister everything (and end the processes that stood for it)."""
+        ...
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each rank: its pid, GPU and the bytes registered there."""
+        ...
+
+
 class NvmlRegistration:
     """This process's entry in rota's fake NVML process directory (none when no directory),
     and the capacity check every growth of it passes."""
@@ -169,6 +204,15 @@ class NvmlRegistration:
         self.enforce = enforce
         """Check capacity (the fake GPU); False where a real GPU does it (cuda backend)."""
         self._used = 0
+
+    @property
+    def used_bytes(self) -> int:
+        """What is registered now."""
+        return self._used
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"rank": 0, "pid": self.pid, "gpu_uuid": self.gpu_uuid,
+                 "used_bytes": self._used}]
 
     async def publish(self, used_bytes: int) -> None:
         """Register ``used_bytes``; :class:`DeviceOutOfMemory` (and nothing registered)
@@ -201,11 +245,138 @@ class NvmlRegistration:
         log.info("unregistered gpu memory", extra={"pid": self.pid})
 
 
+_WORKER_SCRIPT = (
+    "import signal, sys\n"
+    # Ctrl-C reaches the whole process group: the server shuts down first and ends us.
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "sys.stdin.buffer.read()\n"
+)
+"""A worker only lives: until its stdin (a pipe this process holds) reaches its end, which
+happens when this process closes it or dies, however it dies."""
+
+
+class WorkerProcess:
+    """A child process standing for one tensor-parallel vLLM worker on its GPU: the pid the
+    fake NVML shows there. It inherits this process's environment (``ROTA_POD_UID``,
+    ``ROTA_CLAIM_UID``), cgroup and pid namespace, so it belongs to the same pod."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> int:
+        """Start it (blocking, a few milliseconds); its pid."""
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _WORKER_SCRIPT, f"rota-sim-worker-tp{self.rank}"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            close_fds=True)
+        return self._proc.pid
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        """End it at once (SIGKILL), as a crashed worker ends."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Close its pipe and reap it (blocking); SIGKILL after ``timeout_s``."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+
+
+def shards(used_bytes: int, ranks: int) -> list[int]:
+    """``used_bytes`` split over ``ranks`` GPUs: 1/N each, rank 0 taking the odd bytes."""
+    share, odd = divmod(used_bytes, ranks)
+    return [share + odd] + [share] * (ranks - 1)
+
+
+class TensorParallelRegistration:
+    """The records of a tensor-parallel engine: one per rank, each on the rank's GPU under
+    the rank's own pid (this process for rank 0, a :class:`WorkerProcess` for each other
+    rank, started with the first record). Without a registry directory only the numbers are
+    kept (and checked against ``total_bytes``), and no worker is started."""
+
+    def __init__(self, directory: Path | None, *, pid: int, gpu_uuids: Sequence[str],
+                 total_bytes: int | None = None, enforce: bool = True) -> None:
+        if len(gpu_uuids) < 2:
+            raise ValueError("a tensor-parallel registration needs at least two GPUs")
+        self.directory = directory
+        self.pid = pid
+        self.gpu_uuids = tuple(gpu_uuids)
+        self.total_bytes = total_bytes
+        self.enforce = enforce
+        self.workers: list[WorkerProcess] = []
+        self._ranks: list[NvmlRegistration] = []
+
+    async def _start(self) -> None:
+        pids = [self.pid]
+        for rank in range(1, len(self.gpu_uuids)):
+            if self.directory is None:
+                pids.append(self.pid)
+                continue
+            worker = WorkerProcess(rank)
+            self.workers.append(worker)
+            pids.append(await asyncio.to_thread(worker.start))
+        self._ranks = [NvmlRegistration(self.directory, pid=pid, gpu_uuid=gpu,
+                                        total_bytes=self.total_bytes, enforce=self.enforce)
+                       for pid, gpu in zip(pids, self.gpu_uuids, strict=True)]
+        log.info("tensor-parallel workers started", extra={
+            "tensor_parallel_size": len(self.gpu_uuids), "pids": pids,
+            "gpu_uuids": list(self.gpu_uuids)})
+
+    async def publish(self, used_bytes: int) -> None:
+        if not self._ranks:
+            await self._start()
+        grown: list[tuple[NvmlRegistration, int]] = []
+        try:
+            for rank, size in zip(self._ranks, shards(used_bytes, len(self._ranks)),
+                                  strict=True):
+                before = rank.used_bytes
+                await rank.publish(size)
+                grown.append((rank, before))
+        except DeviceOutOfMemory:
+            for rank, before in reversed(grown):  # a shrink always fits
+                await rank.publish(before)
+            raise
+
+    async def remove(self) -> None:
+        for rank in self._ranks:
+            await rank.remove()
+        for worker in self.workers:
+            await asyncio.to_thread(worker.stop)
+
+    def describe(self) -> list[dict[str, Any]]:
+        ranks = []
+        for index, rank in enumerate(self._ranks):
+            entry = rank.describe()[0] | {"rank": index}
+            if index > 0 and self.workers:
+                entry["alive"] = self.workers[index - 1].alive
+            ranks.append(entry)
+        return ranks
+
+
 class FakeMemory:
     """Counts bytes; no device is touched."""
 
     def __init__(
-        self, *, resident_bytes: int, portions: Mapping[str, int], registration: NvmlRegistration
+        self, *, resident_bytes: int, portions: Mapping[str, int], registration: Registration
     ) -> None:
         self._resident = resident_bytes
         self._sizes = dict(portions)
@@ -275,6 +446,7 @@ class FakeMemory:
             "backend": "fake",
             "host_bytes": sum(self._sizes[name] for name in self._on_host),
             "portions": {name: name in self._on_device for name in sorted(self._sizes)},
+            "ranks": self._registration.describe(),
         }
 
 
@@ -286,7 +458,7 @@ class CudaMemory:
     """
 
     def __init__(
-        self, *, resident_bytes: int, portions: Mapping[str, int], registration: NvmlRegistration
+        self, *, resident_bytes: int, portions: Mapping[str, int], registration: Registration
     ) -> None:
         self._resident_bytes = resident_bytes
         self._sizes = dict(portions)
@@ -401,10 +573,17 @@ class CudaMemory:
 
 
 def make_memory(settings: Settings, *, pid: int) -> MemoryHolder:
-    """The holder ``settings.memory_backend`` names."""
-    registration = NvmlRegistration(settings.fake_nvml_dir, pid=pid, gpu_uuid=settings.gpu_uuid,
-                                    total_bytes=settings.gpu_memory_bytes,
-                                    enforce=settings.memory_backend == "fake")
+    """The holder ``settings.memory_backend`` names (its records one per tensor-parallel
+    rank when ``settings.tensor_parallel_size`` is above 1)."""
+    registration: Registration
+    if settings.tensor_parallel_size > 1:
+        registration = TensorParallelRegistration(
+            settings.fake_nvml_dir, pid=pid, gpu_uuids=settings.worker_gpus,
+            total_bytes=settings.gpu_memory_bytes, enforce=settings.memory_backend == "fake")
+    else:
+        registration = NvmlRegistration(
+            settings.fake_nvml_dir, pid=pid, gpu_uuid=settings.gpu_uuid,
+            total_bytes=settings.gpu_memory_bytes, enforce=settings.memory_backend == "fake")
     portions = plan_portions(settings)
     if settings.memory_backend == "cuda":
         return CudaMemory(resident_bytes=settings.resident_memory_bytes, portions=portions,

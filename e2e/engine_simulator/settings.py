@@ -10,8 +10,8 @@ container picks up its model, port, memory budgets and GPU without extra flags:
 ``ROTA_ENGINE_PORT``               HTTP port
 ``ROTA_AWAKE_MEMORY_BYTES``        GPU memory held while awake
 ``ROTA_RESIDENT_MEMORY_BYTES``     GPU memory held while asleep
-``ROTA_GPU_UUID``                  GPU uuid (else the first uuid in
-                                   ``NVIDIA_VISIBLE_DEVICES``)
+``ROTA_GPU_UUID``                  GPU uuids, comma-separated (else the
+                                   uuids in ``NVIDIA_VISIBLE_DEVICES``)
 ``ROTA_FAKE_NVML_PROC_DIR``        fake NVML process directory
 =================================  ===========================================
 
@@ -194,6 +194,18 @@ class Settings(BaseModel):
     """Part of (awake - resident) that is weights; the rest is KV cache. Default: half."""
     memory_backend: Literal["fake", "cuda"] = "fake"
     gpu_uuid: str = DEFAULT_GPU_UUID
+    """The engine's (first) GPU: the one a single-GPU engine uses, rank 0's."""
+    gpu_uuids: tuple[str, ...] = ()
+    """Every GPU the engine was given, in order (``NVIDIA_VISIBLE_DEVICES``, as rota's CDI
+    spec sets it for a claim on several GPUs); empty: ``gpu_uuid`` alone. The first is
+    ``gpu_uuid``."""
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    """vLLM's ``--tensor-parallel-size``: the engine runs one worker per GPU on the first
+    ``tensor_parallel_size`` of :attr:`gpus`, each holding its shard (1/N) of the memory
+    knobs, which are then the engine's totals over its GPUs. With a fake NVML registry,
+    rank 0's record is this process's and each other rank's is a worker process of its own
+    (pid, pod and environment as this one's), as NVML shows a vLLM worker per GPU; one
+    server, one sleep and one wake for all of them."""
     fake_nvml_dir: Path | None = None
     """Where to register this process's GPU memory for rota's fake NVML; None: don't."""
     gpu_memory_bytes: ByteCount | None = None
@@ -232,6 +244,40 @@ class Settings(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     faults: Faults = Faults()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_gpu(cls, data: Any) -> Any:
+        """``gpu_uuids`` alone names ``gpu_uuid`` too (its first)."""
+        if isinstance(data, dict) and data.get("gpu_uuids") and "gpu_uuid" not in data:
+            data = {**data, "gpu_uuid": next(iter(data["gpu_uuids"]))}
+        return data
+
+    @model_validator(mode="after")
+    def _gpus_fit(self) -> Settings:
+        if self.gpu_uuids and self.gpu_uuids[0] != self.gpu_uuid:
+            raise ValueError(f"gpu_uuid {self.gpu_uuid!r} is not the first of gpu_uuids "
+                             f"{list(self.gpu_uuids)}")
+        if len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"a GPU is named twice: {list(self.gpus)}")
+        if self.tensor_parallel_size > len(self.gpus):
+            # vLLM fails the same way when it is given fewer GPUs than its world size.
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs; "
+                f"the engine was given {len(self.gpus)}: {list(self.gpus)}")
+        if self.tensor_parallel_size > 1 and self.memory_backend != "fake":
+            raise ValueError("tensor_parallel_size above 1 needs the fake memory backend")
+        return self
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        """Every GPU the engine was given, in order."""
+        return self.gpu_uuids or (self.gpu_uuid,)
+
+    @property
+    def worker_gpus(self) -> tuple[str, ...]:
+        """The GPU of each tensor-parallel rank (rank 0 first)."""
+        return self.gpus[:self.tensor_parallel_size]
 
     @model_validator(mode="after")
     def _memory_fits(self) -> Settings:
@@ -293,7 +339,11 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
      "fake: count bytes (and register them with the fake NVML); "
      "cuda: hold real GPU memory with PyTorch"),
     ("gpu_uuid", "--gpu-uuid", "ROTA_GPU_UUID",
-     "GPU uuid to report (else the first uuid in NVIDIA_VISIBLE_DEVICES)"),
+     "GPU uuids, comma-separated: the first is the engine's GPU, a tensor-parallel engine "
+     "takes one per rank (else the uuids in NVIDIA_VISIBLE_DEVICES)"),
+    ("tensor_parallel_size", "--tensor-parallel-size", "ROTA_SIM_TENSOR_PARALLEL_SIZE",
+     "vLLM's tensor parallelism: one worker per GPU, each holding 1/N of the memory "
+     "knobs (then the engine's totals); one sleep and one wake for all"),
     ("fake_nvml_dir", "--fake-nvml-dir", "ROTA_FAKE_NVML_PROC_DIR",
      "fake NVML process directory to register GPU memory in"),
     ("nvml_pid", "--nvml-pid", "ROTA_SIM_NVML_PID",
@@ -331,7 +381,8 @@ _METAVARS = {
     "tokens_per_second": "RATE", "awake_memory_bytes": "BYTES",
     "resident_memory_bytes": "BYTES", "weights_bytes": "BYTES", "memory_backend": "{fake,cuda}",
     "gpu_memory_bytes": "BYTES",
-    "gpu_uuid": "UUID", "fake_nvml_dir": "DIR", "nvml_pid": "PID", "omni_stages": "N",
+    "gpu_uuid": "UUID[,UUID...]", "tensor_parallel_size": "N", "fake_nvml_dir": "DIR",
+    "nvml_pid": "PID", "omni_stages": "N",
     "log_level": "LEVEL", "api_key": "KEY", "load_format": "{auto,dummy}",
 }
 
@@ -391,27 +442,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _gpu_uuid_from(environ: Mapping[str, str]) -> str | None:
-    explicit = environ.get("ROTA_GPU_UUID", "").strip()
+def _uuids(text: str) -> list[str]:
+    return [entry.strip() for entry in text.split(",") if entry.strip()]
+
+
+def _gpu_uuids_from(environ: Mapping[str, str]) -> list[str]:
+    explicit = _uuids(environ.get("ROTA_GPU_UUID", ""))
     if explicit:
         return explicit
-    for entry in environ.get("NVIDIA_VISIBLE_DEVICES", "").split(","):
-        entry = entry.strip()
-        if entry.startswith(("GPU-", "MIG-")):
-            return entry
-    return None
+    return [entry for entry in _uuids(environ.get("NVIDIA_VISIBLE_DEVICES", ""))
+            if entry.startswith(("GPU-", "MIG-"))]
 
 
 def _raw_values(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     for name, _flag, env, _help in _KNOBS:
         given = getattr(args, name)
-        if given is not None:
+        if name == "gpu_uuid":
+            found = _uuids(given) if given is not None else _gpu_uuids_from(environ)
+            if found:
+                raw["gpu_uuid"], raw["gpu_uuids"] = found[0], found
+        elif given is not None:
             raw[name] = given
-        elif name == "gpu_uuid":
-            found = _gpu_uuid_from(environ)
-            if found is not None:
-                raw[name] = found
         elif environ.get(env, "").strip():
             raw[name] = environ[env].strip()
     faults: dict[str, Any] = {}
