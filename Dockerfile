@@ -16,13 +16,14 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY driver ./driver
 COPY controller ./controller
-COPY e2e ./e2e
 RUN pip install --no-cache-dir . && rm -rf /src
 WORKDIR /
 USER 0
 ENTRYPOINT []
 
-# The engine simulator (behaves like vLLM's sleep-mode API), listening on every address.
+# The engine simulator (behaves like vLLM's sleep-mode API), listening on every address:
+# the test harness (e2e/, not in rota's wheel) on top of rota, as e2e/images' harness layer.
 FROM rota AS engine-simulator
+COPY e2e /opt/rota/lib/python3.11/site-packages/e2e
 ENV ROTA_SIM_HOST=0.0.0.0
 ENTRYPOINT ["python", "-m", "e2e.engine_simulator"]

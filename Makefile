@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools manifests images host venv clean help
+.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools manifests images host venv clean help release chart-readme
 
 all: test
 
@@ -22,12 +22,15 @@ help:
 	@echo "make chart-tools build or find the cached helm and promtool"
 	@echo "make manifests  render manifests/*.yaml from the Helm chart (charts/rota)"
 	@echo "make proto      regenerate driver/pb from proto/"
+	@echo "make chart-readme  write charts/rota/README.md from values.yaml and its schema"
+	@echo "make release VERSION=x.y.z  wheel, sdist, krew plugin, image, chart, SBOMs and"
+	@echo "                SHA256SUMS into dist/ from a clean tree (IMAGE=0: no image)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "rota needs Python 3.11+"'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,harness]'
 	touch $@
 
 venv: $(STAMP)
@@ -46,6 +49,16 @@ chart-tools:
 
 manifests: $(STAMP)
 	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" $(PY) -m e2e.chart render-manifests
+
+chart-readme: $(STAMP)
+	$(PY) -m e2e.chart_readme
+
+# VERSION defaults to pyproject.toml's version, the one source; it must agree with it.
+VERSION ?=
+IMAGE   ?= 1
+release: $(STAMP)
+	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" \
+	$(PY) -m e2e.release --version "$(VERSION)" $(if $(filter 0,$(IMAGE)),--no-image,)
 
 proto: $(STAMP)
 	$(PY) -m proto.generate
@@ -71,4 +84,4 @@ demo: $(STAMP) host
 	ROTA_K8S_BIN="$$(bash e2e/build-k8s.sh | tail -n 1)" $(PY) -m e2e.demo
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .rota
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .rota dist

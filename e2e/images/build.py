@@ -16,7 +16,12 @@ The rota layers, bottom up, and what each one's key is made of:
 2. ``deps``: the virtualenv with rota's dependencies (the base key and the dependency list
    of ``pyproject.toml``), installed from wheels downloaded for the image's Python;
 3. ``source``: rota itself (the deps key and the bytes of the source tree), a few MB, so a
-   change to rota's code rebuilds only this layer and the archive.
+   change to rota's code rebuilds only this layer and the archive; the wheel holds the
+   runtime only (``driver``, ``controller``);
+4. ``harness``: the test harness (``e2e/``, for the engine simulator) copied into the
+   virtualenv's site-packages, in the test images only (the source key and the bytes of
+   ``e2e/``). A released image (:func:`build_release_image`) has layers 1-3, with rota's
+   release wheel as the source layer and OCI labels.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from pydantic import BaseModel
 
 from e2e.images import chroot, debian
 from e2e.images.cache import cache_root, content_key, locked, tree_key
-from e2e.images.layer import LayerInfo, tar_directory
-from e2e.images.oci import ImageSpec, write_archive
+from e2e.images.layer import LayerInfo, file_digest, tar_directory
+from e2e.images.oci import ImageSpec, manifest_digest, write_archive
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +52,14 @@ RECIPE = 1
 
 BASE_PACKAGES = ("python3", "libstdc++6")
 """Debian's Python, and the C++ runtime grpcio's extension needs."""
-SMOKE_IMPORTS = ("driver.app", "controller.app", "controller.gateway.app",
-                 "e2e.engine_simulator.app", "uvloop", "cryptography.hazmat.bindings._rust")
+SMOKE_IMPORTS = ("driver.app", "controller.app", "controller.gateway.app", "uvloop")
 """Imported in the finished image, so a missing shared library fails the build."""
-SOURCES = ("pyproject.toml", "README.md", "driver", "controller", "e2e")
+HARNESS_SMOKE_IMPORTS = ("e2e.engine_simulator.app",)
+"""Imported in a test image once the harness layer is on top."""
+SOURCES = ("pyproject.toml", "README.md", "driver", "controller")
 """What the rota wheel is built from (``Dockerfile`` copies the same)."""
+HARNESS = "e2e"
+"""The harness package that the test images carry on top of rota (the engine simulator)."""
 VENV = "/opt/rota"
 IMAGE_PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PAUSE_SOURCE = Path(__file__).with_name("pause.c")
@@ -165,33 +173,55 @@ def _pip_wheel(wheels: Path) -> str:
     return f"/wheels/{found[-1].name}/pip"
 
 
+class _Runtime(BaseModel):
+    """The base and deps layers, their keys, and where the deps' wheels are."""
+
+    debs: list[str]
+    python: str
+    base_key: str
+    base: LayerInfo
+    deps_key: str
+    deps: LayerInfo
+    wheels: Path
+
+
+def _runtime_layers(repo: Path, root: Path, layers: _Layers, scratch: Path) -> _Runtime:
+    apt_dir = root / "apt"
+    debs = debian.resolve(BASE_PACKAGES, apt_dir)
+    python = _python_version(debs)
+    base_key = content_key("base", RECIPE, debs)
+    base = layers.get("base", base_key, lambda tree: _build_base(tree, apt_dir, python, scratch))
+    requirements = _dependencies(repo)
+    deps_key = content_key("deps", RECIPE, base_key, requirements)
+    wheels = root / "wheels" / deps_key
+    deps = layers.get("deps", deps_key, lambda tree: _build_deps(
+        tree, layers.tree(base_key), wheels, python, requirements, scratch))
+    return _Runtime(debs=list(debs), python=python, base_key=base_key, base=base,
+                    deps_key=deps_key, deps=deps, wheels=wheels)
+
+
 def build_images(repo: Path, *, rota_names: Sequence[str], simulator_names: Sequence[str],
                  pause_name: str = "rota.local/pause:1") -> BuiltImages:
     """Build (or find cached) every layer and the archive holding the three images."""
     root = cache_root()
     started = time.monotonic()
     with locked(root / ".lock"):
-        apt_dir = root / "apt"
         scratch = Path(tempfile.mkdtemp(prefix="rota-image-", dir=_scratch_parent(root)))
         layers = _Layers(root, scratch)
         try:
             pause = _pause_layer(layers, scratch)
-            debs = debian.resolve(BASE_PACKAGES, apt_dir)
-            python = _python_version(debs)
-            base_key = content_key("base", RECIPE, debs)
-            base = layers.get("base", base_key,
-                              lambda tree: _build_base(tree, apt_dir, python, scratch))
-            requirements = _dependencies(repo)
-            deps_key = content_key("deps", RECIPE, base_key, requirements)
-            wheels = root / "wheels" / deps_key
-            deps = layers.get("deps", deps_key, lambda tree: _build_deps(
-                tree, layers.tree(base_key), wheels, python, requirements, scratch))
-            source_key = content_key("source", RECIPE, deps_key, tree_key(repo, SOURCES))
+            rt = _runtime_layers(repo, root, layers, scratch)
+            base, deps, wheels = rt.base, rt.deps, rt.wheels
+            lowers = [layers.tree(rt.deps_key), layers.tree(rt.base_key)]
+            source_key = content_key("source", RECIPE, rt.deps_key, tree_key(repo, SOURCES))
             source = layers.get("source", source_key, lambda tree: _build_source(
-                tree, repo, [layers.tree(deps_key), layers.tree(base_key)], wheels, scratch))
+                tree, _wheel_from_sources(repo, scratch), lowers, wheels, scratch))
+            harness_key = content_key("harness", RECIPE, source_key, tree_key(repo, [HARNESS]))
+            harness = layers.get("harness", harness_key, lambda tree: _build_harness(
+                tree, repo, rt.python, [layers.tree(source_key), *lowers], scratch))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        rota_layers = [base, deps, source]
+        rota_layers = [base, deps, source, harness]
         env = [f"PATH={IMAGE_PATH}", f"VIRTUAL_ENV={VENV}", "PYTHONUNBUFFERED=1",
                "LANG=C.UTF-8"]
         images = [ImageSpec(name=pause_name, layers=[pause], entrypoint=["/pause"])]
@@ -208,7 +238,8 @@ def build_images(repo: Path, *, rota_names: Sequence[str], simulator_names: Sequ
     seconds = {**layers.seconds, "total": round(time.monotonic() - started, 2)}
     return BuiltImages(archive=archive, pause=pause_name, rota=list(rota_names),
                        simulator=list(simulator_names),
-                       layers={"pause": pause, "base": base, "deps": deps, "source": source},
+                       layers={"pause": pause, "base": base, "deps": deps, "source": source,
+                               "harness": harness},
                        built=layers.built, seconds=seconds)
 
 
@@ -266,8 +297,9 @@ def _build_deps(tree: Path, base: Path, wheels: Path, python: str,
     _drop_scratch(tree)
 
 
-def _build_source(tree: Path, repo: Path, lowers: Sequence[Path], wheels: Path,
-                  scratch: Path) -> None:
+def _wheel_from_sources(repo: Path, scratch: Path) -> Path:
+    """rota's wheel, built from :data:`SOURCES` of ``repo`` (copied, so nothing else of the
+    checkout can end up in it)."""
     src = scratch / "src"
     for name in SOURCES:
         path = repo / name
@@ -282,6 +314,13 @@ def _build_source(tree: Path, repo: Path, lowers: Sequence[Path], wheels: Path,
     _run([str(builder), "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
           "--disable-pip-version-check", "-w", str(dist), str(src)], "building rota's wheel")
     (wheel,) = dist.glob("rota-*.whl")
+    return wheel
+
+
+def _build_source(tree: Path, wheel: Path, lowers: Sequence[Path], wheels: Path,
+                  scratch: Path) -> None:
+    """Install rota's ``wheel`` (no dependencies: the deps layer has them) on ``lowers``."""
+    dist = wheel.parent
     chroot.run(list(lowers), tree, [f"{VENV}/bin/python", _pip_wheel(wheels), "install", "-q",
                                     "--no-deps", "--no-index", "--no-cache-dir",
                                     "--disable-pip-version-check", f"/dist/{wheel.name}"],
@@ -292,6 +331,76 @@ def _build_source(tree: Path, repo: Path, lowers: Sequence[Path], wheels: Path,
     chroot.run([tree, *lowers], tree.with_name("smoke-upper"),
                [f"{VENV}/bin/python", "-B", "-c", check], scratch=scratch / "smoke")
     shutil.rmtree(tree.with_name("smoke-upper"), ignore_errors=True)
+
+
+def _build_harness(tree: Path, repo: Path, python: str, lowers: Sequence[Path],
+                   scratch: Path) -> None:
+    """The harness package in the virtualenv's site-packages, importable in the image."""
+    site = tree / VENV.lstrip("/") / "lib" / f"python{python}" / "site-packages"
+    site.mkdir(parents=True)
+    shutil.copytree(repo / HARNESS, site / HARNESS,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    check = "import " + ", ".join(HARNESS_SMOKE_IMPORTS)
+    chroot.run([tree, *lowers], tree.with_name("harness-smoke-upper"),
+               [f"{VENV}/bin/python", "-B", "-c", check], scratch=scratch / "harness-smoke")
+    shutil.rmtree(tree.with_name("harness-smoke-upper"), ignore_errors=True)
+
+
+class ReleaseImage(BaseModel):
+    """A released image: its archive (OCI layout in a tar), name, digest and contents."""
+
+    archive: Path
+    name: str
+    digest: str
+    """The manifest's digest: what ``image@sha256:...`` pins."""
+    labels: dict[str, str]
+    debs: list[str]
+    """Debian's packages of the base layer (file names: name_version_arch.deb)."""
+    python_packages: dict[str, str]
+    """Distribution name to version, of the image's virtualenv."""
+
+
+def build_release_image(repo: Path, wheel: Path, *, name: str, labels: dict[str, str],
+                        dest: Path) -> ReleaseImage:
+    """rota's image for a release: base, deps and rota's release ``wheel``, with ``labels``,
+    written as a one-image OCI archive at ``dest``."""
+    root = cache_root()
+    with locked(root / ".lock"):
+        scratch = Path(tempfile.mkdtemp(prefix="rota-release-", dir=_scratch_parent(root)))
+        layers = _Layers(root, scratch)
+        try:
+            rt = _runtime_layers(repo, root, layers, scratch)
+            lowers = [layers.tree(rt.deps_key), layers.tree(rt.base_key)]
+            staged = scratch / "dist" / wheel.name
+            staged.parent.mkdir(parents=True)
+            shutil.copy2(wheel, staged)
+            source_key = content_key("release-source", RECIPE, rt.deps_key,
+                                     file_digest(wheel))
+            source = layers.get("release-source", source_key, lambda tree: _build_source(
+                tree, staged, lowers, rt.wheels, scratch))
+            packages = _installed_distributions(
+                [layers.tree(source_key), *lowers], rt.python)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    env = [f"PATH={IMAGE_PATH}", f"VIRTUAL_ENV={VENV}", "PYTHONUNBUFFERED=1", "LANG=C.UTF-8"]
+    image = ImageSpec(name=name, layers=[rt.base, rt.deps, source], env=env, labels=labels)
+    write_archive(dest, [image])
+    return ReleaseImage(archive=dest, name=name, digest=manifest_digest(image),
+                        labels=labels, debs=rt.debs, python_packages=packages)
+
+
+def _installed_distributions(trees: Sequence[Path], python: str) -> dict[str, str]:
+    """Name and version of every distribution in the virtualenv of the layer ``trees``."""
+    found: dict[str, str] = {}
+    rel = Path(VENV.lstrip("/")) / "lib" / f"python{python}" / "site-packages"
+    for tree in trees:
+        for metadata in sorted((tree / rel).glob("*.dist-info/METADATA")):
+            fields = dict(line.split(": ", 1) for line in
+                          metadata.read_text(errors="replace").split("\n\n", 1)[0].splitlines()
+                          if ": " in line)
+            if "Name" in fields and "Version" in fields:
+                found.setdefault(fields["Name"], fields["Version"])
+    return dict(sorted(found.items()))
 
 
 def _build_env(repo: Path) -> Path:

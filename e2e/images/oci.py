@@ -67,6 +67,25 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
+def _manifest(image: ImageSpec) -> tuple[tuple[str, bytes], tuple[str, bytes]]:
+    """The image's config and manifest blobs (digest, bytes)."""
+    config_digest, config = _blob(_json(image.config()))
+    manifest = {
+        "schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE,
+        "config": {"mediaType": CONFIG_MEDIA_TYPE, "digest": config_digest,
+                   "size": len(config)},
+        "layers": [{"mediaType": LAYER_MEDIA_TYPE, "digest": layer.digest,
+                    "size": layer.size} for layer in image.layers],
+    }
+    return (config_digest, config), _blob(_json(manifest))
+
+
+def manifest_digest(image: ImageSpec) -> str:
+    """The digest of the image's manifest as :func:`write_archive` writes it: what a
+    registry serves it under and what ``name@sha256:...`` pins."""
+    return _manifest(image)[1][0]
+
+
 def write_archive(dest: Path, images: Sequence[ImageSpec]) -> Path:
     """Write every image into one OCI archive at ``dest`` (temp file, then renamed)."""
     temp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
@@ -76,16 +95,9 @@ def write_archive(dest: Path, images: Sequence[ImageSpec]) -> Path:
     with tarfile.open(temp, "w", format=tarfile.PAX_FORMAT) as tar:
         _add_bytes(tar, "oci-layout", _json({"imageLayoutVersion": "1.0.0"}))
         for image in images:
-            config_digest, config = _blob(_json(image.config()))
-            manifest = {
-                "schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE,
-                "config": {"mediaType": CONFIG_MEDIA_TYPE, "digest": config_digest,
-                           "size": len(config)},
-                "layers": [{"mediaType": LAYER_MEDIA_TYPE, "digest": layer.digest,
-                            "size": layer.size} for layer in image.layers],
-            }
-            manifest_digest, manifest_bytes = _blob(_json(manifest))
-            for digest, data in ((config_digest, config), (manifest_digest, manifest_bytes)):
+            (config_digest, config), (digest_of_manifest, manifest_bytes) = _manifest(image)
+            for digest, data in ((config_digest, config),
+                                 (digest_of_manifest, manifest_bytes)):
                 if digest not in written:
                     _add_bytes(tar, f"blobs/sha256/{digest.split(':')[1]}", data)
                     written.add(digest)
@@ -96,7 +108,7 @@ def write_archive(dest: Path, images: Sequence[ImageSpec]) -> Path:
             tag = image.name.rsplit(":", 1)[1] if ":" in image.name.rsplit("/", 1)[-1] \
                 else "latest"
             manifests.append({
-                "mediaType": MANIFEST_MEDIA_TYPE, "digest": manifest_digest,
+                "mediaType": MANIFEST_MEDIA_TYPE, "digest": digest_of_manifest,
                 "size": len(manifest_bytes),
                 "platform": {"architecture": "amd64", "os": "linux"},
                 "annotations": {"io.containerd.image.name": image.name,

@@ -55,7 +55,8 @@ app.kubernetes.io/part-of: rota
 {{- end }}
 
 {{- define "rota.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $ref := printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- if .Values.image.digest }}{{ printf "%s@%s" $ref .Values.image.digest }}{{ else }}{{ $ref }}{{ end }}
 {{- end }}
 
 {{/* Object names, one place each. */}}
