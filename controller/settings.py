@@ -78,6 +78,26 @@ class LeaseSettings(BaseModel):
                                      "(its admission stays open meanwhile).")
     idle_sleep_s: float = Field(default=0.0, ge=0, description="Put the holder to sleep "
                                 "after this long without work (0: never).")
+    policy_quantum_factor: float = Field(default=4.0, ge=0, description="Switch policy: "
+                                         "a busy holder keeps the GPU at least this many "
+                                         "times the measured cost of the switch away.")
+    policy_min_quantum_s: float = Field(default=1.0, ge=0, description="Switch policy: "
+                                        "the quantum's floor.")
+    policy_max_wait_s: float = Field(default=30.0, gt=0, description="Switch policy: "
+                                     "default bound on a request's wait for a switch while "
+                                     "the GPU serves others (EngineConfig maxWaitSeconds).")
+    policy_keep_alive_s: float = Field(default=0.0, ge=0, description="Switch policy: "
+                                       "default keep-alive after the last request with "
+                                       "nobody waiting (EngineConfig keepAliveSeconds); 0: "
+                                       "--idle-sleep-s, and when that is 0 too, forever.")
+    policy_priority: int = Field(default=0, description="Switch policy: default priority.")
+    policy_share_weight: float = Field(default=1.0, gt=0, description="Switch policy: "
+                                       "default fair-share weight.")
+    home_model: str = Field(default="", description="Switch policy: the served model name "
+                            "woken on a GPU idle for --home-idle-s (empty: the claim with "
+                            "home: true, if any).")
+    home_idle_s: float = Field(default=60.0, gt=0, description="Switch policy: how long a "
+                               "GPU is without work before its home model is woken.")
     resync_s: float = Field(default=10.0, gt=0, description="Reconcile each GPU (ask its "
                             "engines, read the device) at least this often, also under load.")
     shutdown_grace_s: float = Field(default=25.0, gt=0, description="On SIGTERM, let the "

@@ -32,6 +32,9 @@ Optional sections:
   answer, token budget, ``reasoning_content``, or ``mode: structure`` for models whose
   answer cannot be predicted).
 - ``omniStageIds`` (required for ``adapter: vllm-omni``): the pipeline's stages.
+- Switch policy (``controller/policy.py``): ``priority``, ``keepAliveSeconds``,
+  ``maxWaitSeconds``, ``shareWeight``, ``home``; each absent field takes the lease
+  controller's node-wide default.
 
 ``adapter: vllm-omni`` takes ``sleepLevel: 1`` only: vLLM-Omni 0.26 and 0.30 cannot wake
 after a level-2 sleep (501, and the engine stays asleep until restarted).
@@ -207,6 +210,24 @@ class EngineConfig(_Model):
     """The Secret holding the engine's own API key (vLLM's ``--api-key``), sent on ``/v1*``."""
     probe: ProbeConfig | None = None
     """How the correctness probe asks and judges; the "3 + 4 = 7" question when absent."""
+    priority: int | None = Field(default=None, ge=-1000, le=1000, strict=True)
+    """Switch policy: a request for a model of higher priority preempts an awake one of
+    lower priority (its requests in flight finish within the drain deadline, then it
+    sleeps; its later requests queue). Absent: the node's default (0)."""
+    keep_alive_seconds: float | None = Field(default=None, ge=0, le=86400)
+    """Switch policy: with nobody else waiting, how long the engine stays awake after its
+    last request before it is put to sleep. It never keeps a waiting client out (a holder
+    with nothing in flight gives way at once). Absent: the node's default."""
+    max_wait_seconds: float | None = Field(default=None, gt=0, le=3600)
+    """Switch policy: the bound on a request's wait for a switch while the GPU serves
+    other models (anti-starvation); it is served before this bound even against a
+    busy holder of higher priority. Absent: the node's default."""
+    share_weight: float | None = Field(default=None, gt=0, le=1000)
+    """Switch policy: this model's weight in the fair share of the GPU under sustained
+    contention. Absent: the node's default (1)."""
+    home: bool = False
+    """Switch policy: this model is its GPU's home model, woken when the GPU has been idle
+    for the node's home delay (the controller's ``--home-model`` setting wins)."""
 
     @field_validator("model")
     @classmethod
