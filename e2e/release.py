@@ -117,10 +117,11 @@ def sha256(path: Path) -> str:
 
 # --- the Python package ------------------------------------------------------------------
 
-def build_python(repo: Path, dist: Path) -> tuple[Path, Path]:
-    """Wheel and sdist (``python -m build``), the wheel checked to hold the runtime only."""
+def build_python(repo: Path, dist: Path, epoch: str) -> tuple[Path, Path]:
+    """Wheel and sdist (``python -m build``), the wheel checked to hold the runtime only;
+    file times are the commit's (``SOURCE_DATE_EPOCH``), so a rebuild gives the same bytes."""
     _run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(dist),
-          str(repo)])
+          str(repo)], env={**os.environ, "SOURCE_DATE_EPOCH": epoch})
     (wheel,) = dist.glob("rota-*.whl")
     (sdist,) = dist.glob("rota-*.tar.gz")
     check_wheel(wheel)
@@ -248,7 +249,7 @@ def _yaml(value: Any) -> str:
 def build_image(repo: Path, wheel: Path, dist: Path, version: str, revision: str
                 ) -> tuple[str, Path]:
     """The release image's OCI archive and SBOM; returns its digest and archive."""
-    from e2e.images.build import build_release_image
+    from e2e.images.build import BuildError, build_release_image
 
     created = _git(repo, "show", "-s", "--format=%cI", revision)
     license_ = str(tomllib.loads((repo / "pyproject.toml").read_text())["project"]["license"])
@@ -263,8 +264,12 @@ def build_image(repo: Path, wheel: Path, dist: Path, version: str, revision: str
         "org.opencontainers.image.created": created,
     }
     archive = dist / f"rota-image-{version}.oci.tar"
-    image = build_release_image(repo, wheel, name=f"{IMAGE_REPOSITORY}:{version}",
-                                labels=labels, dest=archive)
+    try:
+        image = build_release_image(repo, wheel, name=f"{IMAGE_REPOSITORY}:{version}",
+                                    labels=labels, dest=archive)
+    except BuildError as error:
+        raise ReleaseError(f"the image could not be built (IMAGE=0 / --no-image leaves it "
+                           f"out): {error}") from error
     sbom = image_sbom(image.name, image.digest, version, image.debs, image.python_packages,
                       created)
     (dist / f"rota-image-{version}.cdx.json").write_text(json.dumps(sbom, indent=2) + "\n")
@@ -367,7 +372,7 @@ def release(repo: Path, dist: Path, version: str | None, *, image: bool) -> list
     dist.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="rota-release-") as tmp:
         scratch = Path(tmp)
-        wheel, _ = build_python(repo, dist)
+        wheel, _ = build_python(repo, dist, _git(repo, "show", "-s", "--format=%ct", revision))
         wheel_sbom(wheel, dist / f"{wheel.name.removesuffix('-py3-none-any.whl')}.wheel.cdx.json",
                    repo, scratch)
         build_krew(dist, version, declared)
