@@ -192,7 +192,16 @@ def wheel_sbom(wheel: Path, dest: Path, repo: Path, scratch: Path) -> None:
 
 KREW_LAUNCHER = """#!/bin/sh
 # kubectl rota: the kubectl-rota of the Python package rota ({py}); install it first:
-#   python3 -m pip install 'rota=={py}'
+#   python3 -m pip install 'rota=={py}'   (or pipx install 'rota=={py}')
+# Runs the first other kubectl-rota on PATH (pip's or pipx's), else python3's module.
+self=$(readlink -f "$0")
+IFS=:
+for dir in $PATH; do
+  candidate="$dir/kubectl-rota"
+  if [ -x "$candidate" ] && [ "$(readlink -f "$candidate")" != "$self" ]; then
+    exec "$candidate" "$@"
+  fi
+done
 exec python3 -m controller.kubectl_rota "$@"
 """
 

@@ -136,6 +136,16 @@ def test_the_wheel_installs_in_a_fresh_virtualenv_and_kubectl_rota_runs(
     assert "switch" in done.stdout
     for tool in ("rota-driver", "rota-controller", "rota-engine-gate", "rota-engine-guard"):
         assert (venv / "bin" / tool).exists(), tool
+    # krew's plugin: its launcher finds the package's kubectl-rota on PATH
+    plugin = tmp_path / "krew"
+    with tarfile.open(built.one("kubectl-rota-*.tar.gz")) as tar:
+        tar.extractall(plugin, filter="data")
+    launched = subprocess.run(
+        [str(plugin / "kubectl-rota"), "--help"], cwd=tmp_path, capture_output=True,
+        text=True, check=False,
+        env={**os.environ, "PATH": f"{plugin}:{venv / 'bin'}:/usr/bin:/bin"})
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout == done.stdout
     imported = subprocess.run([str(venv / "bin" / "python"), "-c", "import e2e"],
                               cwd=tmp_path, capture_output=True, text=True, check=False)
     assert imported.returncode != 0  # the harness is not installed
