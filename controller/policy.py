@@ -24,8 +24,9 @@ The rules, in the order they are tried:
 4. ``holder_idle`` (keep-alive never blocks a waiting client): a holder with nothing in
    flight gives the GPU to a waiting claimant at once, whatever its keep-alive.
 5. ``quantum``: a busy holder keeps the GPU for its quantum once woken
-   (``max(min_quantum_s, quantum_factor x the measured cost of the switch away)``), so a
-   switch's cost buys a proportionate amount of service.
+   (``max(min_quantum_s, quantum_factor x the measured cost of the switch away)``, the
+   holder's measured drain included), so a switch's cost buys a proportionate amount of
+   service.
 6. ``cost``: past the quantum, the waiter with the highest score (weight x queue length x
    (waiting time + switch cost) / switch cost, times its fair share over its recent
    share of the GPU, clipped to 0.1-10) is served once its waited request-seconds exceed the cost of
@@ -178,7 +179,7 @@ def quantum_of(inp: PolicyInput, holder: str, target: str | None) -> float:
     """The holder's quantum against a switch to ``target``."""
     policy = inp.policies.get(holder, inp.default_policy)
     cost = _cost(inp, holder, target) if target else _wake_cost(inp, holder)
-    return max(policy.min_quantum_s, policy.quantum_factor * cost)
+    return max(policy.min_quantum_s, policy.quantum_factor * (cost + inp.gpu.drain_estimate_s))
 
 
 def _policy(inp: PolicyInput, claim: str) -> ModelPolicy:
