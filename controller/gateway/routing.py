@@ -366,13 +366,16 @@ class RoutingState:
         return controller is not None and self._observer.fresh(controller.name, now)
 
     def _awake(self, claimant: Claimant, now: float) -> GpuLease | None:
-        """The Lease under which ``claimant`` may get traffic now, if it may."""
-        lease = self.lease_of(claimant)
-        if lease is None or lease.state != naming.STATE_AWAKE or not _holds(lease, claimant):
-            return None
+        """The Lease under which ``claimant`` may get traffic now, if it may: the Lease of
+        its first GPU, and only while the Lease of every GPU it holds names it awake (a
+        tensor-parallel engine is awake only as the holder of all of them)."""
+        for gpu in claimant.gpus:
+            held = self._gpus.get(naming.gpu_lease_name(claimant.node, gpu))
+            if held is None or held.state != naming.STATE_AWAKE or not _holds(held, claimant):
+                return None
         if not claimant.serving or not self._alive(claimant, now):
             return None
-        return lease
+        return self.lease_of(claimant)
 
     def _switch_touching(self, model: str, now: float, *, alive: bool) -> str | None:
         """``switching`` or ``draining`` when a switch to or from ``model`` runs on a GPU

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from controller import naming
+from e2e.gang_node import gang_node, node_of
 from tests.controller.conftest import EngineSimFactory
-from tests.controller.gang_kit import gang_node, node_of
 
 pytestmark = pytest.mark.controller
 

@@ -1,7 +1,8 @@
-"""An in-memory node with several GPUs for the gang-switch tests: real engine simulators over
-HTTP, one in-memory GPU Lease per GPU (compare-and-swap as the API server does), a device
-port that reads each simulator's memory as NVML shows a tensor-parallel engine (one worker
-process per GPU, each holding its shard), and the controller's own GPU workers and locks.
+"""An in-memory node with several GPUs, for the gang-switch tests and the gang chaos
+campaign: real engine simulators over HTTP on loopback, one in-memory GPU Lease per GPU
+(compare-and-swap as the API server does), a device port that reads each simulator's memory
+as NVML shows a tensor-parallel engine (one worker process per GPU, each holding its
+shard), and the controller's own GPU workers and locks.
 
 :class:`OneAwakeWatch` checks the promise at every memory change of every simulator, not
 by sampling: no instant with two engines awake on one GPU goes unseen.
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
+from aiohttp.test_utils import TestServer
 
 from controller import naming
 from controller.admission import StartLimits, StartSwitch
@@ -29,10 +31,62 @@ from controller.leases import GpuLease
 from controller.settings import StepTimeouts
 from controller.switch import Limits, Ports, Switcher
 from driver.opaque import API_VERSION, KIND, parse_engine_config
+from e2e.engine_simulator import Settings, create_app
+from e2e.engine_simulator.engine import Engine as SimEngine
+from e2e.engine_simulator.keys import ENGINE_KEY
+from e2e.engine_simulator.settings import Faults, FaultsPatch
 from e2e.ports import MemoryLeasePort
-from tests.controller.conftest import ENGINE_SIM_GIB, EngineSim, EngineSimFactory
 
-GPU_TOTAL = 141 * ENGINE_SIM_GIB
+GIB = 2**30
+
+
+class RunningSim(Protocol):
+    """An engine simulator serving on loopback (the tests' ``EngineSim`` is one)."""
+
+    server: TestServer
+    engine: SimEngine
+    settings: Settings
+
+    @property
+    def base_url(self) -> str: ...
+
+    async def faults(self, **changes: bool) -> Faults: ...
+
+    async def stop(self) -> None: ...
+
+
+SimFactory = Callable[..., Awaitable[RunningSim]]
+
+
+@dataclass
+class LoopbackSim:
+    server: TestServer
+    engine: SimEngine
+    settings: Settings
+
+    @property
+    def base_url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+    async def faults(self, **changes: bool) -> Faults:
+        return await self.engine.set_faults(FaultsPatch.model_validate(changes))
+
+    async def stop(self) -> None:
+        await self.server.close()
+
+
+async def start_sim(**overrides: Any) -> LoopbackSim:
+    """A simulator as vLLM 0.26 behaves (sleep mode, dev routes), on 127.0.0.1."""
+    values: dict[str, Any] = {"model": "sim/model", "awake_memory_bytes": 10 * GIB,
+                              "resident_memory_bytes": GIB, "weights_bytes": 6 * GIB,
+                              "shutdown_grace_seconds": 0.0, "dev_mode": True}
+    settings = Settings.model_validate(values | overrides)
+    app = create_app(settings, exit_process=lambda code: None)
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    return LoopbackSim(server, app[ENGINE_KEY], settings)
+
+GPU_TOTAL = 141 * GIB
 NODE = "node-a"
 TOLERANCE = 512 * 1024**2
 
@@ -41,7 +95,7 @@ TOLERANCE = 512 * 1024**2
 class Engine:
     """One engine on the node: its simulator and the GPUs it holds."""
 
-    sim: EngineSim
+    sim: RunningSim
     claimant: Claimant
     gone_from: set[str] = field(default_factory=set)
     """GPUs where its process exited (a tensor-parallel worker that died)."""
@@ -99,7 +153,7 @@ class GangDevice:
                            processes=tuple(processes))
 
 
-def gang_claimant(sim: EngineSim, name: str, gpus: Sequence[str]) -> Claimant:
+def gang_claimant(sim: RunningSim, name: str, gpus: Sequence[str]) -> Claimant:
     """What ``claimants_from`` builds for a claim with one result per GPU of ``gpus``."""
     settings = sim.settings
     per_gpu_awake = settings.awake_memory_bytes // len(gpus)
@@ -174,7 +228,7 @@ def _watched(engine: Engine, watch: OneAwakeWatch) -> None:
     memory.apply = apply_and_check  # type: ignore[method-assign]
 
 
-async def gang_node(factory: EngineSimFactory, session: aiohttp.ClientSession,
+async def gang_node(factory: SimFactory, session: aiohttp.ClientSession,
                     specs: Sequence[tuple[str, Sequence[str], int]], *, gpus: int,
                     awake: Sequence[str] = (), timeouts: StepTimeouts | None = None
                     ) -> GangNode:
@@ -183,9 +237,9 @@ async def gang_node(factory: EngineSimFactory, session: aiohttp.ClientSession,
     opened and running."""
     engines: list[Engine] = []
     for name, on, gib in specs:
-        sim = await factory(model=f"m-{name}", awake_memory_bytes=gib * ENGINE_SIM_GIB,
-                            resident_memory_bytes=len(on) * ENGINE_SIM_GIB,
-                            weights_bytes=(gib // 2) * ENGINE_SIM_GIB)
+        sim = await factory(model=f"m-{name}", awake_memory_bytes=gib * GIB,
+                            resident_memory_bytes=len(on) * GIB,
+                            weights_bytes=(gib // 2) * GIB)
         engines.append(Engine(sim, gang_claimant(sim, name, on)))
     names = tuple(f"gpu-{i}" for i in range(gpus))
     leases = {g: MemoryLeasePort(GpuLease(name=naming.gpu_lease_name(NODE, g), node=NODE,
