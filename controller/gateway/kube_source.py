@@ -21,6 +21,16 @@ Each watch lists first (replacing what the state held), then watches from the li
 resourceVersion; it lists again after ``resync_s``, after a 410 Gone, and after any error,
 with bounded, jittered exponential backoff. The state is marked synced once claims, Leases and the
 pods of every namespace known at that time have been listed.
+
+A namespace whose pods this gateway may not list (403: the chart grants pod reads only in
+``engineNamespaces``, while the model binding may name ``*`` or patterns, and any tenant
+may create a claim) never holds the others up: the state is marked synced without it, its
+pods are dropped from the state, so its claimants get no traffic and are never woken, and
+its list is tried again in the background on a bounded, jittered back-off (a slower one
+than for other errors: a 403 lasts until an admin changes RBAC). It is logged once (a
+warning with the ``namespace``), counted in ``rota_gateway_forbidden_namespaces``, and
+served again as soon as a list succeeds. A 403 on claims or Leases is not skipped: without
+them the gateway knows nothing, and ``/readyz`` stays 503.
 """
 
 from __future__ import annotations
@@ -50,7 +60,11 @@ log = logging.getLogger(__name__)
 GROUP, VERSION = "resource.k8s.io", "v1"
 _BACKOFF_S = 0.5
 _BACKOFF_MAX_S = 30.0
+_FORBIDDEN_BACKOFF_S = 1.0
+_FORBIDDEN_BACKOFF_MAX_S = 60.0
+"""Pauses between lists of a namespace whose pods this gateway may not list (403)."""
 _GONE = 410
+_FORBIDDEN = 403
 
 
 class _Watch:
@@ -60,7 +74,12 @@ class _Watch:
                  list_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                  *, loop: asyncio.AbstractEventLoop, state: RoutingState,
                  settings: GatewaySettings, after_event: Callable[[], None],
-                 on_restart: Callable[[str], None]) -> None:
+                 on_restart: Callable[[str], None],
+                 on_forbidden: Callable[[_Watch, str | None], None] | None = None) -> None:
+        """``on_forbidden``, when given, makes a 403 skippable: it is called on the loop
+        with the error when the watch becomes forbidden, and with None when it lists
+        again; the watch keeps trying meanwhile. Without it a 403 is an error like any
+        other."""
         self.resource = resource
         self.kind = kind
         self.namespace = namespace
@@ -70,8 +89,12 @@ class _Watch:
         self._settings = settings
         self._after_event = after_event
         self._on_restart = on_restart
+        self._on_forbidden = on_forbidden
         self.stop = threading.Event()
         self.listed = asyncio.Event()
+        """Set (on the loop) once a list has been delivered."""
+        self.forbidden = asyncio.Event()
+        """Set (on the loop) while the last list was refused with 403 (skippable watches)."""
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"watch-{resource}-{namespace or 'all'}")
 
@@ -91,6 +114,21 @@ class _Watch:
             return
         self._state.replace(self.kind, items, namespace=self.namespace)
         self.listed.set()
+        if self.forbidden.is_set():
+            self.forbidden.clear()
+            if self._on_forbidden is not None:
+                self._on_forbidden(self, None)
+        self._after_event()
+
+    def _forbid(self, error: str) -> None:
+        """The list was refused (403): nothing of this namespace may be served."""
+        if self.stop.is_set() or self.forbidden.is_set():
+            return
+        self.forbidden.set()
+        # What an earlier list showed can no longer be followed: drop it.
+        self._state.replace(self.kind, [], namespace=self.namespace)
+        if self._on_forbidden is not None:
+            self._on_forbidden(self, error)
         self._after_event()
 
     def _apply(self, event: str, obj: dict[str, Any]) -> None:
@@ -128,15 +166,23 @@ class _Watch:
 
     def _run(self) -> None:
         pauses = Backoff(first_s=_BACKOFF_S, max_s=_BACKOFF_MAX_S)
+        refused = Backoff(first_s=_FORBIDDEN_BACKOFF_S, max_s=_FORBIDDEN_BACKOFF_MAX_S)
         while not self.stop.is_set():
             try:
                 items, version = self._list()
                 self._deliver(functools.partial(self._replace, items))
                 pauses.reset()
+                refused.reset()
                 self._watch(version, time.monotonic())
             except client.ApiException as exc:
                 if exc.status == _GONE:
                     continue  # our resourceVersion is too old: list again at once
+                if exc.status == _FORBIDDEN and self._on_forbidden is not None:
+                    # Logged and counted once, on the loop; tried again in the background.
+                    self._deliver(functools.partial(
+                        self._forbid, f"{exc.status} {exc.reason or 'Forbidden'}"))
+                    refused.wait(self.stop)
+                    continue
                 self._failed(exc, pauses)
             except Exception as exc:
                 self._failed(exc, pauses)
@@ -165,6 +211,27 @@ class KubeSource:
         if self._metrics is not None:
             self._metrics.watch_restarts.labels(resource).inc()
 
+    @property
+    def forbidden_namespaces(self) -> list[str]:
+        """Namespaces with rota claims whose pods this gateway may not list now."""
+        return sorted(ns for ns, w in self._pods.items() if w.forbidden.is_set())
+
+    def _count_forbidden(self) -> None:
+        if self._metrics is not None:
+            self._metrics.forbidden_namespaces.set(len(self.forbidden_namespaces))
+
+    def _pods_forbidden(self, pod_watch: _Watch, error: str | None) -> None:
+        """A namespace's pod list became refused (``error``) or allowed again (None)."""
+        if error is not None:
+            log.warning("may not list the pods of a namespace holding rota claims; its "
+                        "claimants get no traffic (grant pod list/watch there, e.g. add it "
+                        "to the chart's engineNamespaces); trying again in the background",
+                        extra={"namespace": pod_watch.namespace, "error": error})
+        else:
+            log.info("pods of a namespace listed again; its claimants may be served",
+                     extra={"namespace": pod_watch.namespace})
+        self._count_forbidden()
+
     async def run(self, state: RoutingState) -> None:
         own_api = self._api is None
         api: client.ApiClient = (
@@ -175,14 +242,20 @@ class KubeSource:
 
         def make(resource: str, kind: ObjectKind, namespace: str | None,
                  list_fn: Callable[..., Any], *args: Any, after: Callable[[], None] = lambda: None,
+                 on_forbidden: Callable[[_Watch, str | None], None] | None = None,
                  **kwargs: Any) -> _Watch:
             return _Watch(resource, kind, namespace, list_fn, args, kwargs, loop=loop,
                           state=state, settings=self._settings, after_event=after,
-                          on_restart=self._restarted)
+                          on_restart=self._restarted, on_forbidden=on_forbidden)
 
         objects = client.CustomObjectsApi(api)
         core = client.CoreV1Api(api)
         leases = client.CoordinationV1Api(api)
+
+        def pods(namespace: str) -> _Watch:
+            return make("pods", "pod", namespace, core.list_namespaced_pod, namespace,
+                        on_forbidden=self._pods_forbidden)
+
         claims = make("resourceclaims", "claim", None, objects.list_cluster_custom_object,
                       GROUP, VERSION, "resourceclaims", after=namespaces_changed.set)
         lease_watch = make("leases", "lease", None, leases.list_namespaced_lease,
@@ -194,23 +267,26 @@ class KubeSource:
                 w.start()
             await claims.listed.wait()
             await lease_watch.listed.wait()
-            self._reconcile_pods(state, lambda ns: make("pods", "pod", ns,
-                                                        core.list_namespaced_pod, ns))
+            self._reconcile_pods(state, pods)
             for pod_watch in list(self._pods.values()):
-                await pod_watch.listed.wait()
+                # A namespace whose pods may not be listed holds nobody up.
+                await wait_any(pod_watch.listed, pod_watch.forbidden)
             state.mark_synced()
-            log.info("routing state synced", extra={"models": len(state.models()),
-                                                    "namespaces": sorted(self._pods)})
+            synced: dict[str, object] = {"models": len(state.models()),
+                                         "namespaces": sorted(self._pods)}
+            if self.forbidden_namespaces:  # each was logged when refused
+                synced["forbidden_namespaces"] = self.forbidden_namespaces
+            log.info("routing state synced", extra=synced)
             while True:
                 await wait_any(namespaces_changed, state.binding_changed)
                 namespaces_changed.clear()
                 state.binding_changed.clear()
-                self._reconcile_pods(state, lambda ns: make("pods", "pod", ns,
-                                                            core.list_namespaced_pod, ns))
+                self._reconcile_pods(state, pods)
         finally:
             for w in [*watches, *self._pods.values()]:
                 w.stop.set()
             self._pods.clear()
+            self._count_forbidden()
             if own_api:
                 await asyncio.to_thread(api.close)
 
@@ -226,3 +302,4 @@ class KubeSource:
                      extra={"namespace": namespace})
             self._pods.pop(namespace).stop.set()
             state.replace("pod", [], namespace=namespace)
+            self._count_forbidden()

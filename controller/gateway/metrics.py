@@ -103,6 +103,11 @@ class GatewayMetrics:
         self.ignored_claimants = Gauge(
             "rota_gateway_ignored_claimants", "Claimants never routed to because the model "
             "binding does not bind their namespace to their model.", registry=self.registry)
+        self.forbidden_namespaces = Gauge(
+            "rota_gateway_forbidden_namespaces", "Namespaces holding rota claims whose pods "
+            "this gateway may not list (403; the chart grants it pods only in "
+            "engineNamespaces): their claimants get no traffic; listed again in the "
+            "background.", registry=self.registry)
         self._by_model = (self.requests, self.queue_wait, self.first_byte, self.first_token,
                           self.activations, self.activation_seconds, self.engine_refusals,
                           self.upstream_retries)

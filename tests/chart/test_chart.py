@@ -5,6 +5,7 @@ fits the longest request, a generated activation token that is never a placehold
 from __future__ import annotations
 
 import base64
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -380,3 +381,134 @@ def test_the_start_gate_socket_is_where_the_driver_mounts_it_into_engines(
         "--start-socket="]
     assert _pod(off, "DaemonSet", "rota-driver")["containers"][0]["args"] == [
         "--start-gate-dir="]
+
+
+# -- the model binding and engineNamespaces (review 2026-12 R4) -----------------------------
+
+
+def test_a_binding_wider_than_the_engine_namespaces_is_refused(chart_bin: Path) -> None:
+    """The gateway may list pods only in engineNamespaces: a binding that names anything
+    else (a pattern too) could never be served there, and is refused at render time."""
+    engines = f"engineNamespaces={{{ENGINE_NAMESPACE},team-a}}"
+    for wider, outside in (("gateway.modelBinding.namespaces={*}", "*"),
+                           ("gateway.modelBinding.namespaces={team-*}", "team-*"),
+                           ("gateway.modelBinding.namespaces={team-[ab]}", "team-[ab]"),
+                           ("gateway.modelBinding.models.org/x={team-a,prod}", "prod")):
+        refused = _template(chart_bin, engines, wider)
+        assert refused.returncode != 0, wider
+        assert "gateway.modelBinding names namespaces outside engineNamespaces" \
+            in refused.stderr, refused.stderr
+        assert f": {outside}." in refused.stderr, refused.stderr
+    # The engine namespaces by name render, for any model.
+    fits = _template(chart_bin, engines, f"gateway.modelBinding.namespaces={{{ENGINE_NAMESPACE}}}",
+                     "gateway.modelBinding.models.org/x={team-a}")
+    assert fits.returncode == 0, fits.stderr
+    # With engineNamespaces empty (engines left open) the gateway reads every namespace's
+    # pods, and every pattern is fine.
+    open_ = _template(chart_bin, "networkPolicy.enginesOpen=true",
+                      "gateway.modelBinding.namespaces={*}")
+    assert open_.returncode == 0, open_.stderr
+
+
+# -- shutdown as documented (review 2026-12) ------------------------------------------------
+
+UPGRADE_DOC = CHART.parent.parent / "docs" / "upgrade.md"
+
+
+def _section(doc: str, heading: str) -> str:
+    start = doc.index(heading)
+    end = doc.find("\n## ", start + len(heading))
+    return doc[start:] if end < 0 else doc[start:end]
+
+
+def _controller_settings(pod: dict[str, Any]) -> Any:
+    """The lease controller's settings as its container's literal env and args give them."""
+    from controller.settings import load
+
+    [container] = pod["containers"]
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    return load(container.get("args", []), env | {"NODE_NAME": "n", "POD_NAMESPACE": "ns"})
+
+
+def test_the_controller_lets_the_switch_in_flight_finish_within_its_grace_period(
+        default: Rendered, hardened: Rendered, chart_bin: Path) -> None:
+    from controller.settings import StepTimeouts
+
+    longer = render(set_values=MINIMAL | {"controller.terminationGracePeriodSeconds": "900"},
+                    bin_dir=chart_bin)
+    for rendered, name, period in ((default, "rota-controller", 420),
+                                   (hardened, "prod-rota-controller", 420),
+                                   (longer, "rota-controller", 900)):
+        pod = _pod(rendered, "DaemonSet", name)
+        assert pod["terminationGracePeriodSeconds"] == period
+        grace = _controller_settings(pod).shutdown_grace_s
+        # Below the grace period (the Lease is released before the kill) ...
+        assert grace < period, (name, grace)
+        assert grace == period - 20, (name, grace)
+        # ... and long enough for the longest wake, not the binary's own 25 s.
+        assert grace > StepTimeouts().wake_s, (name, grace)
+
+
+def test_the_upgrade_guide_states_the_grace_periods_the_chart_and_code_use(
+        default: Rendered) -> None:
+    from controller.gateway.settings import GatewaySettings
+    from controller.settings import LeaseSettings
+
+    doc = UPGRADE_DOC.read_text()
+    controller_pod = _pod(default, "DaemonSet", "rota-controller")
+    controller_grace = _controller_settings(controller_pod).shutdown_grace_s
+    section = _section(doc, "## The lease controller DaemonSet")
+    stated = re.search(r"(\d+) s with the default grace period of (\d+) s", section)
+    assert stated is not None, section
+    assert (int(stated[1]), int(stated[2])) == (
+        controller_grace, controller_pod["terminationGracePeriodSeconds"])
+    own = re.search(r"The flag's own default, for a controller run without the chart, "
+                    r"is (\d+) s", section)
+    assert own is not None, section
+    assert float(own[1]) == LeaseSettings.model_fields["shutdown_grace_s"].default
+
+    [gateway] = _pod(default, "Deployment", "rota-gateway")["containers"]
+    rendered_grace = float(_env(gateway)["ROTA_GATEWAY_SHUTDOWN_GRACE_S"])
+    section = _section(doc, "## The gateway Deployment")
+    stated = re.search(r"`--shutdown-grace-s`, (\d+) s by default", section)
+    assert stated is not None, section
+    assert float(stated[1]) == rendered_grace \
+        == GatewaySettings.model_fields["shutdown_grace_s"].default
+    delay = re.search(r"`--shutdown-delay-s`, (\d+) s", section)
+    assert delay is not None
+    assert float(delay[1]) == float(_env(gateway)["ROTA_GATEWAY_SHUTDOWN_DELAY_S"])
+    assert "30 s" not in section
+
+
+# -- the controller's writes of claims and pods (review 2026-12 R9) -------------------------
+
+
+def test_the_controllers_claim_status_writes_are_kept_to_its_node_on_every_version(
+        default: Rendered, hardened: Rendered) -> None:
+    for rendered, controller in ((default, "rota-controller"),
+                                 (hardened, "prod-rota-controller")):
+        [policy] = rendered.find("ValidatingAdmissionPolicy", f"{controller}-claims")
+        spec = policy["spec"]
+        assert spec["failurePolicy"] == "Fail"
+        [rule] = spec["matchConstraints"]["resourceRules"]
+        assert rule["resources"] == ["resourceclaims/status"]
+        assert rule["operations"] == ["UPDATE"]
+        [condition] = spec["matchConditions"]
+        namespace = "rota-system"
+        assert f'"system:serviceaccount:{namespace}:{controller}"' in condition["expression"]
+        checks = " ".join(v["expression"] for v in spec["validations"])
+        for kept in ("allocation", "reservedFor", "othersNew == variables.othersOld",
+                     "allocatedHere"):
+            assert kept in checks, kept
+        [binding] = rendered.find("ValidatingAdmissionPolicyBinding", f"{controller}-claims")
+        assert binding["spec"] == {"policyName": f"{controller}-claims",
+                                   "validationActions": ["Deny"]}
+        # The state label: engine pods only (pods that use a claim), to rota's states.
+        [pods] = rendered.find("ValidatingAdmissionPolicy", f"{controller}-pods")
+        checks = " ".join(v["expression"] for v in pods["spec"]["validations"])
+        assert "spec.?resourceClaims" in checks
+        from controller.visible_state import EngineState
+
+        states = re.search(r"in \[([^\]]*)\]", checks)
+        assert states is not None, checks
+        assert {s.strip(" '") for s in states[1].split(",")} == {s.value for s in EngineState}

@@ -497,10 +497,19 @@ def test_a_controller_changes_only_the_state_label_of_its_nodes_pods(release: Re
     core = client.CoreV1Api(release.api)
     pods = {}
     for node in release.nodes:
+        # An engine pod: it uses a claim (what the kubelet would prepare is not needed).
         pods[node] = core.create_namespaced_pod(release.engines, {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": f"engine-{node}", "labels": {"app": "engine"}},
-            "spec": {"nodeName": node, "containers": [{"name": "e", "image": "e:0"}]}})
+            "spec": {"nodeName": node,
+                     "containers": [{"name": "e", "image": "e:0",
+                                     "resources": {"claims": [{"name": "gpu"}]}}],
+                     "resourceClaims": [{"name": "gpu",
+                                         "resourceClaimName": f"claim-of-{node}"}]}})
+    core.create_namespaced_pod(release.engines, {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"not-an-engine-{node_a}", "labels": {"app": "web"}},
+        "spec": {"nodeName": node_a, "containers": [{"name": "w", "image": "w:0"}]}})
     controller_a = client.CoreV1Api(release.as_token(release.token("controller", node_a)))
     state = {"metadata": {"labels": {"gpu.rota.dev/state": "awake"}}}
     _wait_for_policy(lambda: controller_a.patch_namespaced_pod(
@@ -508,6 +517,12 @@ def test_a_controller_changes_only_the_state_label_of_its_nodes_pods(release: Re
 
     patched = controller_a.patch_namespaced_pod(f"engine-{node_a}", release.engines, state)
     assert patched.metadata.labels["gpu.rota.dev/state"] == "awake"
+    # Only engine pods of its node, and only to a state rota writes (review 2026-12 R9).
+    assert "only of engine pods" in _refused(lambda: controller_a.patch_namespaced_pod(
+        f"not-an-engine-{node_a}", release.engines, state))
+    _refused(lambda: controller_a.patch_namespaced_pod(
+        f"engine-{node_a}", release.engines,
+        {"metadata": {"labels": {"gpu.rota.dev/state": "pwned"}}}))
     _refused(lambda: controller_a.patch_namespaced_pod(
         f"engine-{node_a}", release.engines, {"metadata": {"labels": {"app": "evil"}}}))
     _refused(lambda: controller_a.patch_namespaced_pod(
@@ -564,6 +579,99 @@ def test_a_controller_writes_conditions_only_on_its_nodes_claims(release: Releas
     assert written["status"]["devices"][0]["conditions"][0]["type"] == "Awake"
     # The API server itself keeps a driver's status writes to claims of its own node.
     assert "arbitrary-node:update" in _refused(lambda: write(node_b))
+
+
+def test_a_controller_changes_nothing_but_rotas_entries_of_its_nodes_claims(
+        release: Release) -> None:
+    """resourceclaims/status update is cluster-wide in RBAC. From 1.36 the API server also
+    asks for resourceclaims/binding (allocation, reservedFor) and resourceclaims/driver
+    (status.devices, per driver and node); on 1.34 and 1.35 it asks for nothing more. The
+    local cluster runs 1.37, so 1.35 is stood in for by granting the controller those
+    permissions for every driver and node: the chart's policy is then the only check, and
+    it must keep the controller to rota's entries of its own node's claims (review 2026-12
+    R9)."""
+    node_a, node_b = release.nodes
+    objs = client.CustomObjectsApi(release.api)
+    rbac = client.RbacAuthorizationV1Api(release.api)
+    unchecked = f"{release.fullname}-test-as-on-1-35"
+    rbac.create_cluster_role({"metadata": {"name": unchecked}, "rules": [
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/binding"],
+         "verbs": ["update"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/driver"],
+         "verbs": ["associated-node:update", "arbitrary-node:update"]}]})
+    rbac.create_cluster_role_binding({
+        "metadata": {"name": unchecked},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": unchecked},
+        "subjects": [{"kind": "ServiceAccount", "name": release.sa("controller"),
+                      "namespace": release.namespace}]})
+    try:
+        for node in release.nodes:
+            created = objs.create_namespaced_custom_object(
+                GROUP, VERSION, release.engines, "resourceclaims",
+                claim(f"status-{node}", memory=None))
+            created["status"] = {"allocation": {
+                "devices": {"results": [
+                    {"request": "gpu", "driver": "gpu.rota.dev", "pool": node,
+                     "device": "gpu-0"},
+                    {"request": "gpu", "driver": "other.example.com", "pool": node,
+                     "device": "nic-0"}]},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}
+            objs.replace_namespaced_custom_object_status(
+                GROUP, VERSION, release.engines, "resourceclaims", f"status-{node}", created)
+        controller_a = client.CustomObjectsApi(
+            release.as_token(release.token("controller", node_a)))
+
+        def changed(node: str, change: Callable[[dict[str, Any]], None], *,
+                    dry_run: bool = False) -> Callable[[], Any]:
+            def write() -> Any:
+                current = objs.get_namespaced_custom_object(
+                    GROUP, VERSION, release.engines, "resourceclaims", f"status-{node}")
+                change(current["status"])
+                kwargs = {"dry_run": "All"} if dry_run else {}
+                return controller_a.replace_namespaced_custom_object_status(
+                    GROUP, VERSION, release.engines, "resourceclaims", f"status-{node}",
+                    current, **kwargs)
+            return write
+
+        def reserve(status: dict[str, Any]) -> None:
+            status["reservedFor"] = [{"resource": "pods", "name": "someone-else",
+                                      "uid": str(uuid.uuid4())}]
+
+        def reallocate(status: dict[str, Any]) -> None:
+            status["allocation"]["devices"]["results"][0]["device"] = "gpu-1"
+
+        def entry(driver: str, pool: str, device: str) -> dict[str, Any]:
+            return {"driver": driver, "pool": pool, "device": device,
+                    "conditions": [{"type": "Ready", "status": "True",
+                                    "reason": "Initialised", "message": "ok",
+                                    "observedGeneration": 1,
+                                    "lastTransitionTime": "2026-12-01T09:00:00Z"}]}
+
+        def ours(node: str) -> Callable[[dict[str, Any]], None]:
+            def change(status: dict[str, Any]) -> None:
+                status["devices"] = [entry("gpu.rota.dev", node, "gpu-0")]
+            return change
+
+        def another_drivers(status: dict[str, Any]) -> None:
+            status["devices"] = [entry("other.example.com", node_a, "nic-0")]
+
+        _wait_for_policy(changed(node_a, reserve, dry_run=True))
+        # Which pod a claim is reserved for decides where the gateway sends its traffic.
+        assert "may not change a claim but" in _refused(changed(node_a, reserve))
+        _refused(changed(node_a, reallocate))  # the API server: immutable once set
+        assert "may not change a claim but" in _refused(changed(node_a, another_drivers))
+        # Another node's claims: nothing at all.
+        assert "not allocated in its pool" in _refused(changed(node_b, ours(node_b)))
+        assert "not allocated in its pool" in _refused(changed(node_b, reserve))
+        # rota's own entry on its own node's claim is what it may write.
+        written = changed(node_a, ours(node_a))()
+        assert [d["driver"] for d in written["status"]["devices"]] == ["gpu.rota.dev"]
+        assert "reservedFor" not in written["status"]
+    finally:
+        rbac.delete_cluster_role_binding(unchecked)
+        rbac.delete_cluster_role(unchecked)
 
 
 def _kubeconfig(release: Release, token: str, path: Path) -> Path:

@@ -248,3 +248,17 @@ def test_every_dashboard_query_is_valid_promql(chart_bin: Path, tmp_path: Path) 
     done = run_tool("promtool", ["check", "rules", str(path)], bin_dir=chart_bin,
                     check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_docs_list_every_gateway_metric() -> None:
+    """docs/metrics.md names every metric family of the gateway's registry (the process
+    and platform collectors aside)."""
+    from controller.gateway.metrics import GatewayMetrics
+
+    doc = (CHART.parent.parent / "docs" / "metrics.md").read_text()
+    listed = set(re.findall(r"`(rota_[a-z0-9_]+)`", doc))
+    families = {family.name + ("_total" if family.type == "counter" else "")
+                for family in GatewayMetrics(gate_counts=dict).registry.collect()
+                if family.name.startswith("rota_gateway_")}
+    assert "rota_gateway_forbidden_namespaces" in families
+    assert families - listed == set()

@@ -106,3 +106,44 @@ a pod answers on its IP in IPv4, IPv6 and dual-stack clusters alike. Call with a
 host:port. */}}
 {{- define "rota.anyAddress" -}}::{{- end }}
 {{- define "rota.listenAddress" -}}[::]:{{ . }}{{- end }}
+
+{{/*
+The model binding may name only namespaces the gateway may read pods in. With
+engineNamespaces set, the gateway lists pods only there: a claimant the binding lets serve
+elsewhere is never served (the gateway skips such a namespace, logs it and counts it in
+rota_gateway_forbidden_namespaces). So a binding wider than engineNamespaces is refused:
+every namespace it names, for any model, must be one of engineNamespaces by name. A
+pattern ("*", "team-*", "team-[ab]") is refused even when it happens to match only engine
+namespaces today: the namespaces it matches are not known when the chart renders.
+*/}}
+{{- define "rota.checkBinding" -}}
+{{- $engines := .Values.engineNamespaces | default list }}
+{{- if $engines }}
+{{- $binding := .Values.gateway.modelBinding }}
+{{- $named := concat (list) ($binding.namespaces | default list) }}
+{{- range $model, $spaces := ($binding.models | default dict) }}
+{{- $named = concat $named ($spaces | default list) }}
+{{- end }}
+{{- $wider := list }}
+{{- range $ns := $named }}
+{{- if not (has $ns $engines) }}
+{{- $wider = append $wider $ns }}
+{{- end }}
+{{- end }}
+{{- with $wider }}
+{{- fail (printf "\n\ngateway.modelBinding names namespaces outside engineNamespaces: %s.\nWith engineNamespaces set (%s) the gateway may list pods only there, so claimants elsewhere\nwould never be served. Bind engine namespaces by name (a pattern such as \"*\" or \"team-*\"\nmatches namespaces outside the list), or add the namespaces to engineNamespaces." (. | uniq | sortAlpha | join ", ") ($engines | join ", ")) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The lease controller's --shutdown-grace-s: its pod's terminationGracePeriodSeconds less
+what it needs after the switch in flight ends (flush the visible state, 3 s at most;
+release the controller Lease, one API call; close its listeners), so the kubelet never
+kills it in the middle of the switch it lets finish. The schema keeps the grace period at
+30 s or more, so this is at least 10 s.
+*/}}
+{{- define "rota.controllerShutdownMarginSeconds" -}}20{{- end }}
+{{- define "rota.controllerShutdownGraceSeconds" -}}
+{{- sub (int .Values.controller.terminationGracePeriodSeconds) (int (include "rota.controllerShutdownMarginSeconds" .)) }}
+{{- end }}
