@@ -63,9 +63,15 @@ def exec_in(api: client.ApiClient, namespace: str, pod: str, argv: Sequence[str]
 
 
 def build_rota_images() -> BuiltImages:
-    """rota's images under the names its manifests and examples use."""
+    """rota's images under the names its manifests and examples use. The simulator's names
+    are the examples' images that rota builds (under its own registry path) other than
+    rota's own: an example may also run rota's image (an init container copying
+    ``rota-engine-gate``) or a third party's (``vllm/vllm-openai``), and a name given to two
+    images of the archive makes containerd fail every container of either."""
     rota = sorted(images_of(read_manifests()))
-    simulator = sorted(set().union(*(images_of(read(p)) for p in EXAMPLES.glob("*.yaml"))))
+    owners = {name.rsplit("/", 1)[0] + "/" for name in rota}
+    named = set().union(*(images_of(read(p)) for p in EXAMPLES.glob("*.yaml")))
+    simulator = sorted(name for name in named - set(rota) if name.startswith(tuple(owners)))
     return build_images(REPO, rota_names=rota, simulator_names=simulator,
                         pause_name=PAUSE_IMAGE)
 
