@@ -27,11 +27,14 @@ get its outcome.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller import metrics, naming
+from controller import policy as switch_policy
 from controller.admission import StartSwitch, StartTicket
 from controller.claimants import Claimant
 from controller.engines.base import EngineAdapter
@@ -115,6 +118,13 @@ class _Waiting:
     futures: list[asyncio.Future[Activation]]
     fenced: int = 0
     """How often its switch was fenced off before it began."""
+    since: float = 0.0
+    """When its first request arrived."""
+    home: bool = False
+    """The return of the GPU's home model (nobody waits; never cancelled)."""
+
+    def waiting(self) -> int:
+        return sum(1 for f in self.futures if not f.done())
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,13 @@ class Policy:
     fenced_retries: int = 2
     """How often a switch fenced off before it began (a conflicting write of its Lease)
     is tried again, after reconciliation, before its waiters are answered."""
+    models: switch_policy.ModelPolicy = field(default_factory=switch_policy.ModelPolicy)
+    """The node's default switch policy per model (:mod:`controller.policy`); each
+    claim's EngineConfig overrides its fields."""
+    home_model: str = ""
+    """The served model name woken on a GPU idle for ``home_idle_s`` ("": a claim with
+    ``home: true``, if any)."""
+    home_idle_s: float = 60.0
 
 
 class GpuWorker:
@@ -179,6 +196,11 @@ class GpuWorker:
         its domain's other workers): one actor at a time."""
         self._holder_since = clock()
         self._last_busy = clock()
+        self._costs: dict[str, switch_policy.SwitchCost] = {}
+        """Measured switch costs per claimant (from this controller's SwitchResult timings)."""
+        self._drains: dict[str, float] = {}
+        self._rule = ""
+        """The policy rule behind the switch in flight (its log line, metric and Event)."""
 
     @property
     def device(self) -> str:
@@ -223,7 +245,8 @@ class GpuWorker:
             # The holder serves now, even while a switch away waits for its residency.
             return Activation(True, claimant, switched=False, fence=lease.fence)
         future: asyncio.Future[Activation] = asyncio.get_running_loop().create_future()
-        self._queue.setdefault(claimant.claim_uid, _Waiting(claimant, [])).futures.append(future)
+        self._queue.setdefault(claimant.claim_uid, _Waiting(claimant, [], since=self.clock())
+                               ).futures.append(future)
         self._wakeup.set()
         return await future
 
@@ -294,7 +317,7 @@ class GpuWorker:
                         await self._serve_start()
                     elif self._queue:
                         await self._serve_next(stop)
-                    elif self.policy.idle_sleep_s > 0:
+                    elif self.policy.idle_sleep_s > 0 or self._idle_rules():
                         await self._idle_check()
                 failures.reset()
             except TimeoutError:
@@ -574,7 +597,10 @@ class GpuWorker:
     # -- activations -----------------------------------------------------------------------
 
     async def _serve_next(self, stop: asyncio.Event) -> None:
-        uid = next(iter(self._queue))
+        picked = await self._pick(stop)
+        if picked is None:
+            return
+        uid = picked
         waiting = self._queue[uid]
         by_uid = {c.claim_uid: c for c in self.claimants()}
         target = by_uid.get(uid)
@@ -617,6 +643,10 @@ class GpuWorker:
                     return
             if self.policy.coalesce_window_s > 0 and await self._coalesce(holder, stop):
                 return
+        if not waiting.home and waiting.waiting() == 0:
+            self._queue.pop(uid)
+            self._decided("cancelled", target, "every request for it left before its wake")
+            return
         self._queue.pop(uid)
         self._switching = True
         if self.visibility is not None:
@@ -627,6 +657,8 @@ class GpuWorker:
             result = await self.switcher.switch(
                 lease, holder=holder if lease.state != naming.STATE_IDLE else None,
                 target=target, claimants=on_gpu)
+            self._measured(result, holder if lease.state != naming.STATE_IDLE else None,
+                           target)
         finally:
             self._switching = False
             if result is None:  # fenced, failed or cancelled: reconcile, then again
@@ -649,6 +681,129 @@ class GpuWorker:
         reason, message = (("interrupted", "the switch was cut short (fenced off, or the "
                             "controller stopping)") if self._accepting else self._closed)
         self._resolve(waiting, Activation(False, target, False, fence, reason, message))
+
+    # -- policy ------------------------------------------------------------------------
+
+    def _defaults(self) -> switch_policy.ModelPolicy:
+        """The node's default model policy; the old idle TTL is the default keep-alive."""
+        models = self.policy.models
+        if math.isinf(models.keep_alive_s) and self.policy.idle_sleep_s > 0:
+            return dataclasses.replace(models, keep_alive_s=self.policy.idle_sleep_s)
+        return models
+
+    def _home(self) -> Claimant | None:
+        """The GPU's home model's claimant (queued at this worker), if any."""
+        here = [c for c in self._on_gpu() if c.gpu == self.gpu and c.serving]
+        if self.policy.home_model:
+            return next((c for c in here if c.model == self.policy.home_model), None)
+        return next((c for c in here if c.config.home), None)
+
+    def _idle_rules(self) -> bool:
+        """Whether keep-alive or the home return can act on this GPU."""
+        return (self._home() is not None or math.isfinite(self._defaults().keep_alive_s)
+                or any(c.config.keep_alive_seconds is not None for c in self._on_gpu()))
+
+    def _policy_input(self, holder: Claimant | None, in_flight: int
+                      ) -> switch_policy.PolicyInput:
+        """What :func:`controller.policy.decide` needs, gathered from this worker."""
+        defaults = self._defaults()
+        home = self._home()
+        queues = tuple(switch_policy.ClaimQueue(w.claimant.ref, max(w.waiting(), int(w.home)),
+                                                w.since) for w in self._queue.values())
+        return switch_policy.PolicyInput(
+            gpu=switch_policy.GpuView(
+                now=self.clock(), holder=holder.ref if holder else None,
+                awake_since=self._holder_since, last_request=self._last_busy,
+                in_flight=in_flight, idle_since=self._last_busy,
+                drain_estimate_s=self._drains.get(holder.ref, 0.0) if holder else 0.0),
+            queues=queues,
+            policies={c.ref: switch_policy.policy_for(c.config, defaults)
+                      for c in self.claimants()},
+            costs=dict(self._costs), default_policy=defaults,
+            home=home.ref if home else None, home_idle_s=self.policy.home_idle_s)
+
+    def _decided(self, rule: str, claimant: Claimant, reason: str) -> None:
+        metrics.POLICY_DECISIONS.labels(rule).inc()
+        log.info("switch policy decided", extra={
+            "device": self.gpu, "claim": claimant.ref, "model": claimant.model,
+            "rule": rule, "reason": reason})
+
+    async def _pick(self, stop: asyncio.Event) -> str | None:
+        """The queued claimant to serve now, as the policy decides; None when the
+        policy holds (this waits until its next look, or until news)."""
+        for uid, w in list(self._queue.items()):
+            if not w.home and w.waiting() == 0:  # every caller left: no switch for them
+                self._queue.pop(uid)
+                self._decided("cancelled", w.claimant, "every request for it left")
+        if not self._queue:
+            return None
+        serving = {c.claim_uid for c in self.claimants() if c.serving}
+        lease = self.lease
+        holder_ref = lease.holder if lease is not None and lease.state == naming.STATE_AWAKE \
+            else ""
+        for uid, w in self._queue.items():
+            if uid not in serving or w.claimant.ref == holder_ref or self._dirty:
+                return uid  # answered at once (not serving, or already awake)
+        holder = next((c for c in self._on_gpu() if c.ref == holder_ref), None)
+        in_flight = 0
+        if holder is not None:
+            try:
+                in_flight = await self.engine(holder).in_flight() or 0
+            except EngineError as exc:  # the drain step will find out what is going on
+                log.info("holder's load unknown; counted as idle",
+                         extra={"device": self.gpu, "error": str(exc)})
+        if in_flight:
+            self._last_busy = self.clock()
+        decision = switch_policy.decide(self._policy_input(holder, in_flight))
+        if decision.action is switch_policy.Action.SWITCH:
+            chosen = next((w for w in self._queue.values()
+                           if w.claimant.ref == decision.target), None)
+            if chosen is not None:
+                self._rule = "home_return" if chosen.home else decision.rule
+                self._decided(self._rule, chosen.claimant, decision.reason)
+                return chosen.claimant.claim_uid
+        now = self.clock()
+        wait = (decision.recheck_at - now if decision.recheck_at is not None
+                else self.policy.resync_s)
+        wait = max(0.01, min(wait, self._next_reconcile - now, self.policy.resync_s))
+        log.debug("switch policy holds", extra={"device": self.gpu, "rule": decision.rule,
+                                                "reason": decision.reason,
+                                                "wait_s": round(wait, 3)})
+        self._wakeup.clear()
+        await wait_any(self._wakeup, stop, timeout_s=wait)
+        return None
+
+    def _measured(self, result: SwitchResult, holder: Claimant | None, target: Claimant
+                  ) -> None:
+        """Keep the measured costs of a finished switch per claimant."""
+        if not result.ok:
+            return
+        t = result.timings
+        if holder is not None:
+            cost = self._costs.get(holder.ref, switch_policy.SwitchCost())
+            if "later_sleep" in t:
+                cost = dataclasses.replace(cost, sleep_s=t["later_sleep"])
+            self._costs[holder.ref] = cost
+            if "drain" in t:
+                self._drains[holder.ref] = t["drain"]
+        cost = self._costs.get(target.ref, switch_policy.SwitchCost())
+        if "wake_call" in t:
+            cost = dataclasses.replace(cost, wake_s=t["wake_call"])
+        if "probe_ttft" in t:
+            cost = dataclasses.replace(cost, probe_s=t["probe_ttft"])
+        self._costs[target.ref] = cost
+
+    def _home_return(self, holder: Claimant | None) -> bool:
+        """Queue the home model's return when the policy says so (nobody waits)."""
+        decision = switch_policy.decide(self._policy_input(holder, 0))
+        home = self._home()
+        if (decision.action is not switch_policy.Action.SWITCH or home is None
+                or decision.rule != "home_return"):
+            return False
+        self._queue.setdefault(home.claim_uid, _Waiting(home, [], since=self.clock(),
+                                                        home=True))
+        self._wakeup.set()
+        return True
 
     # -- gang switches -----------------------------------------------------------------
 
@@ -748,8 +903,9 @@ class GpuWorker:
             self.unsettled.update({c.claim_uid: c for c in result.unsettled})
             self._next_reconcile = self.clock() + self._unsettled_pauses.next_delay()
         if self.visibility is not None:
-            self.visibility.switched(result, holder, target, start=start)
+            self.visibility.switched(result, holder, target, start=start, rule=self._rule)
             self.visibility.settled(self._on_gpu(), result.lease, unknown=self.unsettled.keys())
+        self._rule = ""
 
     async def _coalesce(self, holder: Claimant, stop: asyncio.Event) -> bool:
         """Let the holder finish what it is serving (up to the window) before its
@@ -775,6 +931,8 @@ class GpuWorker:
     async def _idle_check(self) -> None:
         lease = self.lease = await self.lease_port.read()
         if not lease.holder or lease.state != naming.STATE_AWAKE:
+            if lease.state == naming.STATE_IDLE:
+                self._home_return(None)
             return
         holder = next((c for c in self._on_gpu() if c.ref == lease.holder), None)
         if holder is None or holder.gpu != self.gpu:
@@ -788,7 +946,12 @@ class GpuWorker:
         if busy:
             self._last_busy = self.clock()
             return
-        if self.clock() - self._last_busy >= self.policy.idle_sleep_s:
+        if self._home_return(holder):
+            return
+        decision = switch_policy.decide(self._policy_input(holder, 0))
+        if decision.action is switch_policy.Action.SLEEP:
+            self._rule = decision.rule
+            self._decided(decision.rule, holder, decision.reason)
             self._switching = True
             try:
                 result = await self.switcher.sleep_holder(lease, holder, reason="idle")

@@ -19,6 +19,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from controller.activation_api import OTHER_REASON as OTHER_REASON
 from controller.activation_api import SWITCH_FAILURE_REASONS as SWITCH_FAILURE_REASONS
+from controller.policy import RULES as POLICY_RULES
 from driver.metrics_registry import new_registry, package_version
 
 REGISTRY = new_registry()
@@ -93,6 +94,11 @@ VISIBLE_STATE_ERRORS = Counter(
     "Events, pod labels or claim conditions that could not be written, by kind.", ["kind"],
     registry=REGISTRY)
 VISIBLE_STATE_KINDS = ("event", "pod_label", "claim_conditions")
+POLICY_DECISIONS = Counter(
+    "rota_controller_policy_decisions_total",
+    "Decisions of the switch policy that acted (a switch, an idle sleep, a cancelled "
+    "switch), by the rule that fired (controller.policy.RULES).", ["rule"],
+    registry=REGISTRY)
 INFO = Gauge("rota_controller_info", "1, labelled with the lease controller's version.",
              ["version"], registry=REGISTRY)
 
@@ -106,6 +112,8 @@ for _reason in RECONCILE_REASONS:
     RECONCILES.labels(_reason)
 for _kind in VISIBLE_STATE_KINDS:
     VISIBLE_STATE_ERRORS.labels(_kind)
+for _rule in POLICY_RULES:
+    POLICY_DECISIONS.labels(_rule)
 INFO.labels(package_version()).set(1)
 
 

@@ -149,7 +149,9 @@ class NodeController:
                 visibility=GpuVisibility(self.visible, gpu) if self.visible else None,
                 policy=Policy(min_residency_s=s.min_residency_s, idle_sleep_s=s.idle_sleep_s,
                               coalesce_window_s=s.coalesce_window_s, resync_s=s.resync_s,
-                              tolerance_bytes=s.resident_tolerance_bytes))
+                              tolerance_bytes=s.resident_tolerance_bytes,
+                              models=s.model_policy(), home_model=s.home_model,
+                              home_idle_s=s.home_idle_s))
             self.workers[gpu] = worker
             self._tasks[gpu] = asyncio.create_task(worker.run(self._workers_stop),
                                                    name=f"gpu-{gpu}")

@@ -22,7 +22,8 @@ The rules, in the order they are tried:
    switch closes the holder's admission, drains, then sleeps it); its later requests
    queue like anyone's.
 4. ``holder_idle`` (keep-alive never blocks a waiting client): a holder with nothing in
-   flight gives the GPU to a waiting claimant at once, whatever its keep-alive.
+   flight gives the GPU to a waiting claimant at once, whatever its keep-alive or its
+   priority (a busy holder of higher priority keeps it, up to the waiter's bound).
 5. ``quantum``: a busy holder keeps the GPU for its quantum once woken
    (``max(min_quantum_s, quantum_factor x the measured cost of the switch away)``, the
    holder's measured drain included), so a switch's cost buys a proportionate amount of
@@ -260,16 +261,17 @@ def decide(inp: PolicyInput) -> Decision:
                             f"{q.claim} (priority {_policy(inp, q.claim).priority}) preempts "
                             f"{holder} (priority {held.priority}); its {gpu.in_flight} "
                             "requests in flight finish within the drain deadline", q.claim)
+        # 4. Keep-alive never blocks a waiting client (whatever the holder's priority).
+        if gpu.in_flight == 0:
+            q = _best(inp, waiters, holder)
+            return Decision(Action.SWITCH, "holder_idle", f"{holder} has nothing in flight "
+                            f"and {q.claim} waits", q.claim)
         peers = [q for q in waiters if _policy(inp, q.claim).priority == held.priority]
         if not peers:
             return Decision(Action.STAY, "stay", f"only lower-priority claimants wait; "
-                            f"{holder} keeps the GPU",
+                            f"{holder} keeps the GPU while it is busy",
                             recheck_at=_next_bound(inp, waiters, holder))
         q = _best(inp, peers, holder)
-        # 4. Keep-alive never blocks a waiting client.
-        if gpu.in_flight == 0:
-            return Decision(Action.SWITCH, "holder_idle", f"{holder} has nothing in flight "
-                            f"and {q.claim} waits", q.claim)
         # 5. The quantum.
         quantum = quantum_of(inp, holder, q.claim)
         ends = gpu.awake_since + quantum

@@ -7,6 +7,7 @@ field ``x_y`` is ``--x-y``; its environment variable is ``ROTA_X_Y`` (``NODE_NAM
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from controller.policy import ModelPolicy
 from driver.settings import parse_settings
 
 GIB = 1024**3
@@ -121,6 +123,17 @@ class LeaseSettings(BaseModel):
                                 "sees them: Events on engine pods, their gpu.rota.dev/state "
                                 "label and the Awake/Ready conditions of their claims.")
     log_level: str = Field(default="info")
+
+    def model_policy(self) -> ModelPolicy:
+        """The node's default switch policy per model (a claim's EngineConfig overrides
+        it): keep-alive is ``policy_keep_alive_s``, else ``idle_sleep_s``, else forever."""
+        keep = self.policy_keep_alive_s or self.idle_sleep_s
+        return ModelPolicy(priority=self.policy_priority,
+                           keep_alive_s=keep if keep > 0 else math.inf,
+                           quantum_factor=self.policy_quantum_factor,
+                           min_quantum_s=self.policy_min_quantum_s,
+                           max_wait_s=self.policy_max_wait_s,
+                           share_weight=self.policy_share_weight)
 
     @field_validator("start_socket", mode="before")
     @classmethod

@@ -82,8 +82,10 @@ class GpuVisibility:
     # -- events -------------------------------------------------------------------------------
 
     def switched(self, result: SwitchResult, holder: Claimant | None, target: Claimant, *,
-                 start: bool = False) -> None:
-        """The Events of a finished switch (or start) from ``holder`` to ``target``."""
+                 start: bool = False, rule: str = "") -> None:
+        """The Events of a finished switch (or start) from ``holder`` to ``target``;
+        ``rule`` is the switch policy's rule that made it (:data:`controller.policy.RULES`)."""
+        why = f" (policy: {rule})" if rule else ""
         if not result.ok:
             self._record(target, EventReason.SWITCH_FAILED,
                          f"{camel_cause(result.reason)}: {result.message}"
@@ -91,17 +93,17 @@ class GpuVisibility:
             return
         if holder is not None and holder is not target:
             self._record(holder, EventReason.SWITCHED_OUT,
-                         f"put to sleep on {self.gpu} for {target.model or target.ref}")
+                         f"put to sleep on {self.gpu} for {target.model or target.ref}{why}")
         if holder is target and result.lease.holder != target.ref:
             self._record(target, EventReason.SWITCHED_OUT,
-                         f"put to sleep on {self.gpu} ({result.reason or 'idle'})")
+                         f"put to sleep on {self.gpu} ({result.reason or 'idle'}){why}")
             return
         if start:
             self._record(target, EventReason.START_ADMITTED,
                          f"started on {self.gpu} and proved by the probe")
         if result.lease.holder == target.ref:
             self._record(target, EventReason.SWITCHED_IN,
-                         f"awake on {self.gpu}")
+                         f"awake on {self.gpu}{why}")
 
     def start_waiting(self, claimant: Claimant, holder: str) -> None:
         """``claimant``'s start gate asked for a start slot; it waits for one."""

@@ -388,14 +388,7 @@ def static_split(period_s: float) -> Callable[[Sim], None]:
 
 def defaults() -> ModelPolicy:
     """The lease controller's default policy, from its settings' defaults."""
-    f = LeaseSettings.model_fields
-    keep = float(f["policy_keep_alive_s"].default) or float(f["idle_sleep_s"].default)
-    return ModelPolicy(priority=int(f["policy_priority"].default),
-                       keep_alive_s=keep if keep > 0 else math.inf,
-                       quantum_factor=float(f["policy_quantum_factor"].default),
-                       min_quantum_s=float(f["policy_min_quantum_s"].default),
-                       max_wait_s=float(f["policy_max_wait_s"].default),
-                       share_weight=float(f["policy_share_weight"].default))
+    return LeaseSettings(node_name="bench").model_policy()
 
 
 class RotaPolicy:
@@ -473,7 +466,7 @@ def simulate(policy: str, arrivals: list[Request], models: list[EngineModel],
                                          share_weight=d.share_weight)
             home = "m0"
         rota = RotaPolicy(policies, home,
-                          float(LeaseSettings.model_fields["home_idle_s"].default))
+                          LeaseSettings(node_name="bench").home_idle_s)
         chooser = rota
     end = max((r.arrival for r in fresh), default=0.0)
     sim = Sim(fresh, models, step_s=args.step_s, max_seqs=args.max_seqs,

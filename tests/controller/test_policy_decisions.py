@@ -110,9 +110,12 @@ def test_a_higher_priority_request_preempts_and_its_drain_is_stated() -> None:
 
 def test_a_lower_priority_waiter_does_not_preempt() -> None:
     policies = {"a": ModelPolicy(priority=5)}
-    d = decide(_inp(awake_since=0.0, in_flight=0, queues=(ClaimQueue("b", 3, 99.0),),
+    d = decide(_inp(awake_since=0.0, in_flight=2, queues=(ClaimQueue("b", 3, 99.0),),
                     policies=policies))
     assert (d.action, d.rule) == (Action.STAY, "stay")
+    idle = decide(_inp(awake_since=0.0, in_flight=0, queues=(ClaimQueue("b", 3, 99.0),),
+                       policies=policies))
+    assert (idle.action, idle.target, idle.rule) == (Action.SWITCH, "b", "holder_idle")
 
 
 def test_cost_aware_choice_prefers_the_longer_queue() -> None:

@@ -1,0 +1,180 @@
+"""The GPU worker acts on the switch policy (controller/policy.py): it gathers the state,
+calls the decision function and acts; the rule shows in the metric. Fakes stand in for
+the Lease, the engines and the switch: what is checked is who is served, and when not."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from controller import metrics, naming
+from controller.claimants import Claimant
+from controller.gpu import Activation, GpuWorker, Policy
+from controller.leases import GpuLease
+from controller.policy import ModelPolicy
+from controller.switch import Switcher, SwitchResult
+from driver.opaque import parse_engine_config
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.busy = 0
+
+    async def in_flight(self) -> int:
+        return self.busy
+
+
+class _LeasePort:
+    def __init__(self, lease: GpuLease) -> None:
+        self.lease = lease
+
+    async def read(self) -> GpuLease:
+        return self.lease
+
+
+class _Switcher:
+    """Switches at once and records them."""
+
+    def __init__(self, port: _LeasePort) -> None:
+        self.port = port
+        self.switches: list[tuple[str | None, str]] = []
+
+    async def switch(self, lease: GpuLease, *, holder: Claimant | None, target: Claimant,
+                     claimants: Any) -> SwitchResult:
+        self.switches.append((holder.ref if holder else None, target.ref))
+        self.port.lease = Switcher.serving(lease.with_(fence=lease.fence + 1), target)
+        return SwitchResult(True, self.port.lease, timings={
+            "drain": 0.2, "later_sleep": 0.5, "wake_call": 0.6, "probe_ttft": 0.09})
+
+    async def sleep_holder(self, lease: GpuLease, holder: Claimant, *, reason: str
+                           ) -> SwitchResult:
+        self.switches.append((holder.ref, ""))
+        self.port.lease = lease.with_(holder="", holder_model="", holder_claim_uid="",
+                                      state=naming.STATE_IDLE)
+        return SwitchResult(True, self.port.lease)
+
+
+def _claimant(name: str, **config: object) -> Claimant:
+    parsed = parse_engine_config({"apiVersion": "gpu.rota.dev/v1alpha1",
+                                  "kind": "EngineConfig", "model": name,
+                                  "awakeMemory": "8Gi", **config})
+    return Claimant(claim_uid=f"uid-{name}", namespace="ns", claim_name=name, node="n",
+                    device="gpu-0", share_id=None, config=parsed, model=name, port=8000,
+                    sleep_level=1, resident_bytes=1 << 30, pod_name=f"p-{name}",
+                    pod_uid=f"pu-{name}", pod_ip="127.0.0.2", pod_ready=True,
+                    pod_deleting=False)
+
+
+class _Node:
+    def __init__(self, claimants: list[Claimant], policy: Policy, holder: Claimant) -> None:
+        self.clock = _Clock()
+        self.engines = {c.ref: _Engine() for c in claimants}
+        lease = Switcher.serving(GpuLease(name="l", node="n", device="gpu-0", fence=1),
+                                 holder)
+        self.port = _LeasePort(lease)
+        self.switcher = _Switcher(self.port)
+        unused: Any = self.switcher
+        self.worker = GpuWorker(gpu="gpu-0", lease_port=self.port,  # type: ignore[arg-type]
+                                switcher=unused, claimants=lambda: claimants,
+                                engine=lambda c: self.engines[c.ref],  # type: ignore[arg-type,return-value]
+                                policy=policy, clock=self.clock)
+        self.worker.lease = lease
+        self.worker._accepting = True
+        self.worker._holder_since = self.clock.now
+
+    def ask(self, claimant: Claimant) -> asyncio.Task[Activation]:
+        return asyncio.ensure_future(self.worker.activate(claimant))
+
+
+def _count(rule: str) -> float:
+    return metrics.REGISTRY.get_sample_value("rota_controller_policy_decisions_total",
+                                             {"rule": rule}) or 0.0
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_an_idle_holder_gives_way_at_once_despite_a_long_keep_alive() -> None:
+    a, b = _claimant("a", keepAliveSeconds=300), _claimant("b")
+    node = _Node([a, b], Policy(), holder=a)
+    before = _count("holder_idle")
+    task = node.ask(b)
+    await _settle()
+    await node.worker._serve_next(asyncio.Event())
+    assert (await task).ok
+    assert node.switcher.switches == [("ns/a", "ns/b")]
+    assert _count("holder_idle") == before + 1
+    assert node.worker._costs["ns/b"].wake_s == 0.6, "measured costs are kept per claim"
+    assert node.worker._drains["ns/a"] == 0.2
+
+
+async def test_a_busy_holder_keeps_its_quantum_and_a_higher_priority_preempts() -> None:
+    a, b, c = _claimant("a"), _claimant("b"), _claimant("c", priority=5)
+    node = _Node([a, b, c], Policy(), holder=a)
+    node.engines["ns/a"].busy = 3
+    task_b = node.ask(b)
+    await _settle()
+    stop = asyncio.Event()
+    stop.set()  # the policy's hold returns at once instead of waiting
+    await node.worker._serve_next(stop)
+    assert node.switcher.switches == [], "a busy holder keeps its quantum"
+    assert not task_b.done()
+    task_c = node.ask(c)
+    await _settle()
+    await node.worker._serve_next(stop)
+    assert (await task_c).ok
+    assert node.switcher.switches == [("ns/a", "ns/c")]
+    node.engines["ns/c"].busy = 0
+    node.worker._dirty = False
+    await node.worker._serve_next(stop)
+    assert (await task_b).ok
+    assert node.switcher.switches[-1] == ("ns/c", "ns/b")
+
+
+async def test_a_switch_whose_callers_left_is_not_made() -> None:
+    a, b = _claimant("a"), _claimant("b")
+    node = _Node([a, b], Policy(), holder=a)
+    task = node.ask(b)
+    await _settle()
+    task.cancel()
+    await _settle()
+    before = _count("cancelled")
+    await node.worker._serve_next(asyncio.Event())
+    assert node.switcher.switches == []
+    assert _count("cancelled") == before + 1
+    assert not node.worker._queue
+
+
+async def test_the_home_model_returns_when_the_gpu_is_idle() -> None:
+    a, b = _claimant("a", home=True), _claimant("b")
+    node = _Node([a, b], Policy(home_idle_s=30.0), holder=b)
+    node.worker._last_busy = node.clock.now
+    await node.worker._idle_check()
+    assert not node.worker._queue, "not before the home delay"
+    node.clock.now += 31.0
+    await node.worker._idle_check()
+    assert list(node.worker._queue) == ["uid-a"]
+    await node.worker._serve_next(asyncio.Event())
+    assert node.switcher.switches == [("ns/b", "ns/a")]
+
+
+async def test_keep_alive_puts_an_idle_holder_to_sleep() -> None:
+    a = _claimant("a", keepAliveSeconds=10)
+    node = _Node([a], Policy(models=ModelPolicy()), holder=a)
+    node.worker._last_busy = node.clock.now
+    await node.worker._idle_check()
+    assert node.switcher.switches == []
+    node.clock.now += 11.0
+    await node.worker._idle_check()
+    assert node.switcher.switches == [("ns/a", "")]
+    assert node.port.lease.state == naming.STATE_IDLE
