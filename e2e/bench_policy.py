@@ -39,6 +39,7 @@ import csv
 import itertools
 import math
 import sys
+import textwrap
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -536,10 +537,10 @@ def plot(res: Result, path: Path, n: int) -> bool:
         bottom.plot(times, [q[k] for _, q in res.sim.samples], color=f"C{k}", label=f"m{k}",
                     linewidth=0.8)
     bottom.set_ylabel("queued for a switch")
-    bottom.set_xlabel("trace time (s)")
+    bottom.set_xlabel("simulated time (s; the trace's time divided by --speed)")
     bottom.legend(loc="upper right")
-    fig.text(0.01, 0.005, ATTRIBUTION[:150] + "...", fontsize=6)
-    fig.tight_layout()
+    fig.text(0.01, 0.005, textwrap.fill(ATTRIBUTION, 180), fontsize=5)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
