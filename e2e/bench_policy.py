@@ -531,7 +531,8 @@ def plot(res: Result, path: Path, n: int) -> bool:
         top.barh(0, t1 - t0, left=t0, color="lightgrey" if owner == -1 else
                  "black" if owner == -2 else f"C{owner}", height=0.8)
     top.set_yticks([])
-    top.set_title(f"{res.policy}: GPU owner (colour = model, black = switching, grey = idle)")
+    top.set_title(f"{res.policy}: GPU owner (colour = model; black = switching, the "
+                  "holder's drain included; grey = idle)")
     times = [t for t, _ in res.sim.samples]
     for k in range(n):
         bottom.plot(times, [q[k] for _, q in res.sim.samples], color=f"C{k}", label=f"m{k}",
