@@ -52,6 +52,8 @@ from driver.errors import KubeConflictError, KubeNotFoundError
 log = logging.getLogger(__name__)
 
 HOLDERS = metrics.SeriesSet(metrics.HOLDER)
+USAGE_DECAY_S = 300.0
+"""The fair share looks at roughly the last five minutes of who was awake."""
 
 
 def _unsettled_backoff() -> Backoff:
@@ -199,6 +201,10 @@ class GpuWorker:
         self._costs: dict[str, switch_policy.SwitchCost] = {}
         """Measured switch costs per claimant (from this controller's SwitchResult timings)."""
         self._drains: dict[str, float] = {}
+        self._usage: dict[str, float] = {}
+        """Awake seconds per claimant, decaying (time constant USAGE_DECAY_S): the fair
+        share's measure of who had the GPU lately."""
+        self._usage_at = clock()
         self._rule = ""
         """The policy rule behind the switch in flight (its log line, metric and Event)."""
 
@@ -720,7 +726,26 @@ class GpuWorker:
             policies={c.ref: switch_policy.policy_for(c.config, defaults)
                       for c in self.claimants()},
             costs=dict(self._costs), default_policy=defaults,
-            home=home.ref if home else None, home_idle_s=self.policy.home_idle_s)
+            home=home.ref if home else None, home_idle_s=self.policy.home_idle_s,
+            usage_s=self._usage_now(holder))
+
+    def _usage_now(self, holder: Claimant | None) -> dict[str, float]:
+        """Recent awake seconds per claimant, the holder's current tenure included."""
+        self._used("", 0.0)
+        usage = dict(self._usage)
+        if holder is not None:
+            usage[holder.ref] = usage.get(holder.ref, 0.0) + max(
+                0.0, self.clock() - self._holder_since)
+        return usage
+
+    def _used(self, ref: str, seconds: float) -> None:
+        """Count ``seconds`` awake for ``ref``; everyone's count decays meanwhile."""
+        now = self.clock()
+        decay = math.exp(-max(0.0, now - self._usage_at) / USAGE_DECAY_S)
+        self._usage = {k: v * decay for k, v in self._usage.items() if v * decay > 1e-3}
+        self._usage_at = now
+        if seconds > 0:
+            self._usage[ref] = self._usage.get(ref, 0.0) + seconds
 
     def _decided(self, rule: str, claimant: Claimant, reason: str) -> None:
         metrics.POLICY_DECISIONS.labels(rule).inc()
@@ -897,6 +922,8 @@ class GpuWorker:
                             "fence": result.lease.fence,
                             "timings": {k: round(v, 6) for k, v in result.timings.items()}}
         if result.lease.holder != (holder.ref if holder else ""):
+            if holder is not None:
+                self._used(holder.ref, self.clock() - self._holder_since)
             self._holder_since = self.clock()
             self._last_busy = self.clock()
         if result.unsettled:

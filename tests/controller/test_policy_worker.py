@@ -178,3 +178,16 @@ async def test_keep_alive_puts_an_idle_holder_to_sleep() -> None:
     await node.worker._idle_check()
     assert node.switcher.switches == [("ns/a", "")]
     assert node.port.lease.state == naming.STATE_IDLE
+
+
+async def test_the_fair_share_sees_who_had_the_gpu() -> None:
+    a, b, c = _claimant("a"), _claimant("b"), _claimant("c")
+    node = _Node([a, b, c], Policy(), holder=a)
+    node.clock.now += 100.0
+    usage = node.worker._usage_now(a)
+    assert usage == {"ns/a": 100.0}
+    task = node.ask(b)
+    await _settle()
+    await node.worker._serve_next(asyncio.Event())
+    assert (await task).ok
+    assert node.worker._usage_now(None)["ns/a"] == 100.0
