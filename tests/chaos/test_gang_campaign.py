@@ -1,0 +1,53 @@
+"""The gang chaos campaign in the suite, short: TP=4, TP=2 and one-GPU engines on an 8-GPU
+node under faults and controller restarts, through the controller's gang switches (the
+full run is ``python -m e2e.chaos.gangs --switches 10000``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import pytest
+
+from controller.claimants import Claimant
+from controller.device import HandbackProblem, check_before_wake
+from controller.switch import Switcher
+from e2e.chaos import gangs
+
+pytestmark = pytest.mark.controller
+
+
+async def test_a_short_gang_campaign_keeps_every_promise(caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    caplog.set_level(logging.CRITICAL)
+    report = await gangs.run(switches=600, seed=7, max_seconds=300)
+    assert report.switches >= 600
+    assert report.violations == [], "two engines awake on one GPU"
+    assert report.unanswered == 0
+    assert report.unowned == []
+    assert report.lingering == 0
+    assert report.stalls == 0
+    assert not report.timed_out
+    assert report.passed(), "\n".join(report.lines())
+
+
+async def test_the_campaign_sees_a_controller_without_gang_switches(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard can fail: with the controller as it was before gang switches (every
+    switch made by the worker of the target's first GPU, which read that GPU alone), the
+    campaign finds two engines awake on one GPU."""
+    caplog.set_level(logging.CRITICAL)
+
+    async def first_gpu_only(self: Switcher, target: Claimant,
+                             claimants: Sequence[Claimant], timings: dict[str, float], *,
+                             starting: bool = False) -> HandbackProblem | None:
+        snapshot = await self.snapshot(target.gpu, timings)
+        return check_before_wake(snapshot, target=target, claimants=claimants,
+                                 tolerance_bytes=self.limits.tolerance_bytes,
+                                 unknown_limit_bytes=self.limits.unknown_limit_bytes)
+
+    monkeypatch.setattr("controller.gpu.needs_gang", lambda target, holders: False)
+    monkeypatch.setattr(Switcher, "check_device", first_gpu_only)
+    report = await gangs.run(switches=300, seed=7, max_seconds=120)
+    assert report.violations, "\n".join(report.lines())
+    assert not report.passed()
