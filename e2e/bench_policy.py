@@ -38,6 +38,7 @@ import argparse
 import csv
 import itertools
 import math
+import os
 import sys
 import textwrap
 from collections import deque
@@ -64,9 +65,19 @@ ATTRIBUTION = (
     "Bianchini, \"Splitwise: Efficient generative LLM inference using phase splitting\", "
     "ISCA 2024.")
 
-DATA = Path(__file__).resolve().parent.parent / "shared/data/azure-llm-inference-2023"
-if not DATA.exists():
-    DATA = Path("/work/shared/data/azure-llm-inference-2023")
+def _data_dir() -> Path:
+    """Where the Azure trace lies: ``ROTA_TRACE_DIR``, else ``shared/data`` inside or
+    beside the checkout."""
+    if os.environ.get("ROTA_TRACE_DIR"):
+        return Path(os.environ["ROTA_TRACE_DIR"])
+    root = Path(__file__).resolve().parent.parent
+    for base in (root / "shared", root.parent / "shared"):
+        if (base / "data/azure-llm-inference-2023").exists():
+            return base / "data/azure-llm-inference-2023"
+    return root / "shared/data/azure-llm-inference-2023"
+
+
+DATA = _data_dir()
 
 COPY_GBPS = 55.3
 WAKE_RATIO = 1.23

@@ -14,9 +14,8 @@ import pytest
 
 from e2e import bench_policy
 
-pytestmark = pytest.mark.skipif(not bench_policy.DATA.exists(), reason="no trace data")
 
-
+@pytest.mark.skipif(not bench_policy.DATA.exists(), reason="no trace data")
 def test_every_policy_runs_on_a_few_hundred_arrivals(capsys: pytest.CaptureFixture[str]
                                                      ) -> None:
     assert bench_policy.main(["--limit", "300", "--speed", "1", "--step-s", "0.05"]) == 0
