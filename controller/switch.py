@@ -64,6 +64,10 @@ SLEEP_MARGIN_S = 5.0
 sleep ends with the adapter's own timeout (a known "state unknown"), not a cancelled call."""
 
 
+_TRANSIENT = frozenset({"memory_not_returned", "unknown_process", "insufficient_memory"})
+"""Problems of a GPU read that an exiting process clears by itself."""
+
+
 def gang_of(claimant: Claimant) -> str:
     """The :data:`naming.GANG` annotation of a Lease ``claimant`` holds ("" for one GPU)."""
     return ",".join(claimant.gpus) if claimant.spans_gpus else ""
@@ -100,6 +104,9 @@ class Limits:
     tolerance_bytes: int
     unknown_limit_bytes: int
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
+    restore_wait_s: float = GONE_S
+    """How long waking an old holder back waits for the GPU to show memory handed back
+    (a failed target's processes still exiting) before it gives up."""
 
 
 @dataclass
@@ -439,13 +446,24 @@ class Switcher:
     async def check_restore(self, holder: Claimant, claimants: Sequence[Claimant],
                             timings: dict[str, float]) -> HandbackProblem | None:
         """:meth:`check_device` for waking an old holder back (a failed read is a
-        problem, never a pass)."""
-        try:
-            return await self.check_device(holder, claimants, timings)
-        except Fenced:
-            raise
-        except Exception as read_exc:
-            return HandbackProblem("inspect_failed", str(read_exc) or type(read_exc).__name__)
+        problem, never a pass), read again with pauses for up to ``restore_wait_s`` while
+        memory is not yet handed back: a failed engine's processes may still be exiting
+        (on the H200, a vLLM engine core SIGKILLed mid-wake still held 1.4 GiB, and its
+        environment could no longer be read, at the first read after its server died)."""
+        pauses = Backoff(first_s=0.05, max_s=1.0)
+        deadline = self.ports.clock() + self.limits.restore_wait_s
+        while True:
+            try:
+                problem = await self.check_device(holder, claimants, timings)
+            except Fenced:
+                raise
+            except Exception as read_exc:
+                return HandbackProblem("inspect_failed",
+                                       str(read_exc) or type(read_exc).__name__)
+            if problem is None or problem.reason not in _TRANSIENT or (
+                    self.ports.clock() >= deadline):
+                return problem
+            await pauses.sleep()
 
     async def _back_out(self, lease: GpuLease, holder: Claimant | None, target: Claimant,
                         claimants: Sequence[Claimant], exc: BaseException,

@@ -136,9 +136,13 @@ class GangDevice:
         self.strangers: dict[str, int] = {}
         """Bytes held on a GPU by processes in no claimant's pod."""
         self.reads: list[str] = []
+        self.on_read: list[Callable[[], object]] = []
+        """Called at every read (a test's hook into the moment of a GPU check)."""
 
     async def snapshot(self, device: str) -> GpuSnapshot:
         self.reads.append(device)
+        for hook in self.on_read:
+            hook()
         processes = [GpuProcess(pid=1000 + 10 * i + int(device.rpartition("-")[2]),
                                 used_bytes=e.shard(), claim_uid=e.claimant.claim_uid,
                                 pod_uid=e.claimant.pod_uid or "")
@@ -284,7 +288,7 @@ def node_of(engines: list[Engine], session: aiohttp.ClientSession,
         switcher = Switcher(
             ports=Ports(lease=leases[gpu], device=device, engine=adapter, guard=lambda: None),
             limits=Limits(tolerance_bytes=TOLERANCE, unknown_limit_bytes=TOLERANCE,
-                          timeouts=timeouts or StepTimeouts()),
+                          timeouts=timeouts or StepTimeouts(), restore_wait_s=0.5),
             identity="controller-a")
         workers[gpu] = GpuWorker(
             gpu=gpu, lease_port=leases[gpu], switcher=switcher,  # type: ignore[arg-type]

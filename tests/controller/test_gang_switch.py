@@ -209,3 +209,48 @@ async def test_a_tp_engine_that_dies_on_one_gpu_blocks_wakes_where_it_may_hold_m
         assert node.watch.violations == []
     finally:
         await node.close()
+
+
+async def test_the_old_holder_comes_back_once_a_leftover_process_is_gone(
+        engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
+    """Waking the old holder back follows a GPU read (R5), and the read waits, bounded, for
+    memory still held by a process that is exiting (as a SIGKILLed vLLM engine core does)."""
+    node = await gang_node(engine_sim_factory, engine_session,
+                           [("a", ("gpu-0",), 20), ("b", ("gpu-0",), 20)],
+                           gpus=1, awake=("a",))
+    a, b = node.engines
+    node.device.strangers["gpu-0"] = 2 * 2**30
+    reads_then_gone = len(node.device.reads) + 3
+
+    def exits() -> None:
+        if len(node.device.reads) >= reads_then_gone:
+            node.device.strangers.pop("gpu-0", None)
+
+    node.device.on_read.append(exits)
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            activation = await node.activate(b)
+        assert not activation.ok
+        assert activation.reason == "unknown_process"
+        assert not a.sim.engine.is_sleeping, "a came back once the process was gone"
+        assert node.holders() == {"gpu-0": a.claimant.ref}
+        assert node.watch.violations == []
+    finally:
+        await node.close()
+
+
+async def test_the_old_holder_stays_asleep_beside_a_stranger_that_stays(
+        engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
+    node = await gang_node(engine_sim_factory, engine_session,
+                           [("a", ("gpu-0",), 20), ("b", ("gpu-0",), 20)],
+                           gpus=1, awake=("a",))
+    a, b = node.engines
+    node.device.strangers["gpu-0"] = 2 * 2**30
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            activation = await node.activate(b)
+        assert not activation.ok
+        assert a.sim.engine.is_sleeping, "no wake beside an unknown process (R5)"
+        assert node.lease("gpu-0").state == naming.STATE_FAILED
+    finally:
+        await node.close()
