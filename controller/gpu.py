@@ -575,8 +575,7 @@ class GpuWorker:
                                "blockers": blockers})
             return
         claimants = [c for c in self.claimants() if c.pod_ip and set(c.gpus) & set(gpus)]
-        for gpu in gpus:
-            self.sibling(gpu)._switching = True
+        self._gang_begins(gpus)
         if self.visibility is not None:
             self.visibility.switching(holders[0] if holders else None, newcomer,
                                       starting=True)
@@ -587,12 +586,7 @@ class GpuWorker:
                 claimants=claimants, ticket=ticket, starter=self.starter,
                 wanted=lambda: uid in self._queue)
         finally:
-            for gpu in gpus:
-                worker = self.sibling(gpu)
-                worker._switching = False
-                if result is None:
-                    worker.lease = None
-                    worker.mark_dirty()
+            self._gang_ends(gpus, cut_short=result is None)
             if self._starts.get(uid) is ticket:
                 self._starts.pop(uid)
             if result is None:
@@ -836,6 +830,20 @@ class GpuWorker:
         return sorted(c.ref for gpu in gpus for c in self.sibling(gpu).unsettled.values()
                       if c.claim_uid != uid)
 
+    def _gang_begins(self, gpus: tuple[str, ...]) -> None:
+        for gpu in gpus:
+            self.sibling(gpu)._switching = True
+
+    def _gang_ends(self, gpus: tuple[str, ...], *, cut_short: bool) -> None:
+        """The set's workers take work again; after a switch cut short (fenced, failed
+        or cancelled) each reads its Lease anew and reconciles."""
+        for gpu in gpus:
+            worker = self.sibling(gpu)
+            worker._switching = False
+            if cut_short:
+                worker.lease = None
+                worker.mark_dirty()
+
     def _gang(self, gpus: tuple[str, ...]) -> GangSwitch:
         return GangSwitch(self.switcher, {g: self.sibling(g).lease_port for g in gpus})
 
@@ -862,8 +870,7 @@ class GpuWorker:
                 return
         self._queue.pop(uid)
         claimants = [c for c in self.claimants() if c.pod_ip and set(c.gpus) & set(gpus)]
-        for gpu in gpus:
-            self.sibling(gpu)._switching = True
+        self._gang_begins(gpus)
         if self.visibility is not None:
             self.visibility.switching(holders[0] if holders else None, target)
         result: GangResult | None = None
@@ -872,12 +879,7 @@ class GpuWorker:
                                                    holders=holders, target=target,
                                                    claimants=claimants)
         finally:
-            for gpu in gpus:
-                worker = self.sibling(gpu)
-                worker._switching = False
-                if result is None:
-                    worker.lease = None
-                    worker.mark_dirty()
+            self._gang_ends(gpus, cut_short=result is None)
             if result is None:
                 self._fenced_off(waiting, target, leases[gpus[0]].fence)
         self._gang_switched(result, holders, target)
