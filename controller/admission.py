@@ -130,11 +130,7 @@ class StartSwitch:
                                          starting=True)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
-            await sw.fenced_engine(newcomer, fence, timings)  # the grant is a call too
-            if not await ticket.grant(self.limits.grant_s):
-                raise SwitchFailed("start_not_taken", f"the start gate of {newcomer.ref} did "
-                                   f"not come back for its grant within "
-                                   f"{self.limits.grant_s:.0f} s")
+            await self.grant(sw, newcomer, ticket, fence, timings)
         except Fenced:
             ticket.refuse()
             raise
@@ -184,6 +180,15 @@ class StartSwitch:
             "device": lease.device, "fence": fence, "claim": newcomer.ref,
             "holder": stay.ref, "timings": {k: round(v, 4) for k, v in timings.items()}})
         return SwitchResult(True, lease, timings=timings)
+
+    async def grant(self, sw: Switcher, newcomer: Claimant, ticket: StartTicket, fence: int,
+                    timings: dict[str, float]) -> None:
+        """Hand the gate its go, under ``sw``'s fencing check (the grant is an engine call
+        too); raises :class:`SwitchFailed` when the gate does not come back for it."""
+        await sw.fenced_engine(newcomer, fence, timings)
+        if not await ticket.grant(self.limits.grant_s):
+            raise SwitchFailed("start_not_taken", f"the start gate of {newcomer.ref} did not "
+                               f"come back for its grant within {self.limits.grant_s:.0f} s")
 
     async def until_up(self, newcomer: Claimant, ticket: StartTicket, fence: int,
                         timings: dict[str, float]) -> Claimant:

@@ -322,10 +322,7 @@ class GangSwitch:
             problem = await sw.check_device(newcomer, others, timings, starting=True)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
-            await sw.fenced_engine(newcomer, 0, timings)  # the grant is a call too
-            if not await ticket.grant(starter.limits.grant_s):
-                raise SwitchFailed("start_not_taken", f"the start gate of {newcomer.ref} did "
-                                   "not come back for its grant")
+            await starter.grant(sw, newcomer, ticket, 0, timings)
         except Fenced:
             ticket.refuse()
             raise

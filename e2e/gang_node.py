@@ -188,6 +188,12 @@ class GangNode:
     locks: GpuLocks
     adapter: Callable[[Claimant], EngineAdapter]
 
+    async def until(self, predicate: Callable[[], bool], *, every_s: float = 0.02) -> None:
+        """Look at the in-memory Leases (which nothing announces) until ``predicate``
+        holds; the caller bounds the wait."""
+        while not predicate():
+            await asyncio.sleep(every_s)
+
     def start(self) -> None:
         """Open every worker (this instance leads the node) and run it."""
         for worker in self.workers.values():

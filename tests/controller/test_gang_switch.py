@@ -254,3 +254,32 @@ async def test_the_old_holder_stays_asleep_beside_a_stranger_that_stays(
         assert node.lease("gpu-0").state == naming.STATE_FAILED
     finally:
         await node.close()
+
+
+async def test_a_tp_engine_starts_only_with_its_budget_free_on_every_gpu(
+        engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
+    """Start-up admission across the set: the holders of both GPUs sleep before the TP
+    engine's gate is granted; it is proved and put to sleep once; with nobody waiting for
+    it, the old holders are woken back, each after its GPU is read again."""
+    node = await gang_node(engine_sim_factory, engine_session,
+                           [("a", ("gpu-0",), 20), ("b", ("gpu-1",), 20),
+                            ("tp", ("gpu-0", "gpu-1"), 40)], gpus=2, awake=("a", "b"))
+    a, b, tp = node.engines
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            while not await node.workers["gpu-0"].request_start(tp.claimant, hold_s=5.0):
+                pass
+            assert a.sim.engine.is_sleeping, "gpu-0's holder slept before the grant"
+            assert b.sim.engine.is_sleeping, "gpu-1's holder slept before the grant"
+            assert {node.lease(g).state for g in ("gpu-0", "gpu-1")} == {
+                naming.STATE_STARTING}
+            await node.adapter(tp.claimant).wake(1)  # the engine starts, awake
+            await node.until(lambda: node.holders() == {
+                "gpu-0": a.claimant.ref, "gpu-1": b.claimant.ref} and {
+                node.lease(g).state for g in ("gpu-0", "gpu-1")} == {naming.STATE_AWAKE})
+        assert tp.sim.engine.is_sleeping, "its first sleep came before any traffic"
+        assert not a.sim.engine.is_sleeping
+        assert not b.sim.engine.is_sleeping
+        assert node.watch.violations == []
+    finally:
+        await node.close()
