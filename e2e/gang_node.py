@@ -36,6 +36,7 @@ from e2e.engine_simulator.engine import Engine as SimEngine
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.settings import Faults, FaultsPatch
 from e2e.ports import MemoryLeasePort
+from e2e.waiting import eventually_async
 
 GIB = 2**30
 
@@ -188,11 +189,15 @@ class GangNode:
     locks: GpuLocks
     adapter: Callable[[Claimant], EngineAdapter]
 
-    async def until(self, predicate: Callable[[], bool], *, every_s: float = 0.02) -> None:
+    async def until(self, predicate: Callable[[], bool], *, within_s: float = 30.0,
+                    what: str = "condition") -> None:
         """Look at the in-memory Leases (which nothing announces) until ``predicate``
-        holds; the caller bounds the wait."""
-        while not predicate():
-            await asyncio.sleep(every_s)
+        holds, within ``within_s``."""
+        async def check() -> bool:
+            return predicate()
+
+        await eventually_async(check, timeout=within_s, interval=0.02, max_interval=0.1,
+                               what=what)
 
     def start(self) -> None:
         """Open every worker (this instance leads the node) and run it."""
