@@ -21,7 +21,9 @@ from kubernetes import client, config
 from e2e.cluster import LocalCluster
 from e2e.objects import MANIFESTS, apply_manifest, create_namespace
 
-pytest_plugins = ["pytester", "tests.engines_on_cluster", "tests.leaks", "tests.real_node"]
+pytest_plugins = [
+    "pytester", "tests.engines_on_cluster", "tests.leaks", "tests.real_node", "tests.sampling",
+]
 
 # Tests start processes while gRPC channels are open; gRPC's note about skipping its fork
 # handlers is expected then, and only noise.
