@@ -43,7 +43,7 @@ from controller.api.activation import (
     refusal_of,
     wire_reason,
 )
-from controller.gateway.credentials import ApiKeys
+from controller.credentials import ApiKeys
 from controller.node import NodeController, UnknownModel
 from controller.switch import Fenced
 

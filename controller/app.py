@@ -24,9 +24,9 @@ from aiohttp import web
 from controller import starts
 from controller.activation import make_app
 from controller.cache import NodeCache
+from controller.credentials import ApiKeys, SecretFile, reload_forever
 from controller.device import DeviceReader
 from controller.election import Election
-from controller.gateway.credentials import ApiKeys, SecretFile, reload_forever
 from controller.kube import ControllerKube
 from controller.node import NodeController
 from controller.settings import LeaseSettings

@@ -81,3 +81,60 @@ def test_the_controller_takes_only_shared_driver_modules() -> None:
             if name.startswith("driver.") and not _shared(name):
                 used.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     assert not used, used
+
+
+SHARED_IN_CONTROLLER = {"controller", "controller.api", "controller.credentials",
+                        "controller.claimants", "controller.leases", "controller.naming",
+                        "controller.urls"}
+"""What rota's processes under ``controller/`` share: the contracts and a few pure helpers.
+Everything else belongs to one process."""
+
+
+def _process_of(name: str) -> str | None:
+    """Which process a ``controller`` module belongs to (None: shared, or not rota's)."""
+    parts = name.split(".")
+    if parts[0] != "controller" or any(name == shared or name.startswith(f"{shared}.")
+                                       for shared in SHARED_IN_CONTROLLER - {"controller"}):
+        return None
+    if len(parts) == 1:
+        return None
+    if parts[1] in {"gateway", "guard"}:
+        return parts[1]
+    if parts[1] in {"__main__", "kubectl_rota"}:
+        return parts[1]  # the entry point that picks a process; the CLI, a client of all
+    return "lease"
+
+
+def test_the_lease_controller_the_gateway_and_the_guard_never_import_each_other() -> None:
+    crossing: dict[str, set[str]] = {}
+    for path in (ROOT / "controller").rglob("*.py"):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        mine = _process_of(module.removesuffix(".__init__"))
+        if mine not in {"lease", "gateway", "guard"}:
+            continue
+        for name in _imports(path):
+            theirs = _process_of(name)
+            if theirs in {"lease", "gateway", "guard"} and theirs != mine:
+                crossing.setdefault(module, set()).add(name)
+    assert not crossing, crossing
+
+
+KUBERNETES_IMPORTERS = {
+    "driver/kube.py",  # the driver's client and its errors
+    "driver/listwatch.py",  # the one list-then-watch
+    "controller/kube.py",  # the lease controller's client, Leases and Events
+    "controller/cache.py",  # the lease controller's watches of claims and pods
+    "controller/visible_state_writer.py",  # claim status conditions
+    "controller/gateway/kube_source.py",  # the gateway's watches
+    "controller/gateway/engine_keys.py",  # engines' API key Secrets, read by the gateway
+    "controller/kubectl_rota.py",  # the CLI reads what the processes write
+}
+"""The only modules that may import the official ``kubernetes`` client: everything else
+takes typed values from them (DESIGN.md's map names them too)."""
+
+
+def test_only_the_named_modules_import_the_kubernetes_client() -> None:
+    found = {str(path.relative_to(ROOT)) for folder in ("driver", "controller")
+             for path in (ROOT / folder).rglob("*.py")
+             if any(name.split(".")[0] == "kubernetes" for name in _imports(path))}
+    assert found == KUBERNETES_IMPORTERS

@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from controller.api.engine_guard import CONTROL_TOKEN_HEADER
+
 if TYPE_CHECKING:
     from controller.engines.probe import ProbeResult
 
@@ -46,9 +48,6 @@ __all__ = [
     "check_level",
 ]
 
-CONTROL_TOKEN_HEADER = "X-Rota-Control-Token"
-"""The header carrying rota's control token on control calls (checked by the engine
-guard; vLLM ignores it). ``Authorization`` is left to the engine's own API key."""
 
 SLEEP_LEVELS = (1, 2)
 """Sleep levels the adapters accept: 1 offloads weights to host memory, 2 discards them."""

@@ -43,7 +43,7 @@ from controller.api.activation import (
     ErrorBody,
     asks_again,
 )
-from controller.gateway.credentials import SecretFile
+from controller.credentials import SecretFile
 from controller.gateway.errors import Unavailable
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.proxy import read_bounded

@@ -25,11 +25,11 @@ from contextlib import suppress
 import aiohttp
 from aiohttp import web
 
+from controller.credentials import ApiKeys, SecretFile, reload_forever
 from controller.gateway import keys
 from controller.gateway.activation import Activator
 from controller.gateway.admission import Admission
 from controller.gateway.binding import BindingError, BindingFile, ModelBinding
-from controller.gateway.credentials import ApiKeys, SecretFile, reload_forever
 from controller.gateway.dispatch import Dispatcher
 from controller.gateway.engine_keys import EngineKeys, KubeSecretReader, SecretReader
 from controller.gateway.kube_source import KubeSource

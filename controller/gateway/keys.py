@@ -6,8 +6,8 @@ import asyncio
 
 from aiohttp import web
 
+from controller.credentials import ApiKeys
 from controller.gateway.admission import Admission
-from controller.gateway.credentials import ApiKeys
 from controller.gateway.dispatch import Dispatcher
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routing import RoutingState

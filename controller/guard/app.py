@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from controller.guard.credentials import Credential
+from controller.credentials import Credential
 from controller.guard.proxy import make_app
 from controller.guard.settings import GuardSettings
 from driver.listen import start_site

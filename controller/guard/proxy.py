@@ -25,8 +25,8 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from controller.engines.base import CONTROL_TOKEN_HEADER
-from controller.guard.credentials import Credential, bearer
+from controller.api.engine_guard import CONTROL_TOKEN_HEADER
+from controller.credentials import Credential, bearer
 from controller.guard.paths import Access, classify
 from controller.guard.settings import GuardSettings
 

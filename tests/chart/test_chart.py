@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from controller.gateway.credentials import PLACEHOLDERS
+from controller.credentials import PLACEHOLDERS
 from driver.settings import DriverSettings
 from e2e.chart import CHART, KUBE_VERSION, Rendered, render, run_tool
 from tests.chart.minimal import ENGINE_NAMESPACE, MINIMAL

@@ -26,7 +26,7 @@ import yaml
 from kubernetes import client
 
 from controller import naming
-from controller.gateway.credentials import PLACEHOLDERS
+from controller.credentials import PLACEHOLDERS
 from controller.leases import GpuLease, lease_body
 from e2e.chart import CHART, run_tool
 from e2e.cluster import LocalCluster

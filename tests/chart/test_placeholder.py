@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.gateway.credentials import SecretFile
+from controller.credentials import SecretFile
 
 PLACEHOLDER = "change-me-before-applying"  # what the hand-written manifests once shipped
 

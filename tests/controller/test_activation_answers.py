@@ -21,8 +21,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from controller import naming
 from controller.activation import make_app
 from controller.activation_api import PATH, STATE_PATH, ErrorBody
+from controller.credentials import ApiKeys
 from controller.gateway.activation import ActivationFailed, Activator
-from controller.gateway.credentials import ApiKeys
 from controller.gateway.metrics import GatewayMetrics
 from controller.gpu import Activation, GpuWorker, Policy
 from controller.leases import GpuLease

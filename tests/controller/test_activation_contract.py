@@ -30,9 +30,9 @@ from controller.api.activation import (
     refusal_of,
     wire_reason,
 )
+from controller.credentials import ApiKeys
 from controller.engines.probe import ProbeReason
 from controller.gateway.activation import KNOWN_OUTCOMES
-from controller.gateway.credentials import ApiKeys
 from controller.gpu import Activation
 from controller.leases import GpuLease
 from controller.node import NodeController

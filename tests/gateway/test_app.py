@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from controller.credentials import ApiKeys, SecretFile, bearer, reload_forever
 from controller.gateway import keys
 from controller.gateway.app import StartupError, make_app, serve
-from controller.gateway.credentials import ApiKeys, SecretFile, bearer, reload_forever
 from controller.gateway.routing import StaticSource
 from controller.gateway.settings import GatewaySettings
 from e2e.waiting import eventually_async

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from controller.credentials import Credential
 from controller.engines import (
     CONTROL_TOKEN_HEADER,
     EngineEndpoint,
@@ -24,7 +25,6 @@ from controller.engines import (
     VllmAdapter,
     VllmOmniAdapter,
 )
-from controller.guard.credentials import Credential
 from controller.guard.paths import Access, classify
 from controller.guard.proxy import make_app
 from controller.guard.settings import GuardSettings

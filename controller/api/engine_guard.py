@@ -1,0 +1,15 @@
+"""The contract between the lease controller's engine adapters and the engine guard.
+
+The guard (:mod:`controller.guard`) sits in front of an engine and lets control calls
+(sleep, wake, reset) through only with rota's control token; the adapters
+(:mod:`controller.engines`) send it. Standard library only: the guard imports nothing of
+the lease controller.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CONTROL_TOKEN_HEADER"]
+
+CONTROL_TOKEN_HEADER = "X-Rota-Control-Token"
+"""The header carrying rota's control token on control calls (checked by the engine
+guard; vLLM ignores it). ``Authorization`` is left to the engine's own API key."""
