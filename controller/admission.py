@@ -117,7 +117,7 @@ class StartSwitch:
         sw = self.sw
         timings: dict[str, float] = {}
         begin = sw.ports.clock()
-        lease = await sw.begin(lease, naming.STATE_STARTING, holder=holder, target=newcomer,
+        lease = await sw.begin(lease, naming.LeaseState.STARTING, holder=holder, target=newcomer,
                                timings=timings)
         fence = lease.fence
         log.info("start-up admission", extra={"device": lease.device, "fence": fence,

@@ -140,7 +140,7 @@ class GangSwitch:
 
     # -- Leases of the set -------------------------------------------------------------
 
-    async def _open(self, leases: Mapping[str, GpuLease], state: str, *,
+    async def _open(self, leases: Mapping[str, GpuLease], state: naming.LeaseState, *,
                     holders: Sequence[Claimant], target: Claimant,
                     timings: dict[str, float]) -> dict[str, GpuLease]:
         opened: dict[str, GpuLease] = {}
@@ -148,17 +148,17 @@ class GangSwitch:
             lease = leases[gpu]
             draining = next((h for h in holders if h.ref == lease.holder), None)
             mine = gpu in target.gpus
-            opened[gpu] = await self.sw.write_gpu(gpu, lease.with_(
-                state=state, fence=lease.fence + 1,
+            opened[gpu] = await self.sw.write_gpu(gpu, lease.opening(
+                state, controller=self.sw.identity,
                 target_model=target.model if mine else "",
                 draining_model=draining.model if draining else "",
-                gang=gang_of(target) if mine else lease.gang,
-                controller=self.sw.identity, last_error=""), timings)
+                gang=gang_of(target) if mine else None), timings)
             self.sw.fences[gpu] = opened[gpu].fence
         return opened
 
     async def _close(self, opened: Mapping[str, GpuLease], *, awake: Sequence[Claimant],
-                     state_without: str, last_error: str, timings: dict[str, float]
+                     state_without: naming.LeaseState, last_error: str,
+                     timings: dict[str, float]
                      ) -> dict[str, GpuLease]:
         """Write every Lease of the set: the GPUs of ``awake`` engines name them, the
         others say ``state_without`` with no holder."""
@@ -167,14 +167,12 @@ class GangSwitch:
             lease = opened[gpu]
             keeper = next((c for c in awake if gpu in c.gpus), None)
             if keeper is not None:
-                lease = Switcher.serving(lease, keeper)
+                lease = Switcher.serving(lease, keeper, last_error=last_error)
+            elif state_without == naming.STATE_FAILED:
+                lease = lease.failed(last_error)
             else:
-                lease = lease.with_(holder="", holder_model="", holder_claim_uid="", gang="",
-                                    state=state_without, draining_model="",
-                                    target_model=lease.target_model
-                                    if state_without == naming.STATE_FAILED else "")
-            final[gpu] = await self.sw.write_gpu(gpu, lease.with_(last_error=last_error),
-                                                 timings)
+                lease = lease.idle(last_error=last_error)
+            final[gpu] = await self.sw.write_gpu(gpu, lease, timings)
         return final
 
     async def _fail(self, opened: Mapping[str, GpuLease], reason: str, message: str, *,
@@ -183,7 +181,7 @@ class GangSwitch:
                     ) -> GangResult:
         metrics.SWITCHES.labels("failed").inc()
         metrics.FAILURES.labels(metrics.failure_reason(reason)).inc()
-        final = await self._close(opened, awake=restored, state_without=naming.STATE_FAILED,
+        final = await self._close(opened, awake=restored, state_without=naming.LeaseState.FAILED,
                                   last_error=f"{reason}: {message}", timings=timings)
         log.error("gang switch failed", extra={
             "device": ",".join(final), "reason": reason, "error": message,
@@ -269,7 +267,7 @@ class GangSwitch:
         sw = self.sw
         timings: dict[str, float] = {}
         begin = sw.ports.clock()
-        opened = await self._open(leases, naming.STATE_SWITCHING, holders=holders,
+        opened = await self._open(leases, naming.LeaseState.SWITCHING, holders=holders,
                                   target=target, timings=timings)
         log.info("gang switch started", extra={
             "device": ",".join(opened), "from": [h.ref for h in holders] or None,
@@ -295,7 +293,7 @@ class GangSwitch:
             return await self._back_out(opened, holders, target, exc, claimants, timings)
         timings["handoff_to_first_token"] = first_token_at - handoff_start
         metrics.HANDOFF.labels(target.model).observe(timings["handoff_to_first_token"])
-        final = await self._close(opened, awake=[target], state_without=naming.STATE_IDLE,
+        final = await self._close(opened, awake=[target], state_without=naming.LeaseState.IDLE,
                                   last_error="", timings=timings)
         timings["total"] = sw.ports.clock() - begin
         metrics.SWITCHES.labels("ok").inc()
@@ -314,7 +312,7 @@ class GangSwitch:
         back, each after its GPUs are read again."""
         sw = self.sw
         timings: dict[str, float] = {}
-        opened = await self._open(leases, naming.STATE_STARTING, holders=holders,
+        opened = await self._open(leases, naming.LeaseState.STARTING, holders=holders,
                                   target=newcomer, timings=timings)
         others = [c for c in claimants if c.claim_uid != newcomer.claim_uid]
         try:
@@ -354,8 +352,8 @@ class GangSwitch:
         restored, notes = await self._wake_back(holders, [*others, started], timings)
         message = "; ".join(notes)
         final = await self._close(opened, awake=restored,
-                                  state_without=naming.STATE_FAILED if notes
-                                  else naming.STATE_IDLE,
+                                  state_without=naming.LeaseState.FAILED if notes
+                                  else naming.LeaseState.IDLE,
                                   last_error=f"restore_failed: {message}" if notes else "",
                                   timings=timings)
         return GangResult(not notes, final, "restore_failed" if notes else "", message,
@@ -375,7 +373,7 @@ class GangSwitch:
             return await self._fail(opened, reason_of(exc), f"{target.ref} started and "
                                     f"sleeps; waking it failed: {exc}", holders=holders,
                                     timings=timings)
-        final = await self._close(opened, awake=[target], state_without=naming.STATE_IDLE,
+        final = await self._close(opened, awake=[target], state_without=naming.LeaseState.IDLE,
                                   last_error="", timings=timings)
         return GangResult(True, final, timings=timings, holders=tuple(holders))
 

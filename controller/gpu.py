@@ -422,8 +422,7 @@ class GpuWorker:
         if self._new_term or unfinished or decision.put_to_sleep:
             # A new fencing number first: whatever an earlier instance was doing is over,
             # and its next engine call is refused.
-            lease = await self.switcher.write(lease.with_(fence=lease.fence + 1,
-                                                          controller=self.identity), timings)
+            lease = await self.switcher.write(lease.new_term(self.identity), timings)
             self._new_term = False
         for extra in decision.put_to_sleep:
             seen[extra.claim_uid] = await self._put_to_sleep(extra, lease.fence,
@@ -440,12 +439,9 @@ class GpuWorker:
         wanted = (keep.ref if keep else "", naming.STATE_AWAKE if keep else naming.STATE_IDLE)
         if (lease.holder, lease.state) != wanted or unfinished:
             if keep:
-                lease = Switcher.serving(lease, keep).with_(controller=self.identity)
+                lease = Switcher.serving(lease, keep, controller=self.identity)
             else:
-                lease = lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                    gang="", state=naming.STATE_IDLE,
-                                    target_model="", draining_model="",
-                                    controller=self.identity)
+                lease = lease.idle(controller=self.identity)
             lease = await self.switcher.write(lease, timings)
             log.info("lease reconciled", extra={"device": self.gpu, "holder": wanted[0],
                                                 "state": wanted[1], "fence": lease.fence})

@@ -83,7 +83,48 @@ class GpuLease:
         )
 
     def with_(self, **changes: Any) -> GpuLease:
+        """Any change of fields, for tests and tools; the controller writes only through
+        the named transitions below, each of which clears what its state must not carry."""
         return replace(self, **changes)
+
+    # -- the named transitions: every state a writer can put a Lease in -----------------
+
+    def opening(self, state: naming.LeaseState, *, controller: str, target_model: str,
+                draining_model: str, gang: str | None = None) -> GpuLease:
+        """A switch or a start-up admission begins (``switching`` or ``starting``): the
+        fencing number goes up first, so every older writer's next write fails. The holder
+        stays named until the switch ends; ``gang`` (default: unchanged) names the set."""
+        if state not in (naming.LeaseState.SWITCHING, naming.LeaseState.STARTING):
+            raise ValueError(f"a switch opens as switching or starting, not {state}")
+        return replace(self, state=state, fence=self.fence + 1, controller=controller,
+                       target_model=target_model, draining_model=draining_model,
+                       gang=self.gang if gang is None else gang, last_error="")
+
+    def new_term(self, controller: str) -> GpuLease:
+        """This controller takes over the GPU: a new fencing number, nothing else."""
+        return replace(self, fence=self.fence + 1, controller=controller)
+
+    def serving(self, *, holder: str, model: str, claim_uid: str, gang: str,
+                controller: str | None = None, last_error: str = "") -> GpuLease:
+        """``holder`` is awake (``awake``); no switch is under way."""
+        return replace(self, state=naming.LeaseState.AWAKE, holder=holder,
+                       holder_model=model, holder_claim_uid=claim_uid, gang=gang,
+                       target_model="", draining_model="", last_error=last_error,
+                       controller=self.controller if controller is None else controller)
+
+    def idle(self, *, controller: str | None = None, last_error: str = "") -> GpuLease:
+        """Nobody is awake and nothing is under way (``idle``)."""
+        return replace(self, state=naming.LeaseState.IDLE, holder="", holder_model="",
+                       holder_claim_uid="", gang="", target_model="", draining_model="",
+                       last_error=last_error,
+                       controller=self.controller if controller is None else controller)
+
+    def failed(self, last_error: str) -> GpuLease:
+        """The switch failed and left nobody awake (``failed``): the target model stays
+        named, so that readers can tell which model did not come up."""
+        return replace(self, state=naming.LeaseState.FAILED, holder="", holder_model="",
+                       holder_claim_uid="", gang="", draining_model="",
+                       last_error=last_error)
 
     @property
     def gang_gpus(self) -> tuple[str, ...]:

@@ -336,21 +336,21 @@ class Switcher:
 
     # -- the protocol --------------------------------------------------------------------
 
-    async def begin(self, lease: GpuLease, state: str, *, holder: Claimant | None,
+    async def begin(self, lease: GpuLease, state: naming.LeaseState, *,
+                    holder: Claimant | None,
                     target: Claimant, timings: dict[str, float]) -> GpuLease:
         """Open a switch (``switching``) or a start (``starting``) under a new fencing
         number: admission closed, the Lease names who drains and who comes."""
-        return await self.write(lease.with_(
-            state=state, fence=lease.fence + 1, target_model=target.model,
-            draining_model=holder.model if holder else "", controller=self.identity,
-            last_error=""), timings)
+        return await self.write(lease.opening(
+            state, controller=self.identity, target_model=target.model,
+            draining_model=holder.model if holder else ""), timings)
 
     async def switch(self, lease: GpuLease, *, holder: Claimant | None, target: Claimant,
                      claimants: Sequence[Claimant]) -> SwitchResult:
         """Make ``target`` the awake engine of the GPU that ``lease`` describes."""
         timings: dict[str, float] = {}
         begin = self.ports.clock()
-        lease = await self.begin(lease, naming.STATE_SWITCHING, holder=holder, target=target,
+        lease = await self.begin(lease, naming.LeaseState.SWITCHING, holder=holder, target=target,
                                  timings=timings)
         fence = lease.fence
         log.info("switch started", extra={"device": lease.device, "fence": fence,
@@ -388,11 +388,12 @@ class Switcher:
         return SwitchResult(True, lease, timings=timings)
 
     @staticmethod
-    def serving(lease: GpuLease, claimant: Claimant) -> GpuLease:
-        return lease.with_(holder=claimant.ref, holder_model=claimant.model,
-                           holder_claim_uid=claimant.claim_uid,
-                           state=naming.STATE_AWAKE,
-                           target_model="", draining_model="", gang=gang_of(claimant))
+    def serving(lease: GpuLease, claimant: Claimant, *, controller: str | None = None,
+                last_error: str = "") -> GpuLease:
+        """``lease`` naming ``claimant`` as its awake holder."""
+        return lease.serving(holder=claimant.ref, model=claimant.model,
+                             claim_uid=claimant.claim_uid, gang=gang_of(claimant),
+                             controller=controller, last_error=last_error)
 
     async def fail(self, lease: GpuLease, reason: str, message: str, *,
                     restored: Claimant | None, timings: dict[str, float],
@@ -400,12 +401,9 @@ class Switcher:
         metrics.SWITCHES.labels("failed").inc()
         metrics.FAILURES.labels(metrics.failure_reason(reason)).inc()
         if restored is not None:
-            lease = self.serving(lease, restored).with_(last_error=f"{reason}: {message}")
+            lease = self.serving(lease, restored, last_error=f"{reason}: {message}")
         else:
-            # target-model stays, so gateways can tell which model failed to come up.
-            lease = lease.with_(holder="", holder_model="", holder_claim_uid="", gang="",
-                                state=naming.STATE_FAILED,
-                                draining_model="", last_error=f"{reason}: {message}")
+            lease = lease.failed(f"{reason}: {message}")
         lease = await self.write(lease, timings)
         log.error("switch failed", extra={"device": lease.device, "fence": lease.fence,
                                           "reason": reason, "error": message,
@@ -523,10 +521,10 @@ class Switcher:
                            ) -> SwitchResult:
         """Put the holder to sleep and leave the GPU idle (idle TTL, or a vanished target)."""
         timings: dict[str, float] = {}
-        lease = await self.write(lease.with_(state=naming.STATE_SWITCHING,
-                                              fence=lease.fence + 1,
-                                              draining_model=holder.model, target_model="",
-                                              controller=self.identity), timings)
+        lease = await self.write(lease.opening(naming.LeaseState.SWITCHING,
+                                               controller=self.identity,
+                                               target_model="", draining_model=holder.model),
+                                 timings)
         try:
             await self.drain(holder, lease.fence, timings)
             await self.sleep(holder, lease.fence, timings)
@@ -539,7 +537,5 @@ class Switcher:
                                     restored=holder, timings=timings)
         log.info("holder put to sleep", extra={"device": lease.device, "claim": holder.ref,
                                                "reason": reason})
-        lease = await self.write(lease.with_(holder="", holder_model="", holder_claim_uid="",
-                                              gang="", state=naming.STATE_IDLE,
-                                              draining_model=""), timings)
+        lease = await self.write(lease.idle(), timings)
         return SwitchResult(True, lease, timings=timings)
