@@ -15,6 +15,17 @@ GPU Lease (``rota-gpu-<node>-<device>``):
 
 Controller Lease (``rota-controller-<node>``): ``holderIdentity`` is the controller
 instance; renewed every few seconds; annotation :data:`ACTIVATION_URL`.
+
+Compatibility, so that a rolling upgrade may run two releases side by side:
+
+- readers ignore annotations and labels they do not know (a newer writer may add some),
+  and keep them on their next write (:attr:`controller.leases.GpuLease.extra_annotations`);
+- a key is never given a new meaning; a new meaning gets a new key;
+- a removed key is still read and dropped for one release (never written again), so that
+  the first write of the new release removes it: :data:`HOLDER_ENDPOINT` is one;
+- a state value a reader does not know is never read as a holder that may be served: the
+  gateway takes it for a switch under way, the controller reconciles the GPU from what
+  the device and the engines say.
 """
 
 from __future__ import annotations
