@@ -98,7 +98,7 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
                                   device=device, session=session, cache=cache,
                                   engine_token=engine_token, visible=visible)
             app = make_app(node, callers=ApiKeys(callers))
-            runner = web.AppRunner(app, access_log=None)
+            runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
             await runner.setup()
             await start_site(runner, host or DUAL_STACK, port)
             bound = runner.addresses[0][1] if runner.addresses else port

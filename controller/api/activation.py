@@ -16,7 +16,12 @@ authenticates its caller with ``Authorization`` and drops it before forwarding).
   code. **The code alone decides the status** and whether the caller should ask again,
   by :data:`ERRORS`; a code the table does not list is a failed switch (:data:`SWITCH_FAILED`).
 
-``GET /v1/state``: :class:`StateAnswer`, what this instance knows of its node.
+``GET /v1/state``: :class:`StateAnswer`, what this instance knows of its node, with each
+claimant's expected switch (:class:`ClaimantState` ``expected_switch_s``,
+``queue_position``, ``expected_wait_s``): what a gateway tells the clients it holds.
+
+Every body is read with unknown keys ignored, so fields added later (as those three) never
+break an earlier reader, and a reader gets None for a field an earlier writer did not send.
 """
 
 from __future__ import annotations
@@ -265,6 +270,17 @@ class ClaimantState(BaseModel):
     gpu: str
     endpoint: str | None = None
     serving: bool
+    expected_switch_s: float | None = None
+    """Seconds a switch to this claimant is expected to take on its GPU now, from this
+    controller's own measurements: the holder's sleep and drain, this claimant's wake and
+    probe (the policy's defaults for what was not measured yet); 0 while it is the awake
+    holder. None: a controller of an earlier release."""
+    queue_position: int | None = None
+    """Switches ahead of this claimant's on its GPU: one for a switch in flight to another
+    claimant, plus every other claimant queued before it (0: its switch is next, or it is
+    awake)."""
+    expected_wait_s: float | None = None
+    """:attr:`expected_switch_s` plus the expected cost of the switches ahead of it."""
 
 
 class StateAnswer(BaseModel):

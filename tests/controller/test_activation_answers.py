@@ -220,7 +220,9 @@ async def test_the_state_keeps_its_keys(api: TestClient[Any, Any], node: Routing
                                              "reason": "", "fence": 7,
                                              "timings": {"wake": 1.5}}}},
         "claimants": [{"claim": CLAIM, "model": MODEL, "device": "gpu-0", "gpu": "gpu-0",
-                       "endpoint": "http://127.0.0.2:8000", "serving": True}],
+                       "endpoint": "http://127.0.0.2:8000", "serving": True,
+                       "expected_switch_s": 0.0, "queue_position": 0,
+                       "expected_wait_s": 0.0}],
     }
 
 
