@@ -11,6 +11,11 @@
   machine's clock).
 - Pods are cut down to what routing reads (uid, annotations, deletion, IP, readiness), so
   a replica does not hold whole pod specs of every namespace it watches.
+- Claims are cut down the same way (:func:`slim_claim`): identity, rota's opaque configs,
+  rota's allocation results and ``reservedFor``. Managed fields, conditions, other drivers'
+  results and configs are dropped; so a write that changes only those (the controller's
+  visible state, a scheduler's bookkeeping) leaves the slim claim equal, and routing
+  skips it.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from typing import Any
 
 from controller import naming
 from controller.api.controller_lease import ControllerLease
+from controller.claimants import DRIVER
 from controller.gateway.endpoints import normalize_base_url
 from controller.leases import GpuLease
 
-__all__ = ["activation_url", "controller_lease_of", "gpu_lease_of", "slim_pod"]
+__all__ = ["activation_url", "controller_lease_of", "gpu_lease_of", "slim_claim", "slim_pod"]
 
 Obj = Mapping[str, Any]
 
@@ -68,3 +74,43 @@ def slim_pod(pod: Obj) -> dict[str, Any]:
     if status.get("podIP"):
         kept_status["podIP"] = status["podIP"]
     return {"metadata": kept_meta, "status": kept_status}
+
+
+_CLAIM_META = ("name", "namespace", "uid")
+_RESULT_KEYS = ("request", "driver", "pool", "device", "shareID")
+
+
+def _rota_configs(entries: Any) -> list[dict[str, Any]]:
+    """Config entries whose opaque part is for rota's driver (the others never apply)."""
+    kept = []
+    for entry in entries if isinstance(entries, list) else []:
+        opaque = entry.get("opaque") if isinstance(entry, Mapping) else None
+        if isinstance(opaque, Mapping) and opaque.get("driver") == DRIVER:
+            kept.append({k: entry[k] for k in ("source", "requests", "opaque") if k in entry})
+    return kept
+
+
+def slim_claim(claim: Obj) -> dict[str, Any]:
+    """The parts of a ResourceClaim that :func:`controller.claimants.claimants_from` reads,
+    for rota's driver only."""
+    meta = claim.get("metadata") or {}
+    status = claim.get("status") or {}
+    devices = (claim.get("spec") or {}).get("devices") or {}
+    allocated = (status.get("allocation") or {}).get("devices") or {}
+    results = []
+    for result in allocated.get("results") or []:
+        if result.get("driver") != DRIVER:
+            continue
+        kept = {k: result[k] for k in _RESULT_KEYS if result.get(k) is not None}
+        memory = (result.get("consumedCapacity") or {}).get("memory")
+        if memory is not None:
+            kept["consumedCapacity"] = {"memory": memory}
+        results.append(kept)
+    allocation: dict[str, Any] = {"results": results}
+    if configs := _rota_configs(allocated.get("config")):
+        allocation["config"] = configs
+    reserved = [{k: ref.get(k) for k in ("resource", "name", "uid")}
+                for ref in status.get("reservedFor") or []]
+    return {"metadata": {k: meta[k] for k in _CLAIM_META if meta.get(k) is not None},
+            "spec": {"devices": {"config": _rota_configs(devices.get("config"))}},
+            "status": {"allocation": {"devices": allocation}, "reservedFor": reserved}}

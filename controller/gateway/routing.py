@@ -31,9 +31,11 @@ over with ``call_soon_threadsafe``).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -48,6 +50,7 @@ from controller.gateway.lease_view import (
     activation_url,
     controller_lease_of,
     gpu_lease_of,
+    slim_claim,
     slim_pod,
 )
 from controller.leases import GpuLease
@@ -138,6 +141,10 @@ def _namespace(obj: Obj) -> str:
     return str((obj.get("metadata") or {}).get("namespace", ""))
 
 
+def _name(obj: Obj) -> str:
+    return str((obj.get("metadata") or {}).get("name", ""))
+
+
 def _ours(claim: Obj) -> bool:
     """The claim holds an allocation result of rota's driver."""
     allocation = (claim.get("status") or {}).get("allocation") or {}
@@ -152,69 +159,312 @@ def _holds(lease: GpuLease, claimant: Claimant) -> bool:
 
 
 class RoutingState:
-    """Claims, pods and Leases as last seen, and the routing decisions they imply."""
+    """Claims, pods and Leases as last seen, and the routing decisions they imply.
+
+    Updated in place: a watch event changes only what it concerns (see the module
+    docstring), so that its cost, and a request's, does not grow with the fleet.
+    """
 
     def __init__(self, *, binding: ModelBinding | None = None,
                  clock: Clock = time.monotonic) -> None:
-        self._objects: dict[ObjectKind, dict[str, Obj]] = {"claim": {}, "pod": {}, "lease": {}}
         self._binding = binding if binding is not None else ModelBinding()
         self._clock = clock
-        self._dirty = True
-        self._by_model: dict[str, list[Claimant]] = {}
+        # What the watches delivered, slim, by "<namespace>/<name>".
+        self._claims: dict[str, Obj] = {}
+        self._pods: dict[str, Obj] = {}
+        self._leases: dict[str, tuple[str, str]] = {}
+        """Lease object key -> (``gpu`` or ``controller`` or ``other``, Lease name)."""
+        self._pod_by_uid: dict[str, str] = {}
+        self._claims_per_namespace: Counter[str] = Counter()
+        # Claimants, one per claim key (the claimant's ref), and their indexes.
+        self._claimants: dict[str, Claimant] = {}
+        self._reserved: dict[str, tuple[str, ...]] = {}
+        """Claim key -> the pod uids its ``reservedFor`` names."""
+        self._claims_of_pod: dict[str, set[str]] = {}
+        self._by_model: dict[str, dict[str, Claimant]] = {}
+        """Bound claimants only (the binding lets their namespace serve their model)."""
+        self._sorted: dict[str, list[Claimant]] = {}
         self._by_uid: dict[str, Claimant] = {}
+        self._by_gpu_lease: dict[str, set[str]] = {}
+        """GPU Lease name -> keys of the claimants holding a share of that GPU."""
+        self._by_controller: dict[str, set[str]] = {}
+        """Controller Lease name -> keys of the claimants on its node."""
+        self._ignored: set[str] = set()
         self._gpus: dict[str, GpuLease] = {}
+        # Controller liveness, apart from claimants.
         self._controllers: dict[str, ControllerLease] = {}
-        self._ignored = 0
-        self._synced = False
-        self._changed = asyncio.Event()
-        self._turn = itertools.count()
-        self._fresh_seen: dict[str, bool] = {}
         self._observer = LeaseObserver()
         """When this gateway saw each controller Lease change, on :attr:`clock`."""
+        self._live: dict[str, bool] = {}
+        """Whether each controller counted as alive when last judged."""
+        self._expiry: dict[str, float] = {}
+        self._expiries: list[tuple[float, str]] = []
+        """A heap of (expires at, controller Lease name); an entry whose time is no longer
+        that Lease's is stale and skipped (or moved) when it reaches the top."""
+        self._synced = False
+        self._turn = itertools.count()
+        self._changed = asyncio.Event()
+        self._model_versions: dict[str, int] = {}
+        self._all_models = 0
+        """Bumped by changes that concern every model (sync, binding)."""
+        self._model_changed: dict[str, asyncio.Event] = {}
         self.binding_changed = asyncio.Event()
         """Set when :meth:`set_binding` changed it (sources re-check what they watch)."""
         self.version = 0
-        """Bumped on every change."""
+        """Bumped on every change of what routing decides."""
+        self.claimant_builds = 0
+        """Claimants derived from a claim so far (one per changed claim or pod)."""
+
+    # -- versions and wake-ups ----------------------------------------------------------
+
+    def model_version(self, model: str) -> int:
+        """Bumped on every change that may alter what a request for ``model`` does."""
+        return self._model_versions.get(model, 0) + self._all_models
+
+    def _bump(self, models: Iterable[str]) -> None:
+        bumped = False
+        for model in set(models):
+            bumped = True
+            self._model_versions[model] = self._model_versions.get(model, 0) + 1
+            if (event := self._model_changed.pop(model, None)) is not None:
+                event.set()
+        if bumped:
+            self._bump_global()
+
+    def _bump_all(self) -> None:
+        self._all_models += 1
+        for event in self._model_changed.values():
+            event.set()
+        self._model_changed.clear()
+        self._bump_global()
+
+    def _bump_global(self) -> None:
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     # -- feeding ------------------------------------------------------------------------
 
     def apply(self, kind: ObjectKind, event: str, obj: Obj) -> None:
         """One watch event (``ADDED``, ``MODIFIED`` or ``DELETED``) for one object."""
-        store = self._objects[kind]
-        key = _key(obj)
-        if event == "DELETED" or (kind == "claim" and not _ours(obj)):
-            if store.pop(key, None) is None:
-                return
+        deleted = event == "DELETED"
+        if kind == "claim":
+            self._put_claim(_key(obj), None if deleted or not _ours(obj) else obj)
+        elif kind == "pod":
+            self._put_pod(_key(obj), None if deleted else obj)
         else:
-            store[key] = slim_pod(obj) if kind == "pod" else obj
-        if kind == "lease":
-            self._observe(obj, deleted=event == "DELETED")
-        self._touch()
+            self._put_lease(_key(obj), None if deleted else obj)
 
     def replace(self, kind: ObjectKind, objs: Iterable[Obj], *,
                 namespace: str | None = None) -> None:
-        """A fresh list of every object of ``kind`` (in ``namespace`` only, when given)."""
-        store = self._objects[kind]
-        for key in [k for k, o in store.items() if namespace is None or _namespace(o) == namespace]:
-            del store[key]
-        for obj in objs:
-            if kind == "pod":
-                store[_key(obj)] = slim_pod(obj)
-            elif kind != "claim" or _ours(obj):
-                store[_key(obj)] = obj
-            if kind == "lease":
-                self._observe(obj, deleted=False)
-        self._touch()
-
-    def _observe(self, obj: Obj, *, deleted: bool) -> None:
-        """A controller Lease read now (on :attr:`clock`): a change restarts its duration."""
-        controller = controller_lease_of(obj)
-        if controller is None:
-            return
-        if deleted:
-            self._observer.forget(controller.name)
+        """A fresh list of every object of ``kind`` (in ``namespace`` only, when given):
+        applied as the differences from what is held."""
+        held: Iterable[str]
+        if kind == "claim":
+            held = self._claims
+        elif kind == "pod":
+            held = self._pods
         else:
-            self._observer.observe(controller, self._clock())
+            held = self._leases
+        gone = {k for k in held if namespace is None or k.partition("/")[0] == namespace}
+        for obj in objs:
+            key = _key(obj)
+            gone.discard(key)
+            self.apply(kind, "MODIFIED", obj)
+        for key in gone:
+            if kind == "claim":
+                self._put_claim(key, None)
+            elif kind == "pod":
+                self._put_pod(key, None)
+            else:
+                self._put_lease(key, None)
+
+    def _put_claim(self, key: str, obj: Obj | None) -> None:
+        slim = None if obj is None else slim_claim(obj)
+        old = self._claims.get(key)
+        if slim == old:
+            return  # nothing routing reads has changed (or a relist of the same claim)
+        if old is not None:
+            self._claims_per_namespace[_namespace(old)] -= 1
+            if not self._claims_per_namespace[_namespace(old)]:
+                del self._claims_per_namespace[_namespace(old)]
+        if slim is None:
+            del self._claims[key]
+        else:
+            self._claims[key] = slim
+            self._claims_per_namespace[_namespace(slim)] += 1
+        for uid in self._reserved.pop(key, ()):
+            claims = self._claims_of_pod.get(uid, set())
+            claims.discard(key)
+            if not claims:
+                self._claims_of_pod.pop(uid, None)
+        if slim is not None:
+            uids = tuple(str(r.get("uid") or "") for r in slim["status"]["reservedFor"]
+                         if r.get("resource") == "pods")
+            self._reserved[key] = uids
+            for uid in uids:
+                self._claims_of_pod.setdefault(uid, set()).add(key)
+        self._bump(self._rebuild(key))
+
+    def _put_pod(self, key: str, obj: Obj | None) -> None:
+        slim = None if obj is None else slim_pod(obj)
+        old = self._pods.get(key)
+        if slim == old:
+            return  # a label, another condition, the spec: nothing routing reads
+        uids = set()
+        if old is not None:
+            uids.add(str(old["metadata"].get("uid", "")))
+            self._pod_by_uid.pop(str(old["metadata"].get("uid", "")), None)
+        if slim is None:
+            del self._pods[key]
+        else:
+            self._pods[key] = slim
+            uid = str(slim["metadata"].get("uid", ""))
+            self._pod_by_uid[uid] = key
+            uids.add(uid)
+        touched: set[str] = set()
+        for uid in uids:
+            for claim in sorted(self._claims_of_pod.get(uid, ())):
+                touched |= self._rebuild(claim)
+        self._bump(touched)
+
+    def _rebuild(self, key: str) -> set[str]:
+        """Derive the claimant of one claim again; the models whose routing it changes."""
+        old = self._claimants.pop(key, None)
+        if old is not None:
+            self._unindex(key, old)
+        claim = self._claims.get(key)
+        new = None
+        if claim is not None:
+            pods = {uid: self._pods[pod] for uid in self._reserved.get(key, ())
+                    if (pod := self._pod_by_uid.get(uid)) is not None}
+            self.claimant_builds += 1
+            found = claimants_from([claim], pods)
+            new = found[0] if found else None
+        if new is not None:
+            self._claimants[key] = new
+            self._index(key, new)
+        if new == old:
+            return set()
+        return {c.model for c in (old, new) if c is not None}
+
+    def _index(self, key: str, claimant: Claimant) -> None:
+        for gpu in claimant.gpus:
+            self._by_gpu_lease.setdefault(
+                naming.gpu_lease_name(claimant.node, gpu), set()).add(key)
+        self._by_controller.setdefault(
+            naming.controller_lease_name(claimant.node), set()).add(key)
+        if not self._binding.allows(claimant.model, claimant.namespace):
+            if key not in self._ignored:
+                self._ignored.add(key)
+                log.warning("claimants ignored: their namespace is not bound to their model",
+                            extra={"count": len(self._ignored)})
+            return
+        self._by_model.setdefault(claimant.model, {})[key] = claimant
+        self._sorted.pop(claimant.model, None)
+        self._by_uid[claimant.claim_uid] = claimant
+
+    def _unindex(self, key: str, claimant: Claimant) -> None:
+        for index, name in [
+                *((self._by_gpu_lease, naming.gpu_lease_name(claimant.node, gpu))
+                  for gpu in claimant.gpus),
+                (self._by_controller, naming.controller_lease_name(claimant.node))]:
+            keys = index.get(name)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del index[name]
+        self._ignored.discard(key)
+        model = self._by_model.get(claimant.model)
+        if model is not None and model.pop(key, None) is not None:
+            self._sorted.pop(claimant.model, None)
+            if not model:
+                del self._by_model[claimant.model]
+            if self._by_uid.get(claimant.claim_uid) is claimant:
+                del self._by_uid[claimant.claim_uid]
+
+    def _models_of(self, keys: Iterable[str]) -> set[str]:
+        return {c.model for key in keys if (c := self._claimants.get(key)) is not None}
+
+    def _put_lease(self, key: str, obj: Obj | None) -> None:
+        known = self._leases.pop(key, None)
+        if known is not None and (obj is None or known[1] != _name(obj)):
+            self._drop_lease(*known)
+        if obj is None:
+            return
+        controller = controller_lease_of(obj)
+        if controller is not None:
+            self._leases[key] = ("controller", controller.name)
+            self._put_controller(controller)
+            return
+        lease = gpu_lease_of(obj)
+        if lease is None:
+            self._leases[key] = ("other", _name(obj))
+            return
+        self._leases[key] = ("gpu", lease.name)
+        if self._gpus.get(lease.name) == lease:
+            return
+        self._gpus[lease.name] = lease
+        self._bump(self._models_of(self._by_gpu_lease.get(lease.name, ())))
+
+    def _drop_lease(self, kind: str, name: str) -> None:
+        if kind == "gpu":
+            if self._gpus.pop(name, None) is not None:
+                self._bump(self._models_of(self._by_gpu_lease.get(name, ())))
+        elif kind == "controller":
+            self._observer.forget(name)
+            self._expiry.pop(name, None)
+            self._live.pop(name, None)
+            if self._controllers.pop(name, None) is not None:
+                self._bump(self._models_of(self._by_controller.get(name, ())))
+
+    def _put_controller(self, lease: ControllerLease) -> None:
+        """A controller Lease read now (on :attr:`clock`): a change restarts its duration.
+        Its node's models change only when whether it is alive, or its activation URL,
+        does (a renewal changes neither)."""
+        self._expire()
+        now = self._clock()
+        previous = self._controllers.get(lease.name)
+        was = (previous is not None, self._live.get(lease.name, False),
+               None if previous is None else activation_url(previous))
+        seen = self._observer.observe(lease, now)
+        self._controllers[lease.name] = lease
+        self._live[lease.name] = seen.fresh(now)
+        expires = seen.expires_at
+        if expires is None:
+            self._expiry.pop(lease.name, None)
+        elif (known := self._expiry.get(lease.name)) != expires:
+            if known is None or expires < known:
+                heapq.heappush(self._expiries, (expires, lease.name))
+            self._expiry[lease.name] = expires  # a later time: its entry moves on surfacing
+        if was != (True, self._live[lease.name], activation_url(lease)):
+            self._bump(self._models_of(self._by_controller.get(lease.name, ())))
+
+    def _expire(self) -> None:
+        """Judge the controllers whose Leases have run out since last judged (the clock
+        moves without events): their nodes' models change."""
+        now = self._clock()
+        heap = self._expiries
+        while heap and heap[0][0] < now:
+            at, name = heapq.heappop(heap)
+            current = self._expiry.get(name)
+            if current != at:
+                if current is not None and current > at:
+                    heapq.heappush(heap, (current, name))  # renewed since: its new time
+                continue
+            del self._expiry[name]
+            if self._live.get(name):
+                self._live[name] = False
+                self._bump(self._models_of(self._by_controller.get(name, ())))
+
+    def _next_expiry(self) -> float | None:
+        """Seconds until the next controller Lease runs out (None: none will)."""
+        heap = self._expiries
+        while heap and self._expiry.get(heap[0][1]) != heap[0][0]:
+            at, name = heapq.heappop(heap)
+            if (current := self._expiry.get(name)) is not None and current > at:
+                heapq.heappush(heap, (current, name))
+        return heap[0][0] - self._clock() if heap else None
 
     @property
     def clock(self) -> Clock:
@@ -226,11 +476,16 @@ class RoutingState:
         self._clock = clock
 
     def set_binding(self, binding: ModelBinding) -> None:
-        """The admin's binding changed (its file was re-read)."""
-        if binding != self._binding:
-            self._binding = binding
-            self.binding_changed.set()
-            self._touch()
+        """The admin's binding changed (its file was re-read): every claimant is judged
+        again (rare; the one update whose cost grows with the fleet)."""
+        if binding == self._binding:
+            return
+        self._binding = binding
+        for key, claimant in list(self._claimants.items()):
+            self._unindex(key, claimant)
+            self._index(key, claimant)
+        self.binding_changed.set()
+        self._bump_all()
 
     @property
     def binding(self) -> ModelBinding:
@@ -240,7 +495,7 @@ class RoutingState:
         """Every resource has been listed once: the gateway may answer for unknown models."""
         if not self._synced:
             self._synced = True
-            self._touch()
+            self._bump_all()
 
     @property
     def synced(self) -> bool:
@@ -249,41 +504,31 @@ class RoutingState:
     def claim_namespaces(self) -> set[str]:
         """Namespaces holding a claim of rota's driver that the binding could let serve:
         the namespaces whose pods are worth watching."""
-        return {ns for o in self._objects["claim"].values()
-                if self._binding.may_serve_something(ns := _namespace(o))}
+        return {ns for ns in self._claims_per_namespace
+                if self._binding.may_serve_something(ns)}
 
-    def _touch(self) -> None:
-        self._dirty = True
-        self.version += 1
-        self._changed.set()
-        self._changed = asyncio.Event()
+    async def wait_changed(self, since: int, limit_s: float, *,
+                           model: str | None = None) -> bool:
+        """Wait until :attr:`version` differs from ``since`` (with ``model``: until
+        :meth:`model_version` of it does); False after ``limit_s``.
 
-    def _next_expiry(self) -> float | None:
-        """Seconds until the next fresh controller Lease runs out (None: none will)."""
-        now = self._clock()
-        ahead = [expires - now for name in self._controllers
-                 if (expires := self._observer.expires_at(name)) is not None and expires > now]
-        return min(ahead) if ahead else None
-
-    def _expired_since_refresh(self) -> bool:
-        now = self._clock()
-        return any(self._fresh_seen.get(name, False) and not self._observer.fresh(name, now)
-                   for name in self._controllers)
-
-    async def wait_changed(self, since: int, limit_s: float) -> bool:
-        """Wait until :attr:`version` differs from ``since``; False after ``limit_s``.
-
-        A controller Lease running out is a change too: it wakes the waiters.
+        A controller Lease running out is a change too: it wakes the waiters of the
+        models on its node (and those without a model).
         """
-        self._refresh()
-        if self._expired_since_refresh():
-            self._touch()
-        if self.version != since:
+        self._expire()
+
+        def current() -> int:
+            return self.version if model is None else self.model_version(model)
+
+        if current() != since:
             return True
         loop = asyncio.get_running_loop()
         until = loop.time() + max(0.0, limit_s)
         while True:
-            changed = self._changed
+            if model is None:
+                changed = self._changed
+            else:
+                changed = self._model_changed.setdefault(model, asyncio.Event())
             expiry = self._next_expiry()
             left = until - loop.time()
             step = left if expiry is None else min(left, expiry + 0.001)
@@ -293,69 +538,41 @@ class RoutingState:
                 return True
             except TimeoutError:
                 pass
-            if self._expired_since_refresh():
-                self._touch()
+            self._expire()
+            if current() != since:
                 return True
             if loop.time() >= until:
-                return self.version != since
+                return False
 
     # -- reading ------------------------------------------------------------------------
-
-    def _refresh(self) -> None:
-        if not self._dirty:
-            return
-        pods = {str((p.get("metadata") or {}).get("uid", "")): p
-                for p in self._objects["pod"].values()}
-        by_model: dict[str, list[Claimant]] = {}
-        ignored = 0
-        for claimant in claimants_from(self._objects["claim"].values(), pods):
-            if not self._binding.allows(claimant.model, claimant.namespace):
-                ignored += 1
-                continue
-            by_model.setdefault(claimant.model, []).append(claimant)
-        gpus: dict[str, GpuLease] = {}
-        controllers: dict[str, ControllerLease] = {}
-        for obj in self._objects["lease"].values():
-            controller = controller_lease_of(obj)
-            if controller is not None:
-                controllers[controller.name] = controller
-                continue
-            lease = gpu_lease_of(obj)
-            if lease is not None:
-                gpus[lease.name] = lease
-        if ignored != self._ignored and ignored:
-            log.warning("claimants ignored: their namespace is not bound to their model",
-                        extra={"count": ignored})
-        self._by_model, self._gpus, self._controllers = by_model, gpus, controllers
-        self._by_uid = {c.claim_uid: c for cs in by_model.values() for c in cs}
-        self._ignored = ignored
-        self._observer.retain(controllers)
-        now = self._clock()
-        self._fresh_seen = {name: self._observer.fresh(name, now) for name in controllers}
-        self._dirty = False
 
     @property
     def ignored_claimants(self) -> int:
         """Claimants in namespaces the binding does not bind to their model."""
-        self._refresh()
-        return self._ignored
+        return len(self._ignored)
 
     def models(self) -> list[str]:
-        self._refresh()
         return sorted(self._by_model)
 
     def knows(self, model: str) -> bool:
-        self._refresh()
         return model in self._by_model
 
     def lease_of(self, claimant: Claimant) -> GpuLease | None:
         """The GPU Lease of the physical GPU ``claimant`` shares."""
-        self._refresh()
         return self._gpus.get(naming.gpu_lease_name(claimant.node, claimant.gpu))
 
+    def _of_model(self, model: str) -> list[Claimant]:
+        """``model``'s claimants in (node, device, namespace, name) order."""
+        found = self._sorted.get(model)
+        if found is None:
+            found = sorted(self._by_model.get(model, {}).values(),
+                           key=lambda c: (c.node, c.device, c.namespace, c.claim_name))
+            if found:
+                self._sorted[model] = found
+        return found
+
     def claimants(self, model: str) -> list[Claimant]:
-        self._refresh()
-        return list(self._by_model.get(model, []))
+        return list(self._of_model(model))
 
     def _controller(self, claimant: Claimant) -> ControllerLease | None:
         return self._controllers.get(naming.controller_lease_name(claimant.node))
@@ -380,7 +597,7 @@ class RoutingState:
     def _switch_touching(self, model: str, now: float, *, alive: bool) -> str | None:
         """``switching`` or ``draining`` when a switch to or from ``model`` runs on a GPU
         whose controller is (``alive``) or is not alive."""
-        for claimant in self._by_model.get(model, []):
+        for claimant in self._of_model(model):
             lease = self.lease_of(claimant)
             if lease is None or lease.state in _TERMINAL:
                 continue
@@ -394,8 +611,8 @@ class RoutingState:
 
     def decide(self, model: str) -> Decision:
         """What a request for ``model`` should do, given what is known now."""
-        self._refresh()
-        claimants = self._by_model.get(model, [])
+        self._expire()
+        claimants = self._of_model(model)
         if not claimants:
             if not self._synced:
                 return Decision(Action.UNAVAILABLE, model, reason="not_ready")
@@ -445,7 +662,6 @@ class RoutingState:
     def still_holds(self, decision: Decision) -> bool:
         """Does the claimant of a FORWARD ``decision`` still hold its GPU under the same
         fence, as far as this gateway sees now? (Checked at forward time.)"""
-        self._refresh()
         claimant = self._by_uid.get(decision.claim_uid or "")
         if claimant is None:
             return False
@@ -454,20 +670,17 @@ class RoutingState:
 
     def fence_of(self, claim: str) -> int | None:
         """The fencing number of the GPU Lease of the claimant ``<namespace>/<name>``."""
-        self._refresh()
-        for claimants in self._by_model.values():
-            for claimant in claimants:
-                if claimant.ref == claim:
-                    lease = self.lease_of(claimant)
-                    return None if lease is None else lease.fence
-        return None
+        claimant = self._claimants.get(claim)
+        if claimant is None or claim not in self._by_model.get(claimant.model, {}):
+            return None
+        lease = self.lease_of(claimant)
+        return None if lease is None else lease.fence
 
     def lost(self, decision: Decision) -> str | None:
         """Why a request forwarded under ``decision`` can no longer be served by its engine
         (None while it may): the GPU's Lease moved past the fence it was sent under and
         settled with another holder, or none, so the engine has been put to sleep (an
         engine that is asleep holds requests until it is woken; it does not refuse them)."""
-        self._refresh()
         claimant = self._by_uid.get(decision.claim_uid or "")
         if claimant is None:
             return "claim_gone"
@@ -480,20 +693,21 @@ class RoutingState:
         return None
 
     async def wait_lost(self, decision: Decision) -> str:
-        """Return (with :meth:`lost`'s reason) once ``decision``'s engine is lost."""
+        """Return (with :meth:`lost`'s reason) once ``decision``'s engine is lost. Woken
+        only by changes to its model (its claimants and their GPUs' Leases): :meth:`lost`
+        does not depend on any controller's liveness."""
         while True:
             reason = self.lost(decision)
             if reason is not None:
                 return reason
-            await self.wait_changed(self.version, 3600.0)
+            await self._model_changed.setdefault(decision.model, asyncio.Event()).wait()
 
     def model_infos(self) -> list[ModelInfo]:
         """Every known model with its state, for ``/v1/models``."""
-        self._refresh()
         now = self._clock()
         infos = []
         for model in sorted(self._by_model):
-            claimants = self._by_model[model]
+            claimants = self._of_model(model)
             gpus = tuple(sorted({f"{c.node}/{c.gpu}" for c in claimants}))
             state: ModelState = "asleep"
             last_error = None

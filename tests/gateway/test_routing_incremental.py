@@ -70,7 +70,8 @@ class Counts:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.parses = 0
         self.rebuilt = 0
-        parse, build = claimants.engine_config_of, routing.claimants_from
+        parse = getattr(claimants, "engine_config_of")  # noqa: B009 (not exported)
+        build = getattr(routing, "claimants_from")  # noqa: B009
 
         def counting_parse(claim: Mapping[str, Any], *, driver: str) -> Any:
             self.parses += 1
@@ -80,7 +81,8 @@ class Counts:
                            **kwargs: Any) -> list[claimants.Claimant]:
             listed = list(claims)
             self.rebuilt += len(listed)
-            return build(listed, *args, **kwargs)
+            built: list[claimants.Claimant] = build(listed, *args, **kwargs)
+            return built
 
         monkeypatch.setattr(claimants, "engine_config_of", counting_parse)
         monkeypatch.setattr(routing, "claimants_from", counting_build)
@@ -110,8 +112,7 @@ def test_a_gpu_lease_event_reparses_no_claim(monkeypatch: pytest.MonkeyPatch) ->
     state.apply("lease", "MODIFIED", _awake(3, state=naming.STATE_SWITCHING, fence=2,
                                             draining=_model(3), target="org/other"))
     assert state.decide(_model(3)).action is Action.WAIT
-    _routes_everything_but = [i for i in range(NODES) if i != 3]
-    for i in _routes_everything_but:
+    for i in (i for i in range(NODES) if i != 3):
         assert state.decide(_model(i)).action is Action.FORWARD
     assert (counts.parses, counts.rebuilt) == (0, 0)
 
@@ -127,8 +128,7 @@ def test_a_claim_or_pod_event_rebuilds_one_claimant(monkeypatch: pytest.MonkeyPa
     state.apply("pod", "MODIFIED", pod_obj("pod-c7", uid="p7", ip="10.1.7.1", ready=False))
     assert state.decide(_model(7)).action is not Action.FORWARD
     assert counts.rebuilt == 2
-    _routes_everything_but = [i for i in range(NODES) if i not in (5, 7)]
-    for i in _routes_everything_but:
+    for i in (i for i in range(NODES) if i not in (5, 7)):
         assert state.decide(_model(i)).action is Action.FORWARD
     assert counts.rebuilt == 2
 
@@ -237,7 +237,7 @@ def test_a_gang_is_awake_only_while_every_lease_names_it_after_updates() -> None
     state = RoutingState(binding=BOUND, clock=lambda: 100.0)
     state.replace("claim", [tp])
     state.replace("pod", [pod_obj("pod-tp", uid="ptp", ip="10.1.0.1")])
-    holds = {"holder": "engines/tp", "state": naming.STATE_AWAKE, "model": "org/tp"}
+    holds: dict[str, Any] = {"holder": "engines/tp", "state": naming.STATE_AWAKE, "model": "org/tp"}
     state.replace("lease", [gpu_lease(**holds, device="gpu-0"),
                             controller_lease("http://10.0.0.9:8085/")])
     state.mark_synced()
@@ -252,7 +252,7 @@ def test_a_gang_is_awake_only_while_every_lease_names_it_after_updates() -> None
 
 
 def test_a_slim_claim_keeps_what_routing_reads_only() -> None:
-    from controller.gateway.lease_view import slim_claim  # noqa: PLC0415 (new here)
+    from controller.gateway.lease_view import slim_claim
 
     claim = claim_obj("c1", model="org/m", port=8000, pod_uid="p1")
     claim["metadata"] |= {"managedFields": [{"manager": "kube-scheduler"}],
