@@ -17,8 +17,12 @@ What is watched:
 - Leases in the controller namespace labelled ``app.kubernetes.io/managed-by=rota`` (GPU
   and controller Leases).
 
-Each watch lists first (replacing what the state held), then watches from the list's
-resourceVersion; it lists again after ``resync_s``, after a 410 Gone, and after any error,
+Each watch lists first, in pages of :data:`LIST_PAGE` objects (``limit`` and
+``continue``; a continue token that expired is a 410 and the list starts again), each page
+cut down to what routing keeps (claims of rota's driver only, slim claims and pods) before
+the next is read, so a relist of a large fleet never holds the whole response at once;
+the state applies the list as the differences from what it held. Then it watches from the
+list's resourceVersion; it lists again after ``resync_s``, after a 410 Gone, and after any error,
 with bounded, jittered exponential backoff. The state is marked synced once claims, Leases and the
 pods of every namespace known at that time have been listed.
 
@@ -47,8 +51,9 @@ from typing import Any
 from kubernetes import client, watch
 
 from controller import naming
+from controller.gateway.lease_view import slim_claim, slim_pod
 from controller.gateway.metrics import GatewayMetrics
-from controller.gateway.routing import ObjectKind, RoutingState
+from controller.gateway.routing import ObjectKind, RoutingState, claim_is_ours
 from controller.gateway.settings import GatewaySettings
 from driver.aio import Backoff, wait_any
 from driver.kube import load_api_client
@@ -65,6 +70,17 @@ _FORBIDDEN_BACKOFF_MAX_S = 60.0
 """Pauses between lists of a namespace whose pods this gateway may not list (403)."""
 _GONE = 410
 _FORBIDDEN = 403
+LIST_PAGE = 500
+"""Objects per list page (the API server's own default chunk size for its reflectors)."""
+
+
+def _kept(kind: ObjectKind, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the state will keep of a page of listed objects (pure; run in the thread)."""
+    if kind == "claim":
+        return [slim_claim(o) for o in items if claim_is_ours(o)]
+    if kind == "pod":
+        return [slim_pod(o) for o in items]
+    return items
 
 
 class _Watch:
@@ -138,10 +154,23 @@ class _Watch:
         self._after_event()
 
     def _list(self) -> tuple[list[dict[str, Any]], str]:
-        resp = self._list_fn(*self._args, **self._kwargs, _preload_content=False,
-                             _request_timeout=self._settings.api_timeout_s)
-        body = json.loads(resp.data)
-        return list(body.get("items") or []), str(body["metadata"]["resourceVersion"])
+        """Every object, page by page; the resourceVersion of the list (its first page's
+        snapshot, which every later page continues)."""
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            paging: dict[str, Any] = {"limit": LIST_PAGE}
+            if token:
+                paging["_continue"] = token
+            resp = self._list_fn(*self._args, **self._kwargs, **paging,
+                                 _preload_content=False,
+                                 _request_timeout=self._settings.api_timeout_s)
+            body = json.loads(resp.data)
+            items.extend(_kept(self.kind, list(body.get("items") or [])))
+            meta = body.get("metadata") or {}
+            token = meta.get("continue") or None
+            if token is None:
+                return items, str(meta["resourceVersion"])
 
     def _watch(self, version: str, listed_at: float) -> None:
         """Watch from ``version`` until it is time to re-list (returns) or an error (raises)."""
