@@ -39,7 +39,6 @@ from driver.inspection import InspectionService
 from driver.logs import configure
 from driver.nvml import open_backend
 from driver.nvml.api import NvmlBackend
-from driver.quantity import parse_quantity
 from driver.rpc.sockets import UnixServer
 from e2e.gpu import report
 from e2e.gpu.context import (
@@ -50,7 +49,7 @@ from e2e.gpu.context import (
     Bench,
     BenchError,
     BenchState,
-    ReaderDevice,
+    byte_count,
     note,
     write_atomic,
 )
@@ -62,17 +61,11 @@ from e2e.gpu.engines import (
 )
 from e2e.gpu.instrument import HttpTrace
 from e2e.gpu.sampler import NvmlSampler
+from e2e.ports import ReaderDevice
 
 log = logging.getLogger("e2e.gpu.bench")
 
 # -- command line ---------------------------------------------------------------------------
-
-
-def _bytes(text: str) -> int:
-    try:
-        return parse_quantity(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,9 +101,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the model of engine A, a folder under --models (model-small fits a "
                         "smaller GPU)")
     p.add_argument("--handoffs", type=int, default=19)
-    p.add_argument("--a-kv", type=_bytes, default=8 * GIB, metavar="BYTES")
-    p.add_argument("--b-kv", type=_bytes, default=4 * GIB, metavar="BYTES")
-    p.add_argument("--g-kv", type=_bytes, default=4 * GIB, metavar="BYTES")
+    p.add_argument("--a-kv", type=byte_count, default=8 * GIB, metavar="BYTES")
+    p.add_argument("--b-kv", type=byte_count, default=4 * GIB, metavar="BYTES")
+    p.add_argument("--g-kv", type=byte_count, default=4 * GIB, metavar="BYTES")
     p.add_argument("--vllm-python", default=sys.executable)
     p.add_argument("--vllm-pythonpath", default=os.environ.get("ROTA_VLLM_PYTHONPATH", ""),
                    help="PYTHONPATH of the vLLM servers (env ROTA_VLLM_PYTHONPATH)")
@@ -128,10 +121,10 @@ def parser() -> argparse.ArgumentParser:
                         "noise); answer: the controller's own probe (expects 7)")
     p.add_argument("--probe-max-tokens", type=int, default=16)
     p.add_argument("--sample-interval-ms", type=float, default=5.0)
-    p.add_argument("--resident-budget", type=_bytes, default=GIB, metavar="BYTES",
+    p.add_argument("--resident-budget", type=byte_count, default=GIB, metavar="BYTES",
                    help="resident budget of each claimant (vLLM asleep keeps ~0.78 GiB)")
-    p.add_argument("--resident-tolerance", type=_bytes, default=512 * MIB, metavar="BYTES")
-    p.add_argument("--unknown-limit", type=_bytes, default=512 * MIB, metavar="BYTES")
+    p.add_argument("--resident-tolerance", type=byte_count, default=512 * MIB, metavar="BYTES")
+    p.add_argument("--unknown-limit", type=byte_count, default=512 * MIB, metavar="BYTES")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--sleep-timeout-s", type=float, default=180.0)
     p.add_argument("--wake-timeout-s", type=float, default=120.0)

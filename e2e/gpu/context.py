@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from controller import naming
 from controller.claimants import Claimant
-from controller.device import DeviceReader, GpuSnapshot
+from controller.device import GpuSnapshot
 from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
 from controller.engines.registry import make_adapter
 from controller.leases import GpuLease
@@ -31,6 +31,7 @@ from controller.switch import Limits, Ports, Switcher, SwitchResult
 from driver.devices import GpuDevice
 from driver.nvml.api import NvmlBackend
 from driver.opaque import API_VERSION, KIND, parse_engine_config
+from driver.quantity import parse_quantity
 from e2e.gpu.engines import (
     EngineProcess,
     EngineRecord,
@@ -41,7 +42,7 @@ from e2e.gpu.engines import (
 from e2e.gpu.instrument import AdapterCall, BenchAdapter, HttpTrace
 from e2e.gpu.sampler import NvmlSampler
 from e2e.gpu.vllm_log import LogCursor, LogEvent, summarise_start
-from e2e.ports import MemoryLeasePort
+from e2e.ports import MemoryLeasePort, ReaderDevice
 
 log = logging.getLogger("e2e.gpu.context")
 
@@ -94,17 +95,12 @@ def mib(n: float | None) -> float | None:
     return None if n is None else round(n / MIB, 1)
 
 
-class ReaderDevice:
-    """The switch's device port on the real inspection client."""
-
-    def __init__(self, reader: DeviceReader) -> None:
-        self.reader = reader
-
-    async def snapshot(self, device: str) -> GpuSnapshot:
-        snapshots = await self.reader.read()
-        if device not in snapshots:
-            raise BenchError(f"the inspection API reports no GPU {device}: {sorted(snapshots)}")
-        return snapshots[device]
+def byte_count(text: str) -> int:
+    """A flag's byte count: ``4Gi``, ``512Mi``, ``500M`` or plain bytes."""
+    try:
+        return parse_quantity(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass

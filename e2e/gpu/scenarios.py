@@ -139,7 +139,7 @@ async def run_scenarios(bench: Bench) -> None:
         except TimeoutError:
             result = {"ok": False, "error": "the run's deadline passed inside this scenario"}
         except (BenchError, EngineStartError, EngineError, Fenced, aiohttp.ClientError,
-                OSError) as exc:
+                OSError, LookupError) as exc:
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         result["wall_s"] = round(time.monotonic() - began, 2)
         result["nvml_phases"] = [p for p in bench.sampler.phases()

@@ -33,9 +33,8 @@ from driver.errors import ConfigError
 from driver.logs import configure
 from driver.nvml import open_backend
 from driver.nvml.api import NvmlBackend
-from driver.quantity import parse_quantity
 from e2e.gpu.bandwidth import h2d_bandwidth, measure_child
-from e2e.gpu.context import GIB, MIB, REPO_ROOT, BenchError
+from e2e.gpu.context import GIB, MIB, REPO_ROOT, BenchError, byte_count
 from e2e.gpu.load import LoadError
 from e2e.gpu.simulators import Sim, spawn, stop_sims
 from e2e.gpu.switch_run import Run, remaining, run_protocol, say
@@ -44,13 +43,6 @@ from e2e.gpu.switch_summary import note, summary
 __all__ = ["main", "parser"]
 
 log = logging.getLogger("e2e.bench_gpu")
-
-
-def _bytes(text: str) -> int:
-    try:
-        return parse_quantity(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _engine_of(argv: Sequence[str]) -> str:
@@ -81,19 +73,19 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
         help="N above 1: a TP=N engine simulator (A) takes turns with N TP=1 engines (one "
              "per GPU) through gang switches; --a-* are A's per GPU, --b-* each TP=1 engine's")
     add("--handoffs", type=int, default=19)
-    add("--a-awake", type=_bytes, default=60 * GIB, metavar="BYTES")
-    add("--a-resident", type=_bytes, default=1 * GIB, metavar="BYTES")
-    add("--a-weights", type=_bytes, default=48 * GIB, metavar="BYTES",
+    add("--a-awake", type=byte_count, default=60 * GIB, metavar="BYTES")
+    add("--a-resident", type=byte_count, default=1 * GIB, metavar="BYTES")
+    add("--a-weights", type=byte_count, default=48 * GIB, metavar="BYTES",
         help="part of A's awake-minus-resident that is weights (rest: KV)")
-    add("--b-awake", type=_bytes, default=10 * GIB, metavar="BYTES")
-    add("--b-resident", type=_bytes, default=1 * GIB, metavar="BYTES")
-    add("--b-weights", type=_bytes, default=8 * GIB, metavar="BYTES")
-    add("--context-allowance", type=_bytes, default=None, metavar="BYTES",
+    add("--b-awake", type=byte_count, default=10 * GIB, metavar="BYTES")
+    add("--b-resident", type=byte_count, default=1 * GIB, metavar="BYTES")
+    add("--b-weights", type=byte_count, default=8 * GIB, metavar="BYTES")
+    add("--context-allowance", type=byte_count, default=None, metavar="BYTES",
         help="added to each claimant's resident and awake budgets for the CUDA context the "
              "simulator's knobs do not count (default 1Gi with cuda memory, 0 with fake)")
-    add("--resident-tolerance", type=_bytes, default=512 * MIB, metavar="BYTES",
+    add("--resident-tolerance", type=byte_count, default=512 * MIB, metavar="BYTES",
         help="the controller's resident tolerance")
-    add("--unknown-limit", type=_bytes, default=512 * MIB, metavar="BYTES",
+    add("--unknown-limit", type=byte_count, default=512 * MIB, metavar="BYTES",
         help="memory unknown processes may hold before wakes are refused")
     add("--tokens-per-second", type=float, default=500.0,
         help="the simulators' decode speed per request")
@@ -106,7 +98,7 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     add("--h2d-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
         help="use this host-to-device bandwidth instead of measuring it")
     add("--skip-h2d", action="store_true", help="do not measure the bandwidth; assume 54e9 B/s")
-    add("--h2d-bytes", type=_bytes, default=4 * GIB, metavar="BYTES")
+    add("--h2d-bytes", type=byte_count, default=4 * GIB, metavar="BYTES")
     add("--h2d-repeats", type=int, default=5)
     add("--h2d-timeout-s", type=float, default=120.0)
     add("--start-timeout-s", type=float, default=180.0,
