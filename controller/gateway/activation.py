@@ -14,6 +14,18 @@ switches per GPU and lets concurrent callers share one switch; this replica also
 one call among its own requests for the same (controller, model, claim), which only saves
 connections: every replica may call, and correctness rests on the controller and its Lease.
 
+While a request waits, :meth:`Activator.expect` reads the controller's ``GET /v1/state``
+once (bounded by the connect timeout) for the claimant's expected switch, as the
+controller measured it (``expected_switch_s``, ``queue_position``, ``expected_wait_s``):
+what the dispatcher tells the held clients. A controller of an earlier release sends none
+of them: then nothing is promised. The last expectation of each model is kept for
+``/v1/models`` (:meth:`Activator.expected_wake_s`).
+
+A call nobody waits for is cancelled: when every request sharing a call was cancelled
+(its client disconnected) before the answer, the call's connection is closed, so the
+controller sees its caller gone and drops the switch if its wake has not begun. A request
+whose own deadline passes leaves the call running (it was told when to come back).
+
 A call that cannot reach the controller is retried a bounded number of times with
 jittered backoff (:class:`driver.aio.Backoff`); connecting has its own short timeout, so a
 controller whose address does not answer costs seconds, not the request's whole wait. A
@@ -37,10 +49,12 @@ from pydantic import ValidationError
 from controller.api.activation import (
     ERRORS,
     PATH,
+    STATE_PATH,
     SWITCH_FAILURE_REASONS,
     ActivateAnswer,
     ActivateRequest,
     ErrorBody,
+    StateAnswer,
     asks_again,
 )
 from controller.credentials import SecretFile
@@ -49,11 +63,12 @@ from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.proxy import read_bounded
 from driver.aio import Backoff
 
-__all__ = ["KNOWN_OUTCOMES", "Activation", "ActivationFailed", "Activator"]
+__all__ = ["KNOWN_OUTCOMES", "Activation", "ActivationFailed", "Activator", "Expectation"]
 
 log = logging.getLogger(__name__)
 
 _MAX_ANSWER = 64 * 1024
+_MAX_STATE = 1024 * 1024
 _BACKOFF_S = 0.2
 _BACKOFF_MAX_S = 2.0
 _UNSAFE = re.compile(r"[^a-z0-9_]")
@@ -82,6 +97,18 @@ class Activation:
     claim: str
     switched: bool
     fence: int
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What the controller expects of a switch to one claimant (its ``/v1/state``)."""
+
+    queue_position: int | None
+    """Switches ahead of it on its GPU."""
+    expected_wait_s: float | None
+    """Seconds until it is expected to serve (the switches ahead included)."""
+    expected_switch_s: float | None
+    """Seconds its own switch is expected to take (0: it is awake)."""
 
 
 class ActivationFailed(Unavailable):
@@ -144,6 +171,10 @@ class Activator:
         self._retry_after = retry_after
         self._metrics = metrics
         self._calls: dict[tuple[str, str, str], asyncio.Task[Activation]] = {}
+        self._waiters: dict[tuple[str, str, str], int] = {}
+        self._state_timeout = aiohttp.ClientTimeout(total=connect_timeout_s)
+        self._expected: dict[str, float] = {}
+        """By model: the last expected switch a controller gave while it was asleep."""
 
     async def activate(self, url: str, model: str, claim: str, *, deadline: float,
                        request_id: str = "") -> Activation:
@@ -161,12 +192,60 @@ class Activator:
                                        name=f"activate {model}")
             self._calls[key] = call
             call.add_done_callback(lambda done: self._finished(key, done))
+        self._waiters[key] = self._waiters.get(key, 0) + 1
         try:
             async with asyncio.timeout_at(deadline):
                 return await asyncio.shield(call)
         except TimeoutError:
             raise Unavailable(f"Waited too long for model '{model}' to be woken.",
                               code="switch_timeout", retry_after=self._retry_after) from None
+        except asyncio.CancelledError:
+            # This request's client left. The last one to leave closes the call: the
+            # controller sees its caller gone and drops a switch whose wake has not begun.
+            if self._waiters.get(key, 0) <= 1 and not call.done():
+                log.info("every request waiting for this activation left; cancelling it",
+                         extra={"model": model, "claim": claim, "upstream": url,
+                                "request_id": request_id})
+                call.cancel()
+            raise
+        finally:
+            left = self._waiters.get(key, 0) - 1
+            if left > 0:
+                self._waiters[key] = left
+            else:
+                self._waiters.pop(key, None)
+
+    async def expect(self, url: str, model: str, claim: str) -> Expectation | None:
+        """The controller's expectation of a switch to ``claim`` (None: it said nothing,
+        or could not be asked within the connect timeout)."""
+        try:
+            async with self._session.get(f"{url}{STATE_PATH}", headers=self._headers(""),
+                                         timeout=self._state_timeout) as resp:
+                if resp.status != 200:
+                    return None
+                state = StateAnswer.model_validate_json(await read_bounded(resp, _MAX_STATE))
+        except (aiohttp.ClientError, TimeoutError, ValidationError, ValueError) as exc:
+            log.debug("no switch expectation from the lease controller",
+                      extra={"model": model, "upstream": url, "error": repr(exc)[:200]})
+            return None
+        found = next((c for c in state.claimants if c.claim == claim), None)
+        if found is None:
+            return None
+        if found.expected_switch_s:
+            self._expected[model] = found.expected_switch_s
+        return Expectation(found.queue_position, found.expected_wait_s,
+                           found.expected_switch_s)
+
+    def expected_wake_s(self, model: str) -> float | None:
+        """The last expected switch to ``model`` a controller gave (None: none yet)."""
+        return self._expected.get(model)
+
+    def learned(self, model: str, timings: dict[str, float]) -> None:
+        """A switch to ``model`` was made: its measured cost, until a controller says."""
+        spent = sum(timings.get(k, 0.0) for k in ("drain", "later_sleep", "wake_call",
+                                                   "probe_ttft"))
+        if spent > 0:
+            self._expected[model] = round(spent, 3)
 
     def _finished(self, key: tuple[str, str, str], call: asyncio.Task[Activation]) -> None:
         if self._calls.get(key) is call:
@@ -252,6 +331,8 @@ class Activator:
                 raise ActivationFailed(
                     f"Model '{model}': the lease controller's answer is not understood.",
                     code="bad_activation_answer", retry_after=self._retry_after) from exc
+            if answer.switched:
+                self.learned(answer.model, answer.timings)
             return Activation(answer.model, answer.claim, answer.switched, answer.fence)
         kind, message = _error_of(payload)
         if status in (401, 403):

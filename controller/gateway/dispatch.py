@@ -23,6 +23,16 @@ comments (:mod:`~controller.gateway.downstream`); every refusal carries Retry-Af
 that stream has begun, every refusal — the gateway's own, an engine's 503 or unreachable
 engine passed on, even a defect of the gateway's — is its last events, an error event and
 ``[DONE]``, never a second answer.
+
+Honest waiting: a request held for a switch carries, in its answer's headers, what the
+node's lease controller expected of that switch when the gateway asked (its place in the
+GPU's queue and the expected wait, from the switch costs the controller measured itself:
+:meth:`~controller.gateway.activation.Activator.expect`) and how long it was held
+(``X-Rota-*``, see :mod:`~controller.gateway.downstream`); a 503 for a wait that ran out
+carries the expected rest of the switch as ``Retry-After`` (the switch goes on), and each
+held request's end is logged ("request held for a switch") with those fields. A client
+that disconnects takes its request out of the activation it waits for; the last one to
+leave cancels it (:class:`~controller.gateway.activation.Activator`).
 """
 
 from __future__ import annotations
@@ -37,9 +47,9 @@ import aiohttp
 from aiohttp import web
 
 from controller.gateway import proxy
-from controller.gateway.activation import ActivationFailed, Activator
+from controller.gateway.activation import ActivationFailed, Activator, Expectation
 from controller.gateway.admission import Admission
-from controller.gateway.downstream import Downstream
+from controller.gateway.downstream import Downstream, Held
 from controller.gateway.engine_keys import EngineKeys
 from controller.gateway.errors import GatewayError, ModelNotFound, Unavailable
 from controller.gateway.metrics import GatewayMetrics
@@ -52,6 +62,11 @@ log = logging.getLogger(__name__)
 
 _WAIT_CODES = frozenset({"no_controller", "controller_lost"})
 """Reasons to wait that name the 503 when the wait runs out (else ``switch_timeout``)."""
+_EXPECTATION_GRACE_S = 0.25
+"""How long a request whose switch is done waits for the controller's expectation (for its
+headers) before going on without it."""
+_SWITCH_REASONS = frozenset({"switching", "draining"})
+"""Reasons to wait that are a switch to or away from the model (a held request)."""
 
 
 @dataclass(frozen=True)
@@ -98,16 +113,24 @@ class Dispatcher:
                                 keepalive_s=self.settings.stream_keepalive_s)
         downstream.start_keepalive()
         extra = {"model": gen.model, "request_id": gen.request_id}
+        outcome = "answered"
         try:
             return await self._serve(downstream, gen)
         except GatewayError as err:
+            outcome = err.code
+            self._honest(downstream, err)
             if not await downstream.started_early():
+                err.headers.update(downstream.rota_headers())
                 raise
             count_refusal(self.metrics, gen.model, err)
             log.warning("request refused inside its started stream",
                         extra=extra | {"code": err.code})
             return await downstream.fail(err)
+        except asyncio.CancelledError:
+            outcome = "client_gone"
+            raise
         except Exception:
+            outcome = "internal_error"
             if not await downstream.started_early():
                 raise  # aiohttp's 500
             log.exception("request failed inside its started stream", extra=extra)
@@ -117,6 +140,18 @@ class Dispatcher:
             return await downstream.fail(failure)
         finally:
             await downstream.stop_keepalive()
+            if downstream.held is not None:
+                log.info("request held for a switch", extra=extra | {"outcome": outcome} | (
+                    downstream.held.log_fields(asyncio.get_running_loop().time())))
+
+    def _honest(self, downstream: Downstream, err: GatewayError) -> None:
+        """A wait for a switch that ran out: come back when the switch is expected done."""
+        held = downstream.held
+        if held is None or err.code != "switch_timeout":
+            return
+        left = held.left_s(asyncio.get_running_loop().time())
+        if left is not None and left >= 1:
+            err.retry_after = left
 
     async def _serve(self, downstream: Downstream, gen: ModelRequest) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -227,6 +262,7 @@ class Dispatcher:
         while True:
             decision = self.state.decide(model)
             if decision.action is Action.FORWARD and decision.endpoint:
+                downstream.end_hold()
                 return decision
             if decision.action is Action.UNKNOWN:
                 raise ModelNotFound(model)
@@ -242,6 +278,9 @@ class Dispatcher:
                     await self._wait(model, deadline, deadline, "its Lease to show it awake")
                     continue
                 activated = None
+            if downstream.held is None and (decision.action is Action.ACTIVATE or (
+                    decision.action is Action.WAIT and decision.reason in _SWITCH_REASONS)):
+                downstream.held = Held(since=loop.time())
             if decision.action is Action.WAIT or loop.time() < declined_until:
                 why = decision.reason or "declined for now"
                 downstream.note = f"model '{model}' is being switched in ({why})"
@@ -254,11 +293,15 @@ class Dispatcher:
                                   code="no_serving_engine",
                                   retry_after=self.settings.retry_after_s)
             downstream.note = f"model '{model}' is being woken"
+            expecting = asyncio.create_task(self.activator.expect(
+                decision.activation_url, model, decision.claim), name=f"expect {model}")
+            expecting.add_done_callback(lambda done: _told(downstream, done))
             try:
                 done = await self.activator.activate(
                     decision.activation_url, model, decision.claim, deadline=deadline,
                     request_id=gen.request_id)
             except ActivationFailed as exc:
+                expecting.cancel()
                 wait = exc.retry_after or self.settings.retry_after_s
                 if not exc.refused or loop.time() + wait >= deadline:
                     raise
@@ -267,7 +310,24 @@ class Dispatcher:
                                 "reason": exc.code, "retry_after_s": wait})
                 declined_until = loop.time() + wait
                 continue
+            except BaseException:
+                expecting.cancel()
+                raise
+            if not expecting.done():  # a fast switch: its expectation is on its way
+                await asyncio.wait({expecting}, timeout=_EXPECTATION_GRACE_S)
+            expecting.cancel()
             activated = (done.claim, done.fence, self.state.version)
+
+
+def _told(downstream: Downstream, expecting: asyncio.Task[Expectation | None]) -> None:
+    """The controller's expectation reached a held request: what its answer will say."""
+    held = downstream.held
+    if expecting.cancelled() or held is None or held.expected_wait_s is not None:
+        return
+    told = expecting.result()
+    if told is not None:
+        held.queue_position = told.queue_position
+        held.expected_wait_s = told.expected_wait_s
 
 
 def _engine_message(refused: proxy.Refused) -> str:

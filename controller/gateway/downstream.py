@@ -20,6 +20,22 @@ inside its ``prepare()`` (a start broken off there leaves the connection's write
 up for a response that was never sent), and a start in progress is waited out. So a
 refusal meets either nothing sent (and is an answer of its own) or a whole ``200`` head
 (and is the stream's last events), never half of one.
+
+A request held for a switch (:class:`Held`) carries what it was told in its answer's
+headers, whichever answer that is (the engine's, the early stream's, a refusal):
+
+- ``X-Rota-Switched: true``: the request waited for its model to be switched in (woken,
+  or a switch to or from it under way) before an engine took it.
+- ``X-Rota-Queue-Position``: switches ahead of its own on the GPU when it asked (0: its
+  own was next), as the node's lease controller counted them.
+- ``X-Rota-Expected-Wait-S``: seconds the controller expected the wait to take when it
+  asked, from the switch costs it measured itself (the holder's sleep and drain, the
+  model's wake and probe; the switches ahead included).
+- ``X-Rota-Waited-S``: seconds the gateway held the request for the switch (absent from an
+  early-started stream, whose head left before the wait ended).
+
+The two expectations are absent where the controller gave none (an earlier release, or
+the request waited for a switch another request had asked for).
 """
 
 from __future__ import annotations
@@ -28,13 +44,14 @@ import asyncio
 import json
 import logging
 from contextlib import suppress
+from dataclasses import dataclass
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 from controller.gateway.errors import GatewayError, error_body
 
-__all__ = ["Downstream"]
+__all__ = ["Downstream", "Held"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +79,43 @@ def _error_events(err: GatewayError) -> bytes:
     return _closing(body)
 
 
+@dataclass
+class Held:
+    """A request held for a switch, and what it was told (see the module)."""
+
+    since: float
+    """Event-loop time the hold began."""
+    queue_position: int | None = None
+    expected_wait_s: float | None = None
+    ended: float | None = None
+    """Event-loop time the hold ended (an engine took the request, or it was refused)."""
+
+    def left_s(self, now: float) -> float | None:
+        """Seconds of the expected wait still to come (None: nothing was expected)."""
+        if self.expected_wait_s is None:
+            return None
+        return max(0.0, self.since + self.expected_wait_s - now)
+
+    def waited_s(self, now: float) -> float:
+        return (self.ended if self.ended is not None else now) - self.since
+
+    def headers(self, now: float, *, waited: bool = True) -> dict[str, str]:
+        out = {"X-Rota-Switched": "true"}
+        if self.queue_position is not None:
+            out["X-Rota-Queue-Position"] = str(self.queue_position)
+        if self.expected_wait_s is not None:
+            out["X-Rota-Expected-Wait-S"] = f"{self.expected_wait_s:.3f}"
+        if waited:
+            out["X-Rota-Waited-S"] = f"{self.waited_s(now):.3f}"
+        return out
+
+    def log_fields(self, now: float) -> dict[str, object]:
+        """The access log's fields of a held request."""
+        return {"switched": True, "queue_position": self.queue_position,
+                "expected_wait_s": self.expected_wait_s,
+                "waited_s": round(self.waited_s(now), 3)}
+
+
 class Downstream:
     """The answer to one client."""
 
@@ -79,6 +133,8 @@ class Downstream:
         self.note = "waiting"
         """What the request waits for, said in the keep-alive comments."""
         self.comments = 0
+        self.held: Held | None = None
+        """Set once the request waits for a switch: its answer's ``X-Rota-*`` headers."""
         self._engine = False
         self._stopped = False
         self._lock = asyncio.Lock()
@@ -101,6 +157,8 @@ class Downstream:
                         return
                     if self.response is None:
                         headers = dict(_SSE_HEADERS) | {"X-Request-Id": self.request_id}
+                        if self.held is not None:
+                            headers |= self.held.headers(self._now(), waited=False)
                         # Begun from here: the head may reach the wire inside prepare().
                         self.response = web.StreamResponse(status=200, headers=headers)
                         self.early = True
@@ -110,6 +168,19 @@ class Downstream:
                     self.comments += 1
         except ConnectionError:
             return  # the client left; its handler is being cancelled
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
+
+    def end_hold(self) -> None:
+        """The wait for a switch is over (an engine takes the request now)."""
+        if self.held is not None and self.held.ended is None:
+            self.held.ended = self._now()
+
+    def rota_headers(self) -> dict[str, str]:
+        """The ``X-Rota-*`` headers of this answer (none for a request never held)."""
+        return {} if self.held is None else self.held.headers(self._now())
 
     async def stop_keepalive(self) -> None:
         """Stop the keep-alive for good, waiting out a tick in progress (a tick is never
@@ -145,6 +216,8 @@ class Downstream:
         await self.stop_keepalive()
         if self.response is not None:
             return self.response
+        headers = headers.copy()
+        headers.update(self.rota_headers())
         response = web.StreamResponse(status=status, reason=reason, headers=headers)
         self.response = response
         await response.prepare(self.request)

@@ -42,6 +42,8 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         self.retry_after = retry_after
+        self.headers: dict[str, str] = {}
+        """More headers of the answer (a held request's ``X-Rota-*``)."""
 
 
 class BadRequest(GatewayError):
@@ -92,7 +94,7 @@ def error_body(message: str, *, type_: str, code: str | None,
 
 def error_response(err: GatewayError, *, request_id: str | None = None) -> web.Response:
     """The HTTP answer for ``err``; ``Retry-After`` in whole seconds when it has one."""
-    headers: dict[str, str] = {}
+    headers: dict[str, str] = dict(err.headers)
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))
     if request_id:

@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from controller.gateway import keys
+from controller.gateway.activation import Activator
 from controller.gateway.dispatch import ModelRequest, count_refusal
 from controller.gateway.errors import (
     BadRequest,
@@ -48,6 +49,7 @@ from controller.gateway.errors import (
     error_response,
 )
 from controller.gateway.metrics import UNKNOWN_MODEL
+from controller.gateway.routing import ModelInfo
 
 __all__ = ["MODEL_PATHS", "STREAMING_PATHS", "error_middleware", "routes"]
 
@@ -189,8 +191,13 @@ def _handler(path: str) -> Handler:
     return handle
 
 
-def _model_object(info: Any) -> dict[str, Any]:
-    rota: dict[str, Any] = {"state": info.state, "gpus": list(info.gpus)}
+def _model_object(info: ModelInfo, activator: Activator) -> dict[str, Any]:
+    """One model in the OpenAI shape, with rota's view of it under ``rota`` (a key OpenAI
+    clients ignore): see :func:`list_models`."""
+    expected = 0.0 if info.state == "awake" else activator.expected_wake_s(info.model)
+    rota: dict[str, Any] = {"state": info.state, "gpus": list(info.gpus),
+                            "nodes": sorted({gpu.partition("/")[0] for gpu in info.gpus}),
+                            "expected_wake_s": expected}
     if info.last_error:
         rota["last_error"] = info.last_error
     return {"id": info.model, "object": "model", "created": _STARTED, "owned_by": "rota",
@@ -198,13 +205,28 @@ def _model_object(info: Any) -> dict[str, Any]:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: ``{"object": "list", "data": [model, ...]}``, each model
+    ``{"id", "object": "model", "created", "owned_by": "rota", "rota": {...}}`` where
+    ``rota`` holds:
+
+    - ``state``: ``awake`` (an engine serves it now), ``asleep`` (a request wakes it),
+      ``switching`` (a switch to or from it runs), ``failed`` (its last switch failed);
+    - ``gpus``: ``<node>/<gpu>`` of every GPU where one of its engines runs; ``nodes``: those
+      nodes;
+    - ``expected_wake_s``: seconds a request should expect to wait for it to be switched in,
+      from the switch costs its node's controller measured (0 when awake; null when no
+      controller has said yet);
+    - ``last_error``: the reason of the last failed switch, when it failed.
+    """
     request_id = _request_id(request)
     try:
         _authorize(request)
     except GatewayError as err:
         return await _refuse(request, err, UNKNOWN_MODEL, request_id)
     infos = request.app[keys.STATE].model_infos()
-    return web.json_response({"object": "list", "data": [_model_object(i) for i in infos]},
+    activator = request.app[keys.DISPATCHER].activator
+    return web.json_response({"object": "list",
+                              "data": [_model_object(i, activator) for i in infos]},
                              headers={"X-Request-Id": request_id})
 
 
@@ -215,7 +237,8 @@ async def get_model(request: web.Request) -> web.Response:
         _authorize(request)
         for info in request.app[keys.STATE].model_infos():
             if info.model == wanted:
-                return web.json_response(_model_object(info),
+                return web.json_response(
+                    _model_object(info, request.app[keys.DISPATCHER].activator),
                                          headers={"X-Request-Id": request_id})
         raise ModelNotFound(wanted)
     except GatewayError as err:

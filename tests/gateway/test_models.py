@@ -35,8 +35,8 @@ async def test_models_list_every_model_with_its_state(make_rig: RigFactory) -> N
         last_error="gpu_oom: engines/claim-b ran out waking; prod/secret-claim holds 60Gi"))
     one = await (await rig.gateway.get(f"/v1/models/{MODEL_B}")).json()
     # The reason only: the message names other tenants' claims.
-    assert one["rota"] == {"state": "failed", "gpus": ["node-1/gpu-0"],
-                           "last_error": "gpu_oom"}
+    assert one["rota"] == {"state": "failed", "gpus": ["node-1/gpu-0"], "nodes": ["node-1"],
+                           "expected_wake_s": None, "last_error": "gpu_oom"}
     missing = await rig.gateway.get("/v1/models/none/such")
     assert missing.status == 404
 
