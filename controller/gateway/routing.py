@@ -22,10 +22,28 @@ by the request path. What each kind of object may decide:
   could be woken.
 
 The Leases are the truth: nothing here is replica-local knowledge that another gateway
-replica could contradict. Every change bumps :attr:`RoutingState.version` and wakes the
-requests waiting in :meth:`RoutingState.wait_changed`; so does a controller Lease running
-out. Only the event loop's thread may touch a state (sources in threads hand their events
-over with ``call_soon_threadsafe``).
+replica could contradict. Only the event loop's thread may touch a state (sources in
+threads hand their events over with ``call_soon_threadsafe``).
+
+**Updated in place, at a cost independent of the fleet's size.** A fleet of a thousand
+nodes sends a gateway hundreds of events a second (every controller renews its Lease every
+few seconds), so no event may cost more than what it concerns:
+
+- a claim or pod event derives one claimant again (the claims reserved for that pod), and
+  none when nothing routing reads has changed (objects are kept slim, as compact JSON, and
+  compared whole): the controller's labels and conditions, a relist of the same objects;
+- a GPU Lease event replaces one GPU's entry;
+- a controller Lease event changes liveness only, and a renewal changes no routing at all;
+  the times at which controller Leases run out are kept on a heap, so that finding the
+  next one, or those that ran out, costs nothing per node;
+- a request reads its model's claimants, their GPUs' Leases and the liveness of their own
+  nodes' controllers, nothing else.
+
+Every change that may alter what a request for a model does bumps
+:meth:`RoutingState.model_version` of that model, and :attr:`RoutingState.version`;
+:meth:`RoutingState.wait_changed` waits for either (``model=`` for the first), so a held
+request wakes only for its own model. A controller Lease running out is a change for the
+models of its node. Changing the binding judges every claimant again (rare: its file).
 """
 
 from __future__ import annotations
