@@ -15,12 +15,12 @@ import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from controller.claimants import Claimant
-from controller.device import DeviceReader, GpuSnapshot
+from controller.device import GpuSnapshot
 
-__all__ = ["OneAwakeSampler", "awake_on"]
+__all__ = ["OneAwakeSampler", "SnapshotSource", "awake_on"]
 
 KEPT_VIOLATIONS = 20
 """Violations described in the report (all are counted)."""
@@ -34,9 +34,16 @@ def awake_on(snapshot: GpuSnapshot, claimants: Sequence[Claimant], tolerance_byt
             and snapshot.held_by(c, claimants) > c.resident_on(snapshot.device) + tolerance_bytes]
 
 
+class SnapshotSource(Protocol):
+    """What answers every GPU of the node at once (:class:`~controller.device.DeviceReader`
+    on the inspection socket)."""
+
+    async def read(self) -> dict[str, GpuSnapshot]: ...
+
+
 @dataclass
 class OneAwakeSampler:
-    reader: DeviceReader
+    reader: SnapshotSource
     claimants: Sequence[Claimant]
     tolerance_bytes: int
     interval_s: float = 0.005

@@ -89,6 +89,9 @@ def spawn(sim: Sim, args: argparse.Namespace, env: dict[str, str],
     if fake_dir is not None:
         command += ["--fake-nvml-dir", str(fake_dir)]
     child_env = dict(env, ROTA_CLAIM_UID=sim.claim_uid, ROTA_POD_UID=sim.claim_uid)
+    if args.memory_backend == "cuda":  # each engine sees its own GPUs, as its claim's would
+        child_env |= {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                      "CUDA_VISIBLE_DEVICES": ",".join(g.uuid for g in gpus)}
     setpriv = shutil.which("setpriv")
     if setpriv:  # the simulator gets SIGKILL if this process dies: no GPU memory left held
         command = [setpriv, "--pdeathsig", "KILL", "--", *command]
