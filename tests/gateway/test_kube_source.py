@@ -11,12 +11,14 @@ import pytest
 from kubernetes import client
 
 from controller import naming
+from controller.claimants import claimants_from
+from controller.gateway import kube_source
 from controller.gateway.binding import ModelBinding
 from controller.gateway.kube_source import KubeSource
 from controller.gateway.routing import Action, RoutingState
 from controller.gateway.settings import GatewaySettings
 from e2e.cluster import create_node
-from tests.gateway.conftest import controller_lease, gpu_lease
+from tests.gateway.conftest import claim_obj, controller_lease, gpu_lease
 
 pytestmark = [pytest.mark.cluster, pytest.mark.gateway]
 
@@ -133,3 +135,28 @@ async def test_routing_state_follows_watch_events(kube_api: client.ApiClient,
         source.cancel()
         await asyncio.gather(source, return_exceptions=True)
         await asyncio.to_thread(core.delete_node, node)
+
+
+async def test_lists_are_read_page_by_page(kube_api: client.ApiClient, namespace: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages of two objects: five GPU Leases take three pages, and all five are kept."""
+    monkeypatch.setattr(kube_source, "LIST_PAGE", 2)
+    leases = client.CoordinationV1Api(kube_api)
+    nodes = [f"paged-{i}" for i in range(5)]
+    for node in nodes:
+        lease = gpu_lease(holder=None, state=naming.STATE_IDLE, node=node)
+        lease["metadata"]["namespace"] = namespace
+        await asyncio.to_thread(leases.create_namespaced_lease, namespace, lease)
+    settings = GatewaySettings(controller_namespace=namespace, watch_timeout_s=5, resync_s=30)
+    state = RoutingState(binding=ModelBinding(namespaces=(namespace,)))
+    source = asyncio.create_task(KubeSource(settings, api=kube_api).run(state))
+    try:
+        await _until(state, lambda: state.synced, "first lists")
+        found = claimants_from([claim_obj(f"c-{node}", model=MODEL, port=8000,
+                                          pod_uid=f"p-{node}", node=node)
+                                for node in nodes], {})
+        assert len(found) == len(nodes)
+        assert all(state.lease_of(c) is not None for c in found)
+    finally:
+        source.cancel()
+        await asyncio.gather(source, return_exceptions=True)
