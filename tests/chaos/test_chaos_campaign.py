@@ -13,6 +13,7 @@ from e2e.cluster import LocalCluster
 pytestmark = [pytest.mark.cluster, pytest.mark.controller, pytest.mark.slow]
 
 
+@pytest.mark.sampled
 async def test_five_hundred_switches_under_faults_keep_one_engine_awake(
         cluster: LocalCluster, kube_api: client.ApiClient) -> None:
     tally = await run_campaign(cluster, kube_api, CampaignOptions(

@@ -31,6 +31,7 @@ async def test_a_short_gang_campaign_keeps_every_promise(caplog: pytest.LogCaptu
     assert report.passed(), "\n".join(report.lines())
 
 
+@pytest.mark.sampled
 async def test_the_campaign_sees_a_controller_without_gang_switches(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard can fail: with the controller as it was before gang switches (every

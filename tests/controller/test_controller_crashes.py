@@ -41,6 +41,7 @@ async def _answers(session: aiohttp.ClientSession, url: str, model: str) -> int 
     return status
 
 
+@pytest.mark.sampled
 async def test_sigkill_during_switches(engine_node: GpuNode, two_engines: list[Engine]) -> None:
     rng = random.Random(1129)
     node = engine_node

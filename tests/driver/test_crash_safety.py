@@ -145,6 +145,7 @@ def _wait_serving(node: GpuNode) -> None:
                what="driver serving after restart")
 
 
+@pytest.mark.sampled
 def test_sigkill_at_random_moments_never_corrupts_state(
         gpu_node: GpuNode, kube_api: client.ApiClient, namespace: str) -> None:
     rng = random.Random(20261129)

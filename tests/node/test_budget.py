@@ -26,6 +26,7 @@ def _refusals(core: client.CoreV1Api, namespace: str) -> list[client.CoreV1Event
         namespace, field_selector=f"involvedObject.name=big,reason={REASON}").items)
 
 
+@pytest.mark.sampled
 def test_a_refused_prepare_is_an_event_and_the_pod_starts_when_the_budget_allows(
         kube_api: client.ApiClient, rota_node: RotaOnNodes, namespace: str) -> None:
     core = client.CoreV1Api(kube_api)

@@ -33,6 +33,7 @@ def _health(pod: Any) -> list[str]:
     return found
 
 
+@pytest.mark.sampled
 def test_allocated_resources_stay_healthy_then_an_xid_makes_them_unhealthy(
         kube_api: client.ApiClient, rota_node: RotaOnNodes, namespace: str) -> None:
     core = client.CoreV1Api(kube_api)
