@@ -132,6 +132,13 @@ class GangSwitcher(Switcher):
                                 self.limits.timeouts.lease_s, timings)
 
 
+def holder_timings(timings: Mapping[str, float], holder: Claimant) -> dict[str, float]:
+    """The steps of one holder in a gang switch's ``timings`` (see ``_sleep_all``)."""
+    suffix = f":{holder.ref}"
+    return {key.removesuffix(suffix): seconds for key, seconds in timings.items()
+            if key.endswith(suffix)}
+
+
 class GangSwitch:
     """Runs one gang switch (or start) over the Leases of its set."""
 
@@ -193,14 +200,27 @@ class GangSwitch:
 
     async def _sleep_all(self, holders: Sequence[Claimant], timings: dict[str, float]
                          ) -> None:
-        """Drain and sleep every holder at once. Raises :class:`Fenced` first, then the
-        first :class:`SleepUnknown` (its ``unsettled`` lists every engine whose sleep may
-        still fire), then any other error."""
+        """Drain and sleep every holder at once: ``drain`` and ``sleep`` in ``timings`` are
+        the wall times of the two phases, each holder's own steps are keyed
+        ``<step>:<holder ref>`` (:func:`holder_timings` reads them back). Raises
+        :class:`Fenced` first, then the first :class:`SleepUnknown` (its ``unsettled``
+        lists every engine whose sleep may still fire), then any other error."""
         if not holders:
             return
-        await asyncio.gather(*(self.sw.drain(h, 0, timings) for h in holders))
-        outcomes = await asyncio.gather(*(self.sw.sleep(h, 0, timings) for h in holders),
-                                        return_exceptions=True)
+        own: dict[str, dict[str, float]] = {h.ref: {} for h in holders}
+        clock = self.sw.ports.clock
+        began = clock()
+        try:
+            await asyncio.gather(*(self.sw.drain(h, 0, own[h.ref]) for h in holders))
+            drained = clock()
+            timings["drain"] = drained - began
+            outcomes = await asyncio.gather(*(self.sw.sleep(h, 0, own[h.ref])
+                                              for h in holders), return_exceptions=True)
+            timings["sleep"] = clock() - drained
+        finally:
+            # The phases' wall times above; each holder's own steps under "<step>:<ref>".
+            timings.update({f"{step}:{ref}": seconds for ref, steps in own.items()
+                            for step, seconds in steps.items()})
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         for kind in (Fenced, SleepUnknown, BaseException):
             first = next((e for e in errors if isinstance(e, kind)), None)

@@ -30,7 +30,7 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from controller import metrics, naming
@@ -39,7 +39,7 @@ from controller.admission import StartSwitch, StartTicket
 from controller.claimants import Claimant
 from controller.engines.base import EngineAdapter
 from controller.engines.errors import EngineError
-from controller.gang import GangResult, GangSwitch, gang_set, holders_of, needs_gang
+from controller.gang import GangResult, GangSwitch, gang_set, holder_timings, holders_of, needs_gang
 from controller.gpu_locks import GpuLocks
 from controller.kube import ControllerKube
 from controller.leases import GpuLease, lease_body
@@ -791,9 +791,11 @@ class GpuWorker:
     def _measured(self, result: SwitchResult, holder: Claimant | None, target: Claimant
                   ) -> None:
         """Keep the measured costs of a finished switch per claimant."""
-        if not result.ok:
-            return
-        t = result.timings
+        if result.ok:
+            self._keep_costs(result.timings, holder, target)
+
+    def _keep_costs(self, t: Mapping[str, float], holder: Claimant | None,
+                    target: Claimant) -> None:
         if holder is not None:
             cost = self._costs.get(holder.ref, switch_policy.SwitchCost())
             if "later_sleep" in t:
@@ -886,9 +888,17 @@ class GpuWorker:
 
     def _gang_switched(self, result: GangResult, holders: tuple[Claimant, ...],
                        target: Claimant, *, start: bool = False) -> None:
-        """Every worker of the set takes its GPU's new Lease and shows it."""
+        """Every worker of the set takes its GPU's new Lease and shows it, and keeps the
+        measured costs of the holders it had and of the target."""
         for gpu, lease in result.leases.items():
             worker = self.sibling(gpu)
+            if result.ok:
+                target_steps = {k: v for k, v in result.timings.items() if ":" not in k}
+                worker._keep_costs(target_steps, None, target)
+                for holder in holders:
+                    if gpu in holder.gpus:
+                        worker._keep_costs(holder_timings(result.timings, holder), holder,
+                                           target)
             previous = worker.lease.holder if worker.lease is not None else ""
             if lease.holder != previous:
                 worker._holder_since = worker._last_busy = self.clock()

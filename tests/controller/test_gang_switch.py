@@ -283,3 +283,29 @@ async def test_a_tp_engine_starts_only_with_its_budget_free_on_every_gpu(
         assert node.watch.violations == []
     finally:
         await node.close()
+
+
+async def test_a_gang_switch_measures_each_holder_and_the_phases_wall_times(
+        engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
+    """Two holders sleep at once for a TP engine: each holder's own sleep is kept as its
+    cost (for the policy) by the worker of its GPU, and ``drain``/``sleep`` are the phases'
+    wall times, not the last holder's value or a sum over holders."""
+    node = await gang_node(engine_sim_factory, engine_session,
+                           [("a", ("gpu-0",), 20), ("b", ("gpu-1",), 20),
+                            ("tp", ("gpu-0", "gpu-1"), 40)], gpus=2, awake=("a", "b"))
+    a, b, tp = node.engines
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            for engine in (tp, a, b):  # a's and b's first sleeps are behind them
+                assert (await node.activate(engine)).ok
+            activation = await node.activate(tp)
+        assert activation.ok, activation.message
+        timings = activation.timings
+        for holder, gpu in ((a, "gpu-0"), (b, "gpu-1")):
+            own = timings[f"later_sleep:{holder.claimant.ref}"]
+            assert node.workers[gpu]._costs[holder.claimant.ref].sleep_s == own
+        assert {"drain", "sleep", "wake_call", "probe_ttft"} <= timings.keys()
+        assert timings["sleep"] >= max(timings[f"sleep:{e.claimant.ref}"] for e in (a, b))
+        assert node.workers["gpu-0"]._costs[tp.claimant.ref].wake_s == timings["wake_call"]
+    finally:
+        await node.close()
