@@ -362,6 +362,18 @@ class RoutingState:
 
     def _rebuild(self, key: str) -> set[str]:
         """Derive the claimant of one claim again; the models whose routing it changes."""
+        ignored = len(self._ignored)
+        try:
+            return self._derive(key)
+        finally:
+            self._log_ignored(ignored)
+
+    def _log_ignored(self, before: int) -> None:
+        if len(self._ignored) != before and self._ignored:
+            log.warning("claimants ignored: their namespace is not bound to their model",
+                        extra={"count": len(self._ignored)})
+
+    def _derive(self, key: str) -> set[str]:
         old = self._claimants.pop(key, None)
         if old is not None:
             self._unindex(key, old)
@@ -387,10 +399,7 @@ class RoutingState:
         self._by_controller.setdefault(
             naming.controller_lease_name(claimant.node), set()).add(key)
         if not self._binding.allows(claimant.model, claimant.namespace):
-            if key not in self._ignored:
-                self._ignored.add(key)
-                log.warning("claimants ignored: their namespace is not bound to their model",
-                            extra={"count": len(self._ignored)})
+            self._ignored.add(key)
             return
         self._by_model.setdefault(claimant.model, {})[key] = claimant
         self._sorted.pop(claimant.model, None)
@@ -513,9 +522,11 @@ class RoutingState:
         if binding == self._binding:
             return
         self._binding = binding
+        ignored = len(self._ignored)
         for key, claimant in list(self._claimants.items()):
             self._unindex(key, claimant)
             self._index(key, claimant)
+        self._log_ignored(ignored)
         self.binding_changed.set()
         self._bump_all()
 
