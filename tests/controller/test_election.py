@@ -41,6 +41,7 @@ class FakeLeases:
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
         self._version = 0
+        self.calls: list[str] = []
 
     def _store(self, body: dict[str, Any]) -> dict[str, Any]:
         self._version += 1
@@ -50,16 +51,19 @@ class FakeLeases:
         return copy.deepcopy(stored)
 
     async def get_lease(self, namespace: str, name: str) -> dict[str, Any]:
+        self.calls.append("get")
         if name not in self.objects:
             raise KubeNotFoundError(f"lease {name}", status=404)
         return copy.deepcopy(self.objects[name])
 
     async def create_lease(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append("create")
         if body["metadata"]["name"] in self.objects:
             raise KubeConflictError("exists", status=409)
         return self._store(body)
 
     async def replace_lease(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append("update")
         name = body["metadata"]["name"]
         if name not in self.objects:
             raise KubeNotFoundError(f"lease {name}", status=404)
@@ -190,4 +194,31 @@ async def test_a_released_lease_is_taken_at_once() -> None:
     assert leases.holder() == ""
     second = _standby(leases, clock)
     assert await second.try_acquire_or_renew()
+    assert leases.holder() == "ctl-b"
+
+
+async def test_the_holder_renews_without_a_get() -> None:
+    """client-go's fast path: the holder writes over the Lease it last wrote (its
+    resourceVersion makes the write a compare-and-swap) and reads only after a conflict."""
+    leases = FakeLeases()
+    clock = FakeClock()
+    election = _standby(leases, clock, identity="ctl-a")
+    assert await election.try_acquire_or_renew()
+    for _ in range(10):
+        clock.now += DURATION / 3
+        assert await election.try_acquire_or_renew()
+    assert leases.calls == ["get", "create"] + ["update"] * 10
+
+
+async def test_a_renewal_that_conflicts_reads_the_lease_and_yields_to_the_new_holder() -> None:
+    leases = FakeLeases()
+    clock = FakeClock()
+    election = _standby(leases, clock, identity="ctl-a")
+    assert await election.try_acquire_or_renew()
+    leases.renew_as("ctl-b", "instance-b", dt.datetime.now(dt.UTC))  # someone else wrote
+    leases.calls.clear()
+    clock.now += DURATION / 3
+    assert not await election.try_acquire_or_renew()
+    assert leases.calls == ["update", "get"]
+    assert not election.is_leader()
     assert leases.holder() == "ctl-b"
