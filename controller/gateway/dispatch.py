@@ -49,7 +49,7 @@ from aiohttp import web
 from controller.gateway import proxy
 from controller.gateway.activation import ActivationFailed, Activator, Expectation
 from controller.gateway.admission import Admission
-from controller.gateway.downstream import Downstream, Held
+from controller.gateway.downstream import PROGRESS_HEADER, Downstream, Held
 from controller.gateway.engine_keys import EngineKeys
 from controller.gateway.errors import GatewayError, ModelNotFound, Unavailable
 from controller.gateway.metrics import GatewayMetrics
@@ -109,8 +109,11 @@ class Dispatcher:
             GatewayError: the gateway answers itself (queue full, unknown model, ...) and
                 the answer has not started yet.
         """
+        progress = (gen.stream and gen.path == "/v1/chat/completions"
+                    and request.headers.get(PROGRESS_HEADER, "").strip().lower() == "reasoning")
         downstream = Downstream(request, gen.request_id, stream=gen.stream,
-                                keepalive_s=self.settings.stream_keepalive_s)
+                                keepalive_s=self.settings.stream_keepalive_s,
+                                progress_model=gen.model if progress else None)
         downstream.start_keepalive()
         extra = {"model": gen.model, "request_id": gen.request_id}
         outcome = "answered"

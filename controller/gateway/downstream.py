@@ -36,6 +36,13 @@ headers, whichever answer that is (the engine's, the early stream's, a refusal):
 
 The two expectations are absent where the controller gave none (an earlier release, or
 the request waited for a switch another request had asked for).
+
+Progress a person can see (opt-in per request, ``X-Rota-Progress: reasoning``, streamed
+chat only): instead of each SSE comment, the early stream carries a ``chat.completion.chunk``
+whose delta is ``reasoning_content`` (what chat UIs show as the model's thinking, as
+llama-swap's loading state does), saying what the request waits for and the expected
+wait; the model's real answer follows in the same stream. Off by default: without the
+header, plain SSE comments, which every client skips.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from contextlib import suppress
 from dataclasses import dataclass
 
@@ -51,7 +59,10 @@ from multidict import CIMultiDict
 
 from controller.gateway.errors import GatewayError, error_body
 
-__all__ = ["Downstream", "Held"]
+__all__ = ["PROGRESS_HEADER", "Downstream", "Held"]
+
+PROGRESS_HEADER = "X-Rota-Progress"
+"""The request header that asks for visible progress (value ``reasoning``)."""
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +131,11 @@ class Downstream:
     """The answer to one client."""
 
     def __init__(self, request: web.Request, request_id: str, *, stream: bool,
-                 keepalive_s: float) -> None:
+                 keepalive_s: float, progress_model: str | None = None) -> None:
         self.request = request
+        self.progress_model = progress_model
+        """Set (to the model's name) when the keep-alive sends visible progress, as
+        ``reasoning_content`` chunks, instead of SSE comments."""
         self.request_id = request_id
         self.stream = stream
         self.keepalive_s = keepalive_s
@@ -164,10 +178,26 @@ class Downstream:
                         self.early = True
                         await self.response.prepare(self.request)
                     note = self.note.replace("\n", " ")[:_MAX_NOTE]
-                    await self.response.write(f": rota: {note}\n\n".encode())
+                    if self.progress_model is not None:
+                        await self.response.write(self._progress(note))
+                    else:
+                        await self.response.write(f": rota: {note}\n\n".encode())
                     self.comments += 1
         except ConnectionError:
             return  # the client left; its handler is being cancelled
+
+    def _progress(self, note: str) -> bytes:
+        """One progress event: a chat chunk whose delta is ``reasoning_content``."""
+        text = f"rota: {note}"
+        left = self.held.left_s(self._now()) if self.held is not None else None
+        if left is not None:
+            text += f" (about {left:.0f} s left)" if left >= 1 else " (any moment now)"
+        delta: dict[str, str] = {"reasoning_content": text + "\n"}
+        if self.comments == 0:
+            delta = {"role": "assistant"} | delta
+        return _sse({"id": f"chatcmpl-rota-{self.request_id}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": self.progress_model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
 
     @staticmethod
     def _now() -> float:
