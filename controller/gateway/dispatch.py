@@ -243,6 +243,7 @@ class Dispatcher:
                 else self.settings.retry_after_s)
         self.metrics.requests.labels(gen.model, f"upstream_{refused.status}").inc()
         headers.setdefault("Retry-After", str(self.settings.retry_after_s))
+        headers.update(downstream.rota_headers())
         return web.Response(status=refused.status, body=refused.body, headers=headers)
 
     async def _wait(self, model: str, until: float, deadline: float, what: str, *,
