@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rota lease controller: {exc}", file=sys.stderr)
         return 2
     configure(config.log_level)
+    from driver.kube import ClientAgent, use_client_agent
+    use_client_agent(ClientAgent(component="rota-controller", qps=config.api_qps,
+                                 burst=config.api_burst))
     asyncio.run(app.run(config))
     return 0
 

@@ -508,7 +508,10 @@ def _token(args: argparse.Namespace, api: Any) -> str | None:
 def _api(args: argparse.Namespace) -> Any:
     from kubernetes import config
 
-    return config.new_client_from_config(config_file=args.kubeconfig, context=args.context)
+    from driver.kube import ClientAgent, apply_client_agent
+
+    api = config.new_client_from_config(config_file=args.kubeconfig, context=args.context)
+    return apply_client_agent(api, ClientAgent(component="kubectl-rota", qps=20.0, burst=40))
 
 
 def _leases(api: Any, namespace: str) -> list[dict[str, Any]]:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from driver import app, logs, settings
+from driver import app, kube_client, logs, settings
 from driver.errors import ConfigError, RotaDriverError
 
 
@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rota-driver: {exc}", file=sys.stderr)
         return 2
     logs.configure(config.log_level)
+    kube_client.use(kube_client.ClientAgent(component="rota-driver", qps=config.api_qps,
+                                            burst=config.api_burst))
     try:
         asyncio.run(app.run(config))
     except ConfigError as exc:

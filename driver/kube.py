@@ -17,9 +17,15 @@ from typing import Any, TypeVar
 
 from kubernetes import client, config, watch
 
+from driver import kube_client
 from driver.errors import KubeConflictError, KubeError, KubeNotFoundError
 
 log = logging.getLogger(__name__)
+
+ClientAgent = kube_client.ClientAgent
+use_client_agent = kube_client.use
+apply_client_agent = kube_client.apply
+"""The controller's door to :mod:`driver.kube_client` (it takes only named driver modules)."""
 
 T = TypeVar("T")
 Obj = dict[str, Any]
@@ -30,12 +36,17 @@ _BODY_LIMIT = 256
 _MAX_PAGES = 100
 
 
-def load_api_client(kubeconfig: str | None) -> client.ApiClient:
-    """An ApiClient from a kubeconfig file, or from the pod's service account."""
+def load_api_client(kubeconfig: str | None, *, agent: kube_client.ClientAgent | None = None
+                    ) -> client.ApiClient:
+    """An ApiClient from a kubeconfig file, or from the pod's service account, sending
+    ``agent``'s User-Agent under its rate limit (the process's, see
+    :mod:`driver.kube_client`, when ``agent`` is None)."""
     if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)
-    config.load_incluster_config()
-    return client.ApiClient()
+        api = config.new_client_from_config(config_file=kubeconfig)
+    else:
+        config.load_incluster_config()
+        api = client.ApiClient()
+    return kube_client.apply(api, agent)
 
 
 def _translate(exc: client.ApiException, what: str) -> KubeError:

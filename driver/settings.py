@@ -70,6 +70,10 @@ class DriverSettings(BaseModel):
     slice_resync_s: float = Field(default=30.0, gt=0, description="Re-check the published "
                                   "slices at least this often, watch events aside.")
     api_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of each API call.")
+    api_qps: float = Field(default=5.0, ge=0, description="Client-side limit on Kubernetes "
+                           "API requests per second (a token bucket; 0: none).")
+    api_burst: int = Field(default=10, ge=1, description="Kubernetes API requests that may "
+                           "go out at once, above --api-qps, after a quiet spell.")
     lock_timeout_s: float = Field(default=10.0, gt=0, description="Wait at most this long for "
                                   "the node-wide prepare lock.")
     pod_uid: str | None = Field(default=None, description="This driver pod's uid (downward "

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rota gateway: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level)
+    from driver.kube import ClientAgent, use_client_agent
+    use_client_agent(ClientAgent(component="rota-gateway", qps=settings.api_qps,
+                                 burst=settings.api_burst))
     try:
         _run(app.serve(settings))
     except app.StartupError as exc:

@@ -110,6 +110,10 @@ class GatewaySettings(BaseModel):
                                     "terminationGracePeriodSeconds above delay + grace.")
     api_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of each Kubernetes "
                                  "API call.")
+    api_qps: float = Field(default=20.0, ge=0, description="Client-side limit on Kubernetes "
+                           "API requests per second (a token bucket; 0: none).")
+    api_burst: int = Field(default=40, ge=1, description="Kubernetes API requests that may "
+                           "go out at once, above --api-qps, after a quiet spell.")
     watch_timeout_s: int = Field(default=60, ge=1, description="Server-side timeout of one "
                                  "Kubernetes watch; the watch re-opens after it.")
     resync_s: float = Field(default=300.0, gt=0, description="Full re-list of claims, pods and "
