@@ -7,16 +7,21 @@ was gone. Such a record holds its GPU budget and device for good, so new claims 
 GPU are refused. Every pass (a jittered period, :func:`driver.aio.run_periodically`) the
 collector:
 
-1. reads the ledger and, for each completed record, the claim from the API server; the
-   record is a *suspect* when the claim is gone (404), was re-created (another uid), or is
-   no longer allocated in this node's pool by this driver. An API error proves nothing:
-   that record is kept;
-2. keeps every suspect that a pod bound to this node still references (by namespace and
-   claim name, in ``spec.resourceClaims`` or ``status.resourceClaimStatuses``): the
-   kubelet may hold it (containers still running, a pod terminating, a kubelet that
-   re-sends prepares after a restart). Not a ``replaced`` one: a pod names claims by
-   name, and that name is now another claim, the one the pod holds (a claim cannot be
-   deleted while it is reserved for a pod, so no running pod holds the old uid);
+1. reads the ledger and, when it holds completed records, lists the pods bound to this
+   node (one request, however many records). A record whose claim such a pod references
+   (by namespace and claim name, in ``spec.resourceClaims`` or
+   ``status.resourceClaimStatuses``) is one the kubelet has not unprepared because it
+   still holds it (containers running, a pod terminating, a kubelet that re-sends prepares
+   after a restart): it is *held*, and not read from the API server. So a node at rest
+   costs one LIST per pass, not a GET per prepared claim;
+2. reads from the API server only the other records, and those that share their
+   namespace and name with another record (a claim deleted and re-created under the same
+   name: a pod names claims by name, so it cannot tell which uid it holds). The record
+   is a *suspect* when the claim is gone (404), was re-created (another uid), or is no
+   longer allocated in this node's pool by this driver. An API error proves nothing: that
+   record is kept. A ``replaced`` record is never held: the name is now another claim,
+   the one the pod holds (a claim cannot be deleted while it is reserved for a pod, so no
+   running pod holds the old uid);
 3. collects a suspect once it has been one for ``grace_s`` (so, with the default, across
    two passes or more), under the preparer's locks (the same as prepare's), and not if
    the preparer answered it prepared since the pass began: the kubelet holds it then.
@@ -30,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -88,8 +94,12 @@ class PassResult:
     """What one pass found and did."""
 
     checked: int = 0
+    """Completed records in the ledger."""
+    read: int = 0
+    """Records read from the API server (one GET each)."""
     suspects: dict[str, Verdict] = field(default_factory=dict)
     held: list[str] = field(default_factory=list)
+    """Records kept because a pod on this node references their claim."""
     collected: list[str] = field(default_factory=list)
 
 
@@ -130,17 +140,23 @@ class LedgerCollector:
         result = PassResult()
         completed = [r for r in state.claims.values() if r.state == "PrepareCompleted"]
         result.checked = len(completed)
-        for record in completed:
-            found = await self._verdict(record)
-            if found not in ("live", "unknown"):
-                result.suspects[record.uid] = found
-        if result.suspects:
+        held: set[tuple[str, str]] = set()
+        if completed:
             held = claims_held_by_pods(await self.kube.list_pods_on_node(self.node_name))
-            for uid, why in list(result.suspects.items()):
-                record = state.claims[uid]
-                if why != "replaced" and (record.namespace, record.name) in held:
-                    result.held.append(uid)
-                    del result.suspects[uid]
+        names = Counter((r.namespace, r.name) for r in completed)
+        for record in completed:
+            ref = (record.namespace, record.name)
+            if ref in held and names[ref] == 1:
+                result.held.append(record.uid)
+                continue
+            result.read += 1
+            found = await self._verdict(record)
+            if found in ("live", "unknown"):
+                continue
+            if found != "replaced" and ref in held:
+                result.held.append(record.uid)
+                continue
+            result.suspects[record.uid] = found
         for uid in list(self._suspect_since):
             if uid not in result.suspects:
                 del self._suspect_since[uid]
