@@ -10,7 +10,8 @@ as the API allows:
 - ResourceSlices: ``spec.nodeName=<node>,spec.driver=gpu.rota.dev`` on the server (the
   published memory of plain devices is the resident footprint of their claims).
 
-The API server sees one list per stream at start (paginated) and after a 410, then one
+The API server sees one list per stream at start (paginated) and after a 410 only (a lost
+connection resumes the watch from its last version), then one
 long watch each; the switches themselves read nothing but the GPU Lease. Claimants are
 rebuilt from the cache when it changed, never from a new list.
 """

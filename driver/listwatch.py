@@ -10,8 +10,12 @@ The protocol, as the API server expects it of a client that keeps a cache:
 2. watch from the list's ``resourceVersion`` with bookmarks on: each ADDED, MODIFIED or
    DELETED goes to ``on_event``; a BOOKMARK only advances the version, so a quiet watch
    can be re-opened after the server closes it (``timeout_seconds``) without a new list;
-3. a 410 Gone (the version is too old) lists again at once; any other error lists again
-   after a pause from the one retry schedule (:class:`driver.aio.Backoff`);
+3. a 410 Gone (the version is too old) lists again at once; any other error of a watch
+   (a connection reset, an API server restart, an ERROR event with another code) resumes
+   the watch from the last version seen, after a pause from the one retry schedule
+   (:class:`driver.aio.Backoff`), as client-go's reflector does: an API server restart
+   costs one watch request per stream, not a full list. A failed list is retried as a
+   list;
 4. optionally list again every ``relist_s`` even when nothing failed.
 
 Selectors (``field_selector``, ``label_selector``) narrow both the list and the watch on
@@ -94,6 +98,8 @@ class ListWatch:
         self._backoff = backoff or Backoff(first_s=0.5, max_s=30.0)
         self._on_error = on_error
         self._kept: set[str] = set()
+        self._version = ""
+        """The last resourceVersion seen; empty: list first."""
         self.stopping = threading.Event()
         self.listed = asyncio.Event()
         """Set (on the loop) once the first list has been handed on."""
@@ -181,13 +187,15 @@ class ListWatch:
             resp.close()
             resp.release_conn()
 
-    def _watch(self, version: str, listed_at: float) -> None:
-        """Watch from ``version`` until it is time to list again (returns) or an error."""
+    def _watch(self, listed_at: float) -> None:
+        """Watch from :attr:`_version` until it is time to list again (returns) or an
+        error; every event moves :attr:`_version`, so a watch that fails resumes there."""
         while not self.stopping.is_set():
             if self._relist_s is not None and time.monotonic() - listed_at >= self._relist_s:
                 return
-            for kind, obj in self._events(version):
-                version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+            for kind, obj in self._events(self._version):
+                self._version = str((obj.get("metadata") or {}).get("resourceVersion")
+                                    or self._version)
                 if kind == "BOOKMARK" or kind not in ("ADDED", "MODIFIED", "DELETED"):
                     continue
                 uid = self._uid(obj)
@@ -200,22 +208,33 @@ class ListWatch:
                 else:
                     self._kept.add(uid)
                 self._deliver(self._on_event, kind, obj)
+            self._backoff.reset()  # a watch the server ended in time: the link is good
 
     def _run(self) -> None:
+        listed_at = 0.0
         while not self.stopping.is_set():
             try:
-                items, version = self._list()
-                self._kept = {self._uid(o) for o in items}
-                self._deliver(self._replaced, items)
-                self._backoff.reset()
-                self._watch(version, time.monotonic())
+                if not self._version:
+                    items, self._version = self._list()
+                    listed_at = time.monotonic()
+                    self._kept = {self._uid(o) for o in items}
+                    self._deliver(self._replaced, items)
+                    self._backoff.reset()
+                self._watch(listed_at)
+                self._version = ""  # time to list again (relist_s)
             except _Gone:
+                self._version = ""
                 log.info("watch expired; listing again", extra={"resource": self.name})
             except Exception as exc:
                 if self.stopping.is_set():
                     return
+                if isinstance(exc, client.ApiException) and exc.status == _GONE:
+                    self._version = ""
+                    log.info("watch expired; listing again", extra={"resource": self.name})
+                    continue
                 if self._on_error is not None:
                     self._on_error(exc)
-                log.warning("list or watch failed; listing again after a pause", extra={
-                    "resource": self.name, "error": repr(exc)[:300]})
+                log.warning("list or watch failed; resuming after a pause", extra={
+                    "resource": self.name, "error": repr(exc)[:300],
+                    "from_version": self._version or None})
                 self._backoff.wait(self.stopping)
