@@ -4,7 +4,9 @@ Paths here are the node's own (inside its mount namespace ``/run``, ``/var/lib``
 ``/var/log`` are the node's directories). What each setting is for:
 
 - containerd: CDI on (always, in 2.x) with the standard spec directories; the pause image
-  pinned as the sandbox image (there is no registry to pull one from);
+  pinned as the sandbox image (there is no registry to pull one from); the registry hosts
+  directory (``config_path``) where a node pulls from plain-HTTP registries on the host's
+  loopback (:func:`registry_hosts`, one ``<host:port>/hosts.toml`` each);
   ``restrict_oom_score_adj`` because the machine forbids negative OOM scores (runc would
   fail every sandbox otherwise); cgroupfs; the plugin that would create ``/opt/containerd``
   on the machine disabled.
@@ -37,8 +39,12 @@ DISABLED_PLUGINS = (
 )
 
 
-def containerd_config(*, sandbox_image: str, cni_conf_dir: Path, runc: str) -> str:
+def containerd_config(*, sandbox_image: str, cni_conf_dir: Path, runc: str,
+                      registry_hosts_dir: Path | None = None) -> str:
     disabled = ", ".join(f'"{p}"' for p in DISABLED_PLUGINS)
+    registry = ("" if registry_hosts_dir is None else
+                f"  [plugins.'io.containerd.cri.v1.images'.registry]\n"
+                f"    config_path = \"{registry_hosts_dir}\"\n")
     return f"""version = 3
 root = "/var/lib/containerd"
 state = "/run/containerd"
@@ -54,7 +60,7 @@ disabled_plugins = [{disabled}]
   snapshotter = "overlayfs"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
     sandbox = "{sandbox_image}"
-
+{registry}
 [plugins.'io.containerd.cri.v1.runtime']
   restrict_oom_score_adj = true
   cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
@@ -66,6 +72,16 @@ disabled_plugins = [{disabled}]
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
       BinaryName = "{runc}"
       SystemdCgroup = false
+"""
+
+
+def registry_hosts(address: str) -> str:
+    """containerd's ``hosts.toml`` for a plain-HTTP registry at ``address`` (host:port):
+    resolve and pull over HTTP, no mirror, no fallback to another host."""
+    return f"""server = "http://{address}"
+
+[host."http://{address}"]
+  capabilities = ["pull", "resolve"]
 """
 
 

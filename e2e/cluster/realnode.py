@@ -66,6 +66,9 @@ class RealNodeOptions:
     """Extra KubeletConfiguration fields."""
     kubelet_verbosity: int = 1
     ready_timeout_s: float = 120.0
+    registry_ports: Sequence[int] = ()
+    """Plain-HTTP registries on the host's loopback the node pulls from: each is relayed to
+    the node's ``127.0.0.1:<port>`` and named in containerd's registry hosts directory."""
 
 
 @dataclass
@@ -222,6 +225,8 @@ class RealNode:
                              env=self._env(), die_with_parent=self._die_with_parent)
         self.relays.to_apiserver(self.cluster.api_port, self.listening_inside)
         self.relays.to_kubelet(self.kubelet_port)
+        for port in self.options.registry_ports:
+            self.relays.to_host(port, self.listening_inside)
 
     def _start_containerd(self) -> None:
         cni_dir = self.dir / "cni"
@@ -230,9 +235,15 @@ class RealNode:
         runc = shutil.which("runc")
         if runc is None:
             raise NodeStartError("runc is not installed (run e2e/setup-host.sh)")
+        hosts = self.dir / "certs.d"
+        for port in self.options.registry_ports:
+            address = f"127.0.0.1:{port}"
+            (hosts / address).mkdir(parents=True, exist_ok=True)
+            (hosts / address / "hosts.toml").write_text(node_config.registry_hosts(address))
         conf = self.dir / "containerd.toml"
         conf.write_text(node_config.containerd_config(
-            sandbox_image=self.images.pause, cni_conf_dir=cni_dir, runc=runc))
+            sandbox_image=self.images.pause, cni_conf_dir=cni_dir, runc=runc,
+            registry_hosts_dir=hosts if self.options.registry_ports else None))
         binary = str(self.bin_dir / "containerd")
         self.containerd = self._spawn("containerd", [binary, f"--config={conf}"], binary)
         socket = self.ns.path(node_config.CONTAINERD_SOCKET)

@@ -11,7 +11,9 @@ other listens on the socket and connects on TCP in the other namespace. Three ki
 - **to the kubelet** (apiserver -> kubelet, for logs, exec and port-forward): the host side
   listens on ``127.0.0.1:<kubelet port>``, which the apiserver dials for this node;
 - **forwards** (the host -> a pod address and port inside the node), for tests and the
-  demo, as ``kubectl port-forward`` would be used.
+  demo, as ``kubectl port-forward`` would be used;
+- **to a host port** (the node -> a server on the host's loopback, an OCI registry): the
+  node side listens on ``127.0.0.1:<port>``, so the same address names it on both sides.
 """
 
 from __future__ import annotations
@@ -77,6 +79,13 @@ class Relays:
                    listen_tcp=f"TCP-LISTEN:{kubelet_port},bind=127.0.0.1,fork,reuseaddr",
                    connect_tcp=f"TCP:127.0.0.1:{kubelet_port}",
                    ready=lambda: _host_listening(kubelet_port))
+
+    def to_host(self, port: int, listening: Callable[[int], bool]) -> None:
+        """The node's ``127.0.0.1:<port>`` reaches the host's ``127.0.0.1:<port>``."""
+        self._pair(f"host-{port}", listen_inside=True,
+                   listen_tcp=f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr",
+                   connect_tcp=f"TCP:127.0.0.1:{port}",
+                   ready=lambda: listening(port))
 
     def forward(self, address: str, port: int) -> int:
         """A host loopback port that reaches ``address:port`` inside the node."""

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -32,59 +31,17 @@ from e2e.release import (
     wheel_entry_points,
     wheel_top_levels,
 )
+from tests.release.releases import IMAGE_BUILDS, Release, clone, git, make_release
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 VERSION = "0.0.0-test"
 PY_VERSION = "0.0.0+test"
-GIT_ID = ["-c", "user.name=rota release test", "-c", "user.email=release-test@rota.invalid"]
-IMAGE_BUILDS = os.geteuid() == 0 and shutil.which("gcc") is not None
-
-
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", *GIT_ID, "-C", str(repo), *args], check=True,
-                          capture_output=True, text=True).stdout.strip()
-
-
-def _prepare_release_commit(clone: Path, py_version: str, version: str) -> None:
-    """What a release engineer commits first: the version (one place) and its CHANGELOG."""
-    pyproject = clone / "pyproject.toml"
-    text, count = re.subn(r'^version = ".*"$', f'version = "{py_version}"',
-                          pyproject.read_text(), count=1, flags=re.MULTILINE)
-    assert count == 1
-    pyproject.write_text(text)
-    changelog = clone / "CHANGELOG.md"
-    changelog.write_text(changelog.read_text().replace(
-        "## Unreleased", f"## [{version}]\n\nA release made by the release test.\n\n"
-                         "## Unreleased", 1))
-    _git(clone, "commit", "-q", "-am", f"Release {version}")
-
-
-class Release:
-    def __init__(self, clone: Path, dist: Path) -> None:
-        self.clone = clone
-        self.dist = dist
-        self.revision = _git(clone, "rev-parse", "HEAD")
-
-    def one(self, pattern: str) -> Path:
-        (path,) = self.dist.glob(pattern)
-        return path
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Release:
-    clone = tmp_path_factory.mktemp("release") / "rota"
-    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    _prepare_release_commit(clone, PY_VERSION, VERSION)
-    venv = Path(sys.prefix)
-    env = {**os.environ, "ROTA_CHART_TOOLS_BIN": str(tools_bin())}
-    # This checkout's virtualenv (-o: make takes it as installed, as it is).
-    argv = ["make", "-C", str(clone), "release", f"VERSION={VERSION}", f"VENV={venv}",
-            "-o", str(venv / ".installed"), f"IMAGE={1 if IMAGE_BUILDS else 0}"]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return Release(clone, clone / "dist")
+    return make_release(clone(tmp_path_factory.mktemp("release") / "rota"), VERSION)
 
 
 def test_sha256sums_name_and_verify_every_artifact(built: Release) -> None:
@@ -245,19 +202,18 @@ def test_changelog_sections(tmp_path: Path) -> None:
 
 def test_a_release_refuses_a_dirty_tree_a_wrong_version_or_no_changelog(
         tmp_path: Path) -> None:
-    clone = tmp_path / "rota"
-    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    repo = clone(tmp_path / "rota")
     dist = tmp_path / "dist"
-    (clone / "stray.txt").write_text("not committed\n")
+    (repo / "stray.txt").write_text("not committed\n")
     with pytest.raises(ReleaseError, match="not clean"):
-        release(clone, dist, VERSION, image=False)
-    (clone / "stray.txt").unlink()
+        release(repo, dist, VERSION, image=False)
+    (repo / "stray.txt").unlink()
     with pytest.raises(ReleaseError, match=r"pyproject\.toml"):
-        release(clone, dist, VERSION, image=False)
-    pyproject = clone / "pyproject.toml"
+        release(repo, dist, VERSION, image=False)
+    pyproject = repo / "pyproject.toml"
     pyproject.write_text(re.sub(r'^version = ".*"$', f'version = "{PY_VERSION}"',
                                 pyproject.read_text(), count=1, flags=re.MULTILINE))
-    _git(clone, "commit", "-q", "-am", "version only")
+    git(repo, "commit", "-q", "-am", "version only")
     with pytest.raises(ReleaseError, match="CHANGELOG"):
-        release(clone, dist, VERSION, image=False)
+        release(repo, dist, VERSION, image=False)
     assert not dist.exists()

@@ -1,0 +1,192 @@
+"""An OCI registry on the loopback address, holding rota's released image and chart.
+
+The registry is go-containerregistry's (``crane registry serve``, built from the Go module
+proxy by ``e2e/build-registry.sh`` into the tool cache; ``ROTA_REGISTRY_TOOLS_BIN`` names a
+directory that holds ``crane`` already). :class:`LocalRegistry` serves it on
+``127.0.0.1:<free port>`` over plain HTTP with its blobs in a data directory, waits (bounded)
+until ``/v2/`` answers, and stops it on every exit path (a context manager; the process
+also dies with its parent). What a release puts in it:
+
+- the image: :meth:`LocalRegistry.push_image` unpacks the release's OCI archive
+  (``rota-image-<v>.oci.tar``) into an OCI layout and ``crane push``-es it as
+  ``127.0.0.1:<port>/rota-dev/rota:<v>``; the manifest's bytes, so its digest, are the
+  archive's (the digest the released chart pins);
+- the chart: :meth:`LocalRegistry.push_chart` is ``helm push rota-<v>.tgz
+  oci://127.0.0.1:<port>/charts`` (``--plain-http``), so ``helm install rota
+  oci://127.0.0.1:<port>/charts/rota --version <v>`` installs it.
+
+A real node pulls from it with ``RealNodeOptions(registry_ports=[port])``: its containerd
+gets a ``hosts.toml`` for the plain-HTTP registry (``e2e.cluster.node_config``) and the
+node's ``127.0.0.1:<port>`` is relayed to the host's.
+
+For an admin, the same from a release's files on a registry of their own::
+
+    crane push <layout dir of rota-image-<v>.oci.tar> <registry>/rota-dev/rota:<v>
+    helm push rota-<v>.tgz oci://<registry>/charts
+    helm install rota oci://<registry>/charts/rota --version <v> \\
+        --namespace rota-system --create-namespace \\
+        --set image.repository=<registry>/rota-dev/rota --set engineNamespaces={team-a}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+
+import yaml
+
+from e2e.cluster.local import free_port
+from e2e.cluster.processes import ManagedProcess
+from e2e.waiting import eventually
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_SCRIPT = ROOT / "e2e" / "build-registry.sh"
+IMAGE_PATH = "rota-dev/rota"
+"""The image's repository below the registry's address (as below ``ghcr.io``)."""
+CHART_PATH = "charts"
+READY_TIMEOUT_S = 30.0
+
+
+class RegistryError(RuntimeError):
+    """The registry did not start, or a push failed; the message carries the output."""
+
+
+def registry_tools_bin() -> Path:
+    """The directory holding ``crane`` (built on first use, then cached)."""
+    given = os.environ.get("ROTA_REGISTRY_TOOLS_BIN")
+    if given:
+        return Path(given)
+    done = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
+                          check=False, timeout=1800)
+    if done.returncode != 0:
+        raise RegistryError(f"{BUILD_SCRIPT.name} failed:\n{done.stderr[-4000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def _run(argv: list[str], *, env: Mapping[str, str] | None = None,
+         timeout_s: float = 300.0) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False,
+                          timeout=timeout_s, env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        raise RegistryError(f"{' '.join(argv)} exited {done.returncode}:\n"
+                            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+class LocalRegistry:
+    """``crane registry serve`` on ``127.0.0.1``, blobs under ``data_dir``."""
+
+    def __init__(self, data_dir: Path, *, bin_dir: Path | None = None,
+                 port: int | None = None) -> None:
+        self.data_dir = data_dir
+        self.bin_dir = bin_dir or registry_tools_bin()
+        self.port = port or free_port()
+        self.process: ManagedProcess | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def crane(self) -> str:
+        return str(self.bin_dir / "crane")
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    def __enter__(self) -> LocalRegistry:
+        self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.process = ManagedProcess(
+            name="registry", log_path=self.log_path, exe=self.crane,
+            argv=[self.crane, "registry", "serve", "--address", self.address,
+                  "--disk", str(self.data_dir)])
+        self.process.start()
+        try:
+            eventually(self._answers, timeout=READY_TIMEOUT_S, max_interval=0.5,
+                       what=f"the registry answering on {self.address}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _answers(self) -> bool:
+        assert self.process is not None
+        if not self.process.alive():
+            raise RegistryError(f"the registry exited:\n{self.process.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"http://{self.address}/v2/", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop(timeout_s=10)
+            self.process = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self.process.log_tail(lines) if self.process is not None else ""
+
+    # -- contents ----------------------------------------------------------------------
+
+    def image_ref(self, tag: str) -> str:
+        return f"{self.address}/{IMAGE_PATH}:{tag}"
+
+    def push_image(self, archive: Path, tag: str) -> str:
+        """Push a one-image OCI archive as ``<address>/rota-dev/rota:<tag>``; its digest."""
+        with tempfile.TemporaryDirectory(prefix="rota-layout-") as tmp:
+            layout = Path(tmp)
+            with tarfile.open(archive) as tar:
+                tar.extractall(layout, filter="data")
+            (entry,) = json.loads((layout / "index.json").read_text())["manifests"]
+            _run([self.crane, "push", "--insecure", str(layout), self.image_ref(tag)])
+        pushed = self.digest(self.image_ref(tag))
+        if pushed != entry["digest"]:
+            raise RegistryError(f"{self.image_ref(tag)} is {pushed}, the archive's image "
+                                f"is {entry['digest']}")
+        return pushed
+
+    def digest(self, ref: str) -> str:
+        return _run([self.crane, "digest", "--insecure", ref], timeout_s=60).strip()
+
+    def chart_url(self) -> str:
+        """The OCI repository the charts are pushed below (``helm push``'s target)."""
+        return f"oci://{self.address}/{CHART_PATH}"
+
+    def push_chart(self, package: Path, helm: Path, *,
+                   env: Mapping[str, str] | None = None) -> str:
+        """``helm push`` a chart package; the chart's ``oci://`` reference (no version)."""
+        _run([str(helm), "push", str(package), self.chart_url(), "--plain-http"], env=env)
+        return f"{self.chart_url()}/{_chart_name(package)}"
+
+    def tags(self, repository: str) -> list[str]:
+        out = _run([self.crane, "ls", "--insecure", f"{self.address}/{repository}"],
+                   timeout_s=60)
+        return sorted(out.split())
+
+
+def _chart_name(package: Path) -> str:
+    """The chart's name, read from the package's ``Chart.yaml``."""
+    with tarfile.open(package) as tar:
+        member = next(m for m in tar.getmembers() if m.name.count("/") == 1
+                      and m.name.endswith("/Chart.yaml"))
+        handle = tar.extractfile(member)
+        if handle is None:
+            raise RegistryError(f"{package} has no Chart.yaml")
+        return str(yaml.safe_load(handle)["name"])

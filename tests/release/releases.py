@@ -1,0 +1,86 @@
+"""Releases of rota built as a release engineer builds them, for the tests that check them
+(``tests/release``) and the ones that install them (``tests/node/test_registry_install.py``).
+
+A release is made in a clone of this checkout: the commit a release engineer makes first
+(pyproject's version, the CHANGELOG section), then ``make release`` with this checkout's
+virtualenv. Several versions come from one clone, one release commit after another.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from e2e.chart import tools_bin
+from e2e.release import python_version
+
+REPO = Path(__file__).resolve().parents[2]
+GIT_ID = ["-c", "user.name=rota release test", "-c", "user.email=release-test@rota.invalid"]
+IMAGE_BUILDS = os.geteuid() == 0 and shutil.which("gcc") is not None
+"""Whether this machine can build the release image (the builder needs root and gcc)."""
+MAKE_TIMEOUT_S = 1800.0
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *GIT_ID, "-C", str(repo), *args], check=True,
+                          capture_output=True, text=True, timeout=120).stdout.strip()
+
+
+def clone(dest: Path) -> Path:
+    """A clone of this checkout's HEAD at ``dest``."""
+    subprocess.run(["git", "clone", "-q", str(REPO), str(dest)], check=True, timeout=300)
+    return dest
+
+
+def prepare_release_commit(repo: Path, version: str) -> None:
+    """What a release engineer commits first: the version (one place) and its CHANGELOG."""
+    pyproject = repo / "pyproject.toml"
+    text, count = re.subn(r'^version = ".*"$', f'version = "{python_version(version)}"',
+                          pyproject.read_text(), count=1, flags=re.MULTILINE)
+    if count != 1:
+        raise AssertionError("pyproject.toml has no version line")
+    pyproject.write_text(text)
+    changelog = repo / "CHANGELOG.md"
+    changelog.write_text(changelog.read_text().replace(
+        "## Unreleased", f"## [{version}]\n\nA release made by the release test.\n\n"
+                         "## Unreleased", 1))
+    git(repo, "commit", "-q", "-am", f"Release {version}")
+
+
+class Release:
+    """One built release: the clone's commit it was built from and its ``dist``."""
+
+    def __init__(self, repo: Path, dist: Path, version: str) -> None:
+        self.clone = repo
+        self.dist = dist
+        self.version = version
+        self.revision = git(repo, "rev-parse", "HEAD")
+
+    def one(self, pattern: str) -> Path:
+        (path,) = self.dist.glob(pattern)
+        return path
+
+
+def make_release(repo: Path, version: str, *, image: bool = IMAGE_BUILDS) -> Release:
+    """Commit ``version`` in ``repo`` (a clone) and ``make release`` it; the release's
+    ``dist`` is moved to ``repo/../dist-<version>`` so the next version keeps it."""
+    prepare_release_commit(repo, version)
+    venv = Path(sys.prefix)
+    env = {**os.environ, "ROTA_CHART_TOOLS_BIN": str(tools_bin())}
+    # This checkout's virtualenv (-o: make takes it as installed, as it is).
+    argv = ["make", "-C", str(repo), "release", f"VERSION={version}", f"VENV={venv}",
+            "-o", str(venv / ".installed"), f"IMAGE={1 if image else 0}"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False,
+                          timeout=MAKE_TIMEOUT_S)
+    if done.returncode != 0:
+        raise AssertionError(f"make release VERSION={version} failed:\n"
+                             f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    built = Release(repo, repo / "dist", version)
+    kept = repo.parent / f"dist-{version}"
+    shutil.move(built.dist, kept)
+    built.dist = kept
+    return built
