@@ -1,0 +1,207 @@
+"""rota installed from an OCI registry, as an admin installs released software: two
+releases (``make release``, the image included) pushed to a registry on the loopback
+address, ``helm install`` of the first from ``oci://``, a switch through the gateway,
+``helm upgrade`` to the second from the registry, a switch again, and ``helm uninstall``.
+
+The node pulls rota's image from the registry (containerd's ``hosts.toml`` for a
+plain-HTTP registry; the release image is in no archive the node imports): the pods run
+the digest the registry serves, and containerd holds it under the registry's name.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tarfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+import yaml
+from kubernetes import client
+
+from e2e.chart import tools_bin
+from e2e.cluster import LocalCluster
+from e2e.cluster.binaries import locate
+from e2e.cluster.realnode import GPU_LABELS, RealNode, RealNodeOptions
+from e2e.images import BuiltImages
+from e2e.registry import IMAGE_PATH, LocalRegistry
+from e2e.scenario import ask_seven
+from e2e.waiting import WaitTimeout, eventually, eventually_async
+from tests.node.test_helm_install import HelmRelease, _kubectl, _states
+from tests.real_node import needs_root
+from tests.release.releases import IMAGE_BUILDS, Release, clone, make_release
+
+pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root, pytest.mark.slow,
+              pytest.mark.sampled,
+              pytest.mark.skipif(not IMAGE_BUILDS, reason="the release image needs root and gcc")]
+
+NODE = "rota-registry-node"
+NODE_LABEL = "rota.test/registry-node"
+V1, V2 = "0.0.0-test.1", "0.0.0-test.2"
+COMPONENTS = ("driver", "controller", "gateway")
+
+
+@dataclass
+class Installed:
+    helm: HelmRelease
+    registry: LocalRegistry
+    chart: str
+    """The chart's ``oci://`` reference in the registry."""
+    digests: dict[str, str]
+    """Version -> the image digest the registry serves for it."""
+
+    def values(self) -> list[str]:
+        return [*self.helm.values(), "--plain-http",
+                "--set", f"nodeSelection.label.key={NODE_LABEL}",
+                "--set", f"image.repository={self.registry.address}/{IMAGE_PATH}"]
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Release]:
+    repo = clone(tmp_path_factory.mktemp("releases") / "rota")
+    return {version: make_release(repo, version) for version in (V1, V2)}
+
+
+@pytest.fixture(scope="module")
+def installed(cluster: LocalCluster, kube_api: client.ApiClient, rota_images: BuiltImages,
+              device_class: str, releases: dict[str, Release],
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    root = tmp_path_factory.mktemp("registry")
+    helm_home = {f"HELM_{kind}_HOME": str(root / kind.lower())
+                 for kind in ("CACHE", "CONFIG", "DATA")}
+    suffix = uuid.uuid4().hex[:6]
+    with LocalRegistry(root / "data") as registry:
+        digests = {v: registry.push_image(r.one("rota-image-*.oci.tar"), v)
+                   for v, r in releases.items()}
+        charts = {registry.push_chart(r.one("rota-*.tgz"), tools_bin() / "helm", env=helm_home)
+                  for r in releases.values()}
+        (chart,) = charts
+        node = RealNode(cluster, NODE, rota_images, bin_dir=locate(), options=RealNodeOptions(
+            labels={**GPU_LABELS, NODE_LABEL: "true"}, registry_ports=[registry.port]))
+        rel = HelmRelease(name=f"r{suffix}", namespace=f"rota-r{suffix}",
+                          engines=f"eng-r{suffix}", cluster=cluster, api=kube_api, node=node,
+                          bin_dir=tools_bin(), env=helm_home)
+        core = client.CoreV1Api(kube_api)
+        node.start()
+        try:
+            assert node.namespace is not None
+            subprocess.run(node.namespace.enter(["mount", "--make-rshared", "/var/lib"],
+                                                network=False), check=True, timeout=30)
+            for ns in (rel.namespace, rel.engines):
+                core.create_namespace({"metadata": {"name": ns}})
+            yield Installed(rel, registry, chart, digests)
+        finally:
+            if rel.installed:
+                rel.helm("uninstall", rel.name, "--namespace", rel.namespace, check=False)
+            for ns in (rel.engines, rel.namespace):
+                try:
+                    core.delete_namespace(ns)
+                except client.ApiException as exc:
+                    if exc.status != 404:
+                        raise
+            node.stop()
+
+
+def _image_ids(installed: Installed) -> set[str]:
+    """The imageID of every container of the release's driver, controller and gateway."""
+    return {status.image_id for component in COMPONENTS
+            for pod in installed.helm.pods(component)
+            for status in pod.status.container_statuses or []}
+
+
+def _wait_running(installed: Installed, version: str) -> None:
+    """Every component Ready, and every container on ``version``'s digest."""
+    want = {f"{installed.registry.address}/{IMAGE_PATH}@{installed.digests[version]}"}
+    rel = installed.helm
+    try:
+        eventually(lambda: all(len(rel.ready(c)) == 1 and len(rel.pods(c)) == 1
+                               for c in COMPONENTS) and _image_ids(installed) == want,
+                   timeout=300, max_interval=2.0,
+                   what=f"driver, controller and gateway Ready on {version}'s image")
+    except WaitTimeout as exc:
+        raise AssertionError(
+            f"image ids {_image_ids(installed)}, want {want}\n"
+            + _kubectl(rel, "-n", rel.namespace, "get", "pods", "-o", "wide")
+            + _kubectl(rel, "-n", rel.namespace, "get", "events")
+            + "registry log:\n" + installed.registry.log_tail(40)) from exc
+
+
+async def _switch(installed: Installed) -> str:
+    """Ask the asleep model through the gateway; it answers and then holds the GPU."""
+    rel = installed.helm
+    holder = eventually(lambda: rel.holder() if rel.holder()[0]
+                        .startswith(f"{rel.engines}/") else None,
+                        timeout=180, what="the controller holding the GPU for one engine")
+    assert holder is not None
+    (asleep,) = {e.model for e in rel.engine_pods} - {holder[1]}
+    gateway = rel.gateway_url()
+
+    async def answered() -> str:
+        async with aiohttp.ClientSession() as session:
+            return await ask_seven(session, gateway, asleep)
+
+    answer = await eventually_async(answered, timeout=180, max_interval=3.0,
+                                    what=f"an answer from {asleep} through the gateway")
+    assert answer.strip() == "7"
+    assert rel.holder()[1] == asleep
+    eventually(lambda: _states(rel) == ["asleep", "awake"], timeout=60,
+               what="one engine awake, one asleep")
+    return asleep
+
+
+def _pulled(installed: Installed) -> dict[str, str]:
+    """containerd's images on the node under the registry's name: ref -> digest."""
+    listed = installed.helm.node.ctr("images", "ls")
+    assert listed.returncode == 0, listed.stderr
+    prefix = f"{installed.registry.address}/{IMAGE_PATH}"
+    return {fields[0]: fields[2] for fields in (line.split() for line in
+                                                listed.stdout.splitlines()[1:])
+            if fields and fields[0].startswith(prefix)}
+
+
+async def test_install_from_the_registry_and_switch(installed: Installed) -> None:
+    assert installed.registry.tags("charts/rota") == [V1, V2]
+    rel = installed.helm
+    rel.helm("install", rel.name, installed.chart, "--version", V1, *installed.values())
+    rel.installed = True
+    _wait_running(installed, V1)
+    assert installed.digests[V1] in _pulled(installed).values()
+    rel.engine_pods = rel.rota.deploy_engines(rel.engines)
+    print(f"\ninstalled {V1} from {installed.chart}; switched to {await _switch(installed)}")
+
+
+async def test_upgrade_from_the_registry_and_switch(installed: Installed) -> None:
+    rel = installed.helm
+    if not rel.engine_pods:
+        pytest.fail("needs the install test's release and engines")
+    rel.helm("upgrade", rel.name, installed.chart, "--version", V2, *installed.values())
+    _wait_running(installed, V2)
+    history = rel.helm("history", rel.name, "--namespace", rel.namespace).stdout
+    assert f"rota-{V2}" in history
+    pulled = _pulled(installed)
+    assert installed.digests[V2] in pulled.values()
+    print(f"\nupgraded to {V2}; switched to {await _switch(installed)}; "
+          f"containerd holds {pulled}")
+
+
+def test_uninstall(installed: Installed) -> None:
+    rel = installed.helm
+    rel.helm("uninstall", rel.name, "--namespace", rel.namespace)
+    rel.installed = False
+    eventually(lambda: not client.CoreV1Api(rel.api).list_namespaced_pod(
+        rel.namespace, _request_timeout=10).items, timeout=600, max_interval=2.0,
+        what="the release's pods gone")
+    listed = rel.helm("list", "--namespace", rel.namespace, "-q").stdout
+    assert rel.name not in listed.split()
+
+
+def test_the_registry_serves_the_digests_the_charts_pin(
+        installed: Installed, releases: dict[str, Release]) -> None:
+    for version, built in releases.items():
+        with tarfile.open(built.one("rota-*.tgz")) as tar:
+            handle = tar.extractfile("rota/values.yaml")
+            assert handle is not None
+            pinned = str(yaml.safe_load(handle)["image"]["digest"])
+        assert pinned == installed.digests[version]
