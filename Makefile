@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools manifests images host venv clean help release chart-readme
+.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools registry-tools manifests images host venv clean help release chart-readme
 
 all: test
 
@@ -46,6 +46,9 @@ images: $(STAMP)
 
 chart-tools:
 	bash e2e/build-chart-tools.sh
+
+registry-tools:
+	bash e2e/build-registry.sh
 
 manifests: $(STAMP)
 	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" $(PY) -m e2e.chart render-manifests
