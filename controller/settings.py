@@ -49,9 +49,9 @@ class LeaseSettings(BaseModel):
                           description="This instance's name in the controller Lease.")
     kubeconfig: str | None = Field(default=None, description="kubeconfig; in-cluster when "
                                                              "unset.")
-    api_qps: float = Field(default=5.0, ge=0, description="Client-side limit on Kubernetes "
+    api_qps: float = Field(default=20.0, ge=0, description="Client-side limit on Kubernetes "
                            "API requests per second (a token bucket; 0: none).")
-    api_burst: int = Field(default=10, ge=1, description="Kubernetes API requests that may "
+    api_burst: int = Field(default=40, ge=1, description="Kubernetes API requests that may "
                            "go out at once, above --api-qps, after a quiet spell.")
     inspect_socket: Path = Field(default=Path("/var/lib/kubelet/plugins/gpu.rota.dev/"
                                               "inspect.sock"),
