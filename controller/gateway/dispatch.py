@@ -169,7 +169,7 @@ class Dispatcher:
                 if attempt == 1:
                     self.metrics.queue_wait.labels(gen.model).observe(
                         time.perf_counter() - gen.arrived)
-                version = self.state.version
+                version = self.state.model_version(gen.model)
                 downstream.note = f"model '{gen.model}' is generating"
                 with gate.upstream():
                     result = await self._forward(downstream, gen, decision)
@@ -189,7 +189,8 @@ class Dispatcher:
                 moved_on = result.reason == "lost_gpu"
                 if attempt >= self.settings.upstream_attempts or remaining <= 0 or not (
                         moved_on or await self.state.wait_changed(
-                            version, min(self.settings.lost_gpu_grace_s, remaining))):
+                            version, min(self.settings.lost_gpu_grace_s, remaining),
+                            model=gen.model)):
                     log.warning("engine did not serve; passing its refusal on", extra=extra)
                     return await self._refusal(downstream, gen, result)
                 log.info("engine no longer serves this model; routing again", extra=extra)
@@ -253,7 +254,8 @@ class Dispatcher:
         if now >= deadline:
             raise Unavailable(f"Waited too long for model '{model}': {what}.",
                               code=code, retry_after=self.settings.retry_after_s)
-        await self.state.wait_changed(self.state.version, min(until, deadline) - now)
+        await self.state.wait_changed(self.state.model_version(model),
+                                      min(until, deadline) - now, model=model)
 
     async def _route(self, gen: ModelRequest, deadline: float,
                      downstream: Downstream) -> Decision:
@@ -276,8 +278,9 @@ class Dispatcher:
             if activated is not None:
                 claim, fence, version = activated
                 seen = self.state.fence_of(claim)
-                if seen is None or seen < fence or (self.state.version == version
-                                                    and decision.claim == claim):
+                if seen is None or seen < fence or (
+                        self.state.model_version(model) == version
+                        and decision.claim == claim):
                     # Done, says the controller; this gateway has not seen it yet.
                     await self._wait(model, deadline, deadline, "its Lease to show it awake")
                     continue
@@ -320,7 +323,7 @@ class Dispatcher:
             if not expecting.done():  # a fast switch: its expectation is on its way
                 await asyncio.wait({expecting}, timeout=_EXPECTATION_GRACE_S)
             expecting.cancel()
-            activated = (done.claim, done.fence, self.state.version)
+            activated = (done.claim, done.fence, self.state.model_version(model))
 
 
 def _told(downstream: Downstream, expecting: asyncio.Task[Expectation | None]) -> None:
