@@ -8,7 +8,7 @@ reachable through it.
 
 - ``POST /v1/activate``: the contract is :mod:`controller.api.activation`.
 - ``GET /v1/state``: :class:`~controller.api.activation.StateAnswer`, the GPU Leases this
-  instance knows and its claimants, each with its expected switch (:func:`expectation`:
+  instance knows and its claimants, each with its expected switch (:meth:`GpuWorker.expectation`:
   the costs this controller measured per claim, the ones its policy decides with).
 
 A caller that disconnects while its activation waits is gone from its switch's queue (the
@@ -33,8 +33,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from controller import metrics, naming
-from controller import policy as switch_policy
+from controller import metrics
 from controller.api.activation import (
     MAX_BODY_BYTES,
     PATH,
@@ -52,7 +51,6 @@ from controller.api.activation import (
 )
 from controller.claimants import Claimant
 from controller.credentials import ApiKeys
-from controller.gpu import GpuWorker
 from controller.node import NodeController, UnknownModel
 from controller.switch import Fenced
 
@@ -121,44 +119,6 @@ async def activate(request: web.Request) -> web.Response:
     return web.json_response(answer.model_dump())
 
 
-def _cost(worker: GpuWorker, holder: str | None, target: str | None) -> float:
-    """The expected cost of a switch from ``holder`` (None: nobody awake) to ``target``
-    (None: a claimant not known yet): the holder's sleep and drain, the target's wake and
-    probe, as the worker measured them (the policy's defaults otherwise)."""
-    default = switch_policy.SwitchCost()
-    costs = worker._costs
-    sleep = 0.0 if holder is None else (costs.get(holder, default).sleep_s
-                                        + worker._drains.get(holder, 0.0))
-    woken = costs.get(target, default) if target is not None else default
-    return sleep + woken.wake_s + woken.probe_s
-
-
-def expectation(worker: GpuWorker, claimant: Claimant) -> tuple[float, int, float]:
-    """``(expected_switch_s, queue_position, expected_wait_s)`` of a switch to
-    ``claimant`` on ``worker``'s GPU now (see :class:`ClaimantState`)."""
-    lease = worker.lease
-    holder = lease.holder if lease is not None and lease.state == naming.STATE_AWAKE \
-        and lease.holder else None
-    if holder == claimant.ref and not worker._switching:
-        return 0.0, 0, 0.0
-    wait = 0.0
-    position = 0
-    current: str | None = holder
-    if worker._switching:  # a switch in flight, to a claimant this worker does not name
-        wait += _cost(worker, current, None)
-        position += 1
-        current = None
-    for queued in worker._queue.values():
-        if queued.claimant.claim_uid == claimant.claim_uid:
-            break
-        if queued.home or queued.waiting():
-            wait += _cost(worker, current, queued.claimant.ref)
-            position += 1
-            current = queued.claimant.ref
-    own = _cost(worker, holder, claimant.ref)
-    return round(own, 3), position, round(wait + _cost(worker, current, claimant.ref), 3)
-
-
 def _claimant_state(node: NodeController, claimant: Claimant) -> ClaimantState:
     state = ClaimantState(claim=claimant.ref, model=claimant.model, device=claimant.device,
                           gpu=claimant.gpu, endpoint=claimant.endpoint,
@@ -166,7 +126,7 @@ def _claimant_state(node: NodeController, claimant: Claimant) -> ClaimantState:
     worker = node.workers.get(claimant.gpu)
     if worker is None:
         return state
-    switch_s, position, wait_s = expectation(worker, claimant)
+    switch_s, position, wait_s = worker.expectation(claimant)
     return state.model_copy(update={"expected_switch_s": switch_s, "queue_position": position,
                                     "expected_wait_s": wait_s})
 

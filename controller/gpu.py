@@ -212,6 +212,45 @@ class GpuWorker:
     def device(self) -> str:
         return self.gpu
 
+    # -- what a switch is expected to cost (for /v1/state) -----------------------------
+
+    def switch_cost(self, holder: str | None, target: str | None) -> float:
+        """The expected cost of a switch from ``holder`` (None: nobody awake) to ``target``
+        (None: a claimant not known yet): the holder's sleep and drain, the target's wake and
+        probe, as this worker measured them (the policy's defaults otherwise)."""
+        default = switch_policy.SwitchCost()
+        costs = self._costs
+        sleep = 0.0 if holder is None else (costs.get(holder, default).sleep_s
+                                            + self._drains.get(holder, 0.0))
+        woken = costs.get(target, default) if target is not None else default
+        return sleep + woken.wake_s + woken.probe_s
+
+    def expectation(self, claimant: Claimant) -> tuple[float, int, float]:
+        """``(expected_switch_s, queue_position, expected_wait_s)`` of a switch to
+        ``claimant`` on this GPU now (see
+        :class:`controller.api.activation.ClaimantState`)."""
+        lease = self.lease
+        holder = lease.holder if lease is not None and lease.state == naming.STATE_AWAKE \
+            and lease.holder else None
+        if holder == claimant.ref and not self._switching:
+            return 0.0, 0, 0.0
+        wait = 0.0
+        position = 0
+        current: str | None = holder
+        if self._switching:  # a switch in flight, to a claimant this worker does not name
+            wait += self.switch_cost(current, None)
+            position += 1
+            current = None
+        for queued in self._queue.values():
+            if queued.claimant.claim_uid == claimant.claim_uid:
+                break
+            if queued.home or queued.waiting():
+                wait += self.switch_cost(current, queued.claimant.ref)
+                position += 1
+                current = queued.claimant.ref
+        own = self.switch_cost(holder, claimant.ref)
+        return round(own, 3), position, round(wait + self.switch_cost(current, claimant.ref), 3)
+
     # -- opening and closing -----------------------------------------------------------
 
     def open(self) -> None:
