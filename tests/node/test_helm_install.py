@@ -13,31 +13,24 @@ from __future__ import annotations
 import asyncio
 import io
 import random
-import subprocess
-import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from kubernetes import client
 
-from controller import naming
 from controller.kubectl_rota import main as kubectl_rota
 from controller.visible_state import LABEL_STATE, EventReason
 from e2e.chaos.load import client_loop, into_tally
 from e2e.chaos.tally import Answer, Tally
-from e2e.chart import CHART, run_tool, tools_bin
+from e2e.chart import CHART
 from e2e.cluster import LocalCluster
-from e2e.cluster.binaries import locate
-from e2e.cluster.realnode import FAKE_GPU_DEV_ROOT, GPU_LABELS, RealNode, RealNodeOptions
-from e2e.deploy import RotaDeployment, is_ready
+from e2e.deploy import is_ready
 from e2e.images import BuiltImages
-from e2e.rota_node import GATEWAY_PORT, EnginePod, RotaOnNodes
 from e2e.scenario import ask_seven
-from e2e.waiting import WaitTimeout, eventually, eventually_async
+from e2e.waiting import eventually, eventually_async
+from tests.node.helm import HelmRelease, engine_states, helm_stage, kubectl
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root, pytest.mark.slow]
@@ -45,139 +38,17 @@ pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root, pytest.mark.slo
 NODE = "rota-helm-node"
 NODE_LABEL = "rota.test/helm-node"
 """The label that selects the release's node (the session's rota selects its own)."""
-PROC_DIR = "/var/lib/kubelet/plugins/gpu.rota.dev/fake-nvml"
-"""The fake NVML process registry: inside the driver's plugin directory, a host path the
-chart mounts at the same path."""
-
-
-@dataclass
-class HelmRelease:
-    name: str
-    namespace: str
-    engines: str
-    cluster: LocalCluster
-    api: client.ApiClient
-    node: RealNode
-    bin_dir: Path
-    env: dict[str, str]
-    installed: bool = False
-    rota: RotaOnNodes = field(init=False)
-    engine_pods: list[EnginePod] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        # Only the node and the API of this helper are used (engines, relays).
-        self.rota = RotaOnNodes(self.cluster, [self.node],
-                                RotaDeployment(api=self.api, token="", docs=[]))
-
-    @property
-    def fullname(self) -> str:
-        return f"{self.name}-rota"
-
-    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return run_tool("helm", [*args, "--kubeconfig", str(self.cluster.kubeconfig)],
-                        bin_dir=self.bin_dir, env=self.env, timeout_s=300, check=check)
-
-    def values(self, *extra: str) -> list[str]:
-        """What the admin sets: the engine namespace, the node label, and (no GPU on this
-        node) the fake NVML backend with the fake GPU's device nodes."""
-        sets = ["deviceClass.create=false",  # the session's tests share the DeviceClass
-                f"engineNamespaces={{{self.engines}}}",
-                f"gateway.modelBinding.namespaces={{{self.engines}}}",
-                "gateway.replicas=1",
-                f"nodeSelection.label.key={NODE_LABEL}",
-                "nvml.fakeFixture=h200",
-                f"cdi.devRoot={FAKE_GPU_DEV_ROOT}",
-                "driver.extraEnv[0].name=ROTA_FAKE_NVML_PROC_DIR",
-                f"driver.extraEnv[0].value={PROC_DIR}",
-                "image.pullPolicy=IfNotPresent", *extra]
-        args = ["--namespace", self.namespace,
-                "--set-string", f"gateway.nodeSelector.kubernetes\\.io/hostname={self.node.name}"]
-        for item in sets:
-            args += ["--set", item]
-        return args
-
-    def pods(self, component: str) -> list[client.V1Pod]:
-        return list(client.CoreV1Api(self.api).list_namespaced_pod(
-            self.namespace, label_selector=f"app.kubernetes.io/component={component},"
-                                           f"app.kubernetes.io/instance={self.name}",
-            _request_timeout=10).items)
-
-    def ready(self, component: str) -> list[client.V1Pod]:
-        return [p for p in self.pods(component) if is_ready(p)]
-
-    def wait_ready(self) -> None:
-        try:
-            eventually(lambda: all(len(self.ready(c)) == 1 for c in
-                                   ("driver", "controller", "gateway")),
-                       timeout=300, max_interval=2.0,
-                       what="driver, controller and gateway Ready")
-        except WaitTimeout as exc:
-            raise AssertionError(
-                _kubectl(self, "-n", self.namespace, "get", "pods", "-o", "wide")
-                + _kubectl(self, "-n", self.namespace, "get", "events")
-                + _kubectl(self, "-n", self.namespace, "describe", "pods")[-6000:]) from exc
-
-    def gateway_url(self) -> str:
-        (pod,) = self.ready("gateway")
-        return self.rota.pod_url(pod, GATEWAY_PORT)
-
-    def holder(self) -> tuple[str, str]:
-        lease = client.CoordinationV1Api(self.api).read_namespaced_lease(
-            naming.gpu_lease_name(self.node.name, "gpu-0"), self.namespace,
-            _request_timeout=10)
-        annotations = lease.metadata.annotations or {}
-        return lease.spec.holder_identity or "", annotations.get(naming.HOLDER_MODEL, "")
 
 
 @pytest.fixture(scope="module")
 def release(cluster: LocalCluster, kube_api: client.ApiClient, rota_images: BuiltImages,
             device_class: str, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[HelmRelease]:
-    helm_root = tmp_path_factory.mktemp("helm")
-    helm_home = {f"HELM_{kind}_HOME": str(helm_root / kind.lower())
-                 for kind in ("CACHE", "CONFIG", "DATA")}
-    suffix = uuid.uuid4().hex[:6]
-    node = RealNode(cluster, NODE, rota_images, bin_dir=locate(),
-                    options=RealNodeOptions(labels={**GPU_LABELS, NODE_LABEL: "true"}))
-    rel = HelmRelease(name=f"h{suffix}", namespace=f"rota-h{suffix}",
-                      engines=f"eng-h{suffix}", cluster=cluster, api=kube_api, node=node,
-                      bin_dir=tools_bin(), env=helm_home)
-    core = client.CoreV1Api(kube_api)
-    node.start()
-    try:
-        # A device root other than /dev is mounted with HostToContainer propagation, which
-        # needs a shared mount on the node (as systemd makes every mount).
-        assert node.namespace is not None
-        subprocess.run(node.namespace.enter(["mount", "--make-rshared", "/var/lib"],
-                                            network=False), check=True, timeout=30)
-        for ns in (rel.namespace, rel.engines):
-            core.create_namespace({"metadata": {"name": ns}})
+    with helm_stage(cluster, kube_api, rota_images, root=tmp_path_factory.mktemp("helm"),
+                    node=NODE, node_label=NODE_LABEL, prefix="h") as rel:
         rel.helm("install", rel.name, str(CHART), *rel.values())
         rel.installed = True
         yield rel
-    finally:
-        if rel.installed:
-            rel.helm("uninstall", rel.name, "--namespace", rel.namespace, check=False)
-        for ns in (rel.engines, rel.namespace):
-            try:
-                core.delete_namespace(ns)
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    raise
-        node.stop()
-
-
-def _kubectl(release: HelmRelease, *args: str) -> str:
-    done = subprocess.run([str(locate() / "kubectl"), "--kubeconfig",
-                           str(release.cluster.kubeconfig), *args],
-                          capture_output=True, text=True, check=False, timeout=60)
-    return done.stdout + done.stderr
-
-
-def _states(release: HelmRelease) -> list[str]:
-    pods = client.CoreV1Api(release.api).list_namespaced_pod(release.engines,
-                                                              _request_timeout=10).items
-    return sorted((p.metadata.labels or {}).get(LABEL_STATE, "") for p in pods)
 
 
 def _switched_in(release: HelmRelease, model_pod: str) -> bool:
@@ -206,7 +77,7 @@ async def test_install_brings_rota_up_and_engines_switch(release: HelmRelease) -
                                     what=f"an answer from {asleep} through the gateway")
     assert answer.strip() == "7"
     assert release.holder()[1] == asleep
-    eventually(lambda: _states(release) == ["asleep", "awake"], timeout=60,
+    eventually(lambda: engine_states(release) == ["asleep", "awake"], timeout=60,
                what="one engine awake, one asleep")
     eventually(lambda: _switched_in(release, models[asleep].name), timeout=60,
                what=f"a SwitchedIn event for {models[asleep].name}")
@@ -216,8 +87,8 @@ async def test_install_brings_rota_up_and_engines_switch(release: HelmRelease) -
         "--kubeconfig", str(release.cluster.kubeconfig), "-n", release.namespace,
         "--secret", f"{release.fullname}-activation-token", "status"], status)
     print("\n$ kubectl get pods -L gpu.rota.dev/state\n"
-          + _kubectl(release, "-n", release.engines, "get", "pods", "-L", LABEL_STATE))
-    print("$ kubectl get events\n" + _kubectl(release, "-n", release.engines, "get", "events"))
+          + kubectl(release, "-n", release.engines, "get", "pods", "-L", LABEL_STATE))
+    print("$ kubectl get events\n" + kubectl(release, "-n", release.engines, "get", "events"))
     print(f"$ kubectl rota status  (exit {code})\n{status.getvalue()}")
     assert code == 0
     assert asleep in status.getvalue()

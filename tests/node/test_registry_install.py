@@ -10,9 +10,7 @@ the digest the registry serves, and containerd holds it under the registry's nam
 
 from __future__ import annotations
 
-import subprocess
 import tarfile
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,13 +21,11 @@ from kubernetes import client
 
 from e2e.chart import tools_bin
 from e2e.cluster import LocalCluster
-from e2e.cluster.binaries import locate
-from e2e.cluster.realnode import GPU_LABELS, RealNode, RealNodeOptions
 from e2e.images import BuiltImages
 from e2e.registry import IMAGE_PATH, LocalRegistry
 from e2e.scenario import ask_seven
 from e2e.waiting import WaitTimeout, eventually, eventually_async
-from tests.node.test_helm_install import HelmRelease, _kubectl, _states
+from tests.node.helm import HelmRelease, engine_states, helm_homes, helm_stage, kubectl
 from tests.real_node import needs_root
 from tests.release.releases import IMAGE_BUILDS, Release, clone, make_release
 
@@ -54,7 +50,6 @@ class Installed:
 
     def values(self) -> list[str]:
         return [*self.helm.values(), "--plain-http",
-                "--set", f"nodeSelection.label.key={NODE_LABEL}",
                 "--set", f"image.repository={self.registry.address}/{IMAGE_PATH}"]
 
 
@@ -69,39 +64,17 @@ def installed(cluster: LocalCluster, kube_api: client.ApiClient, rota_images: Bu
               device_class: str, releases: dict[str, Release],
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     root = tmp_path_factory.mktemp("registry")
-    helm_home = {f"HELM_{kind}_HOME": str(root / kind.lower())
-                 for kind in ("CACHE", "CONFIG", "DATA")}
-    suffix = uuid.uuid4().hex[:6]
     with LocalRegistry(root / "data") as registry:
+        helm_home = helm_homes(root)
         digests = {v: registry.push_image(r.one("rota-image-*.oci.tar"), v)
                    for v, r in releases.items()}
         charts = {registry.push_chart(r.one("rota-*.tgz"), tools_bin() / "helm", env=helm_home)
                   for r in releases.values()}
         (chart,) = charts
-        node = RealNode(cluster, NODE, rota_images, bin_dir=locate(), options=RealNodeOptions(
-            labels={**GPU_LABELS, NODE_LABEL: "true"}, registry_ports=[registry.port]))
-        rel = HelmRelease(name=f"r{suffix}", namespace=f"rota-r{suffix}",
-                          engines=f"eng-r{suffix}", cluster=cluster, api=kube_api, node=node,
-                          bin_dir=tools_bin(), env=helm_home)
-        core = client.CoreV1Api(kube_api)
-        node.start()
-        try:
-            assert node.namespace is not None
-            subprocess.run(node.namespace.enter(["mount", "--make-rshared", "/var/lib"],
-                                                network=False), check=True, timeout=30)
-            for ns in (rel.namespace, rel.engines):
-                core.create_namespace({"metadata": {"name": ns}})
+        with helm_stage(cluster, kube_api, rota_images, root=root, node=NODE,
+                        node_label=NODE_LABEL, prefix="r",
+                        registry_ports=[registry.port]) as rel:
             yield Installed(rel, registry, chart, digests)
-        finally:
-            if rel.installed:
-                rel.helm("uninstall", rel.name, "--namespace", rel.namespace, check=False)
-            for ns in (rel.engines, rel.namespace):
-                try:
-                    core.delete_namespace(ns)
-                except client.ApiException as exc:
-                    if exc.status != 404:
-                        raise
-            node.stop()
 
 
 def _image_ids(installed: Installed) -> set[str]:
@@ -123,8 +96,8 @@ def _wait_running(installed: Installed, version: str) -> None:
     except WaitTimeout as exc:
         raise AssertionError(
             f"image ids {_image_ids(installed)}, want {want}\n"
-            + _kubectl(rel, "-n", rel.namespace, "get", "pods", "-o", "wide")
-            + _kubectl(rel, "-n", rel.namespace, "get", "events")
+            + kubectl(rel, "-n", rel.namespace, "get", "pods", "-o", "wide")
+            + kubectl(rel, "-n", rel.namespace, "get", "events")
             + "registry log:\n" + installed.registry.log_tail(40)) from exc
 
 
@@ -146,7 +119,7 @@ async def _switch(installed: Installed) -> str:
                                     what=f"an answer from {asleep} through the gateway")
     assert answer.strip() == "7"
     assert rel.holder()[1] == asleep
-    eventually(lambda: _states(rel) == ["asleep", "awake"], timeout=60,
+    eventually(lambda: engine_states(rel) == ["asleep", "awake"], timeout=60,
                what="one engine awake, one asleep")
     return asleep
 
