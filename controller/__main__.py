@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         from controller.gateway.__main__ import main as gateway_main
 
         return gateway_main(rest)
-    from controller import app, settings
+    from controller.lease import app, settings
 
     try:
         config = settings.load(rest)

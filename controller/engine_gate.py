@@ -9,7 +9,7 @@ granted, replaces itself with the engine (``exec``: same process, same environme
 the engine's GPU memory is attributed to its claim as before). The controller grants the
 slot when the engine may initialise on the GPU without running out of memory beside the
 awake engine: after it put that engine to sleep (start-up admission, see
-``controller.admission``). A container that restarts goes through the gate again.
+``controller.lease.admission``). A container that restarts goes through the gate again.
 
 It reads what the driver's CDI spec put in the container:
 

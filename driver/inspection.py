@@ -6,7 +6,7 @@ puts it in (its cgroup, :mod:`driver.cgroups`) and the claim it names itself: th
 ``ROTA_CLAIM_UID`` that rota's CDI spec put in the engine's environment. The pod is the
 fact; the claim uid is the process's word, which any process can forge. It is reported
 only for a process in a pod, and the controller counts a process as a claimant's only when
-it runs in the pod the claim is reserved for (``controller.device.owner_of``). A process in
+it runs in the pod the claim is reserved for (``controller.lease.device.owner_of``). A process in
 no pod names no claim: memory held by something that is not a claimant.
 
 ``ROTA_POD_UID`` from a process's environment is never taken as its pod, except where the

@@ -32,7 +32,7 @@ Optional sections:
   answer, token budget, ``reasoning_content``, or ``mode: structure`` for models whose
   answer cannot be predicted).
 - ``omniStageIds`` (required for ``adapter: vllm-omni``): the pipeline's stages.
-- Switch policy (``controller/policy.py``): ``priority``, ``keepAliveSeconds``,
+- Switch policy (``controller/lease/policy.py``): ``priority``, ``keepAliveSeconds``,
   ``maxWaitSeconds``, ``shareWeight``, ``home``; each absent field takes the lease
   controller's node-wide default.
 

@@ -14,9 +14,9 @@ for real is the rest of the path a switch takes:
   real device memory (``--memory-backend cuda``; with the fake NVML they count it and
   register it), each started with ``ROTA_CLAIM_UID`` so the inspection service attributes
   its processes to a claim;
-- the lease controller's :class:`~controller.switch.Switcher` (and, for engines that span
-  GPUs, :class:`~controller.gang.GangSwitch`) with the real engine adapters, the real
-  :class:`~controller.device.DeviceReader` on the inspection socket, claimants built by
+- the lease controller's :class:`~controller.lease.switch.Switcher` (and, for engines that span
+  GPUs, :class:`~controller.lease.gang.GangSwitch`) with the real engine adapters, the real
+  :class:`~controller.lease.device.DeviceReader` on the inspection socket, claimants built by
   hand (as the claims' opaque config would give them) and in-memory lease ports (a
   compare-and-swap on a counter instead of a Lease object, one per GPU).
 

@@ -7,7 +7,7 @@ GPU, and compares, on the same arrivals:
 
 - ``on-demand``: first-come switching, llama-swap's behaviour (one global queue in arrival
   order; a request for a sleeping model drains the holder, sleeps it and wakes its model);
-- ``rota``: :func:`controller.policy.decide` with the lease controller's default settings;
+- ``rota``: :func:`controller.lease.policy.decide` with the lease controller's default settings;
 - ``rota-prio-home``: the same with model 0 at a higher priority and as the GPU's home;
 - ``static``: a fixed time split (each model a fixed slot of ``--static-period-s``, in turn).
 
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from controller.policy import (
+from controller.lease.policy import (
     Action,
     ClaimQueue,
     GpuView,
@@ -56,7 +56,7 @@ from controller.policy import (
     SwitchCost,
     decide,
 )
-from controller.settings import LeaseSettings
+from controller.lease.settings import LeaseSettings
 from e2e.stats import percentile
 
 ATTRIBUTION = (

@@ -16,8 +16,8 @@ import json
 import time
 from collections.abc import Callable
 
-from controller.engines import prom
-from controller.engines.common import IN_FLIGHT_METRICS, SLEEP_STATE_METRIC
+from controller.lease.engines import prom
+from controller.lease.engines.common import IN_FLIGHT_METRICS, SLEEP_STATE_METRIC
 
 HISTOGRAMS = ("time_to_first_token_seconds", "e2e_request_latency_seconds",
               "request_prompt_tokens", "request_generation_tokens",

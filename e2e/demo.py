@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from kubernetes import client
 
-from controller import naming
+from controller.api import naming
 from driver.logs import configure
 from e2e.cluster import LocalCluster, binaries
 from e2e.cluster.realnode import RealNode

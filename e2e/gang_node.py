@@ -19,17 +19,17 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp.test_utils import TestServer
 
-from controller import naming
-from controller.admission import StartLimits, StartSwitch
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.device import GpuProcess, GpuSnapshot
-from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
-from controller.engines.registry import make_adapter
-from controller.gpu import GpuWorker, Policy
-from controller.gpu_locks import GpuLocks, domains
-from controller.leases import GpuLease
-from controller.settings import StepTimeouts
-from controller.switch import Limits, Ports, Switcher
+from controller.lease.admission import StartLimits, StartSwitch
+from controller.lease.device import GpuProcess, GpuSnapshot
+from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
+from controller.lease.engines.registry import make_adapter
+from controller.lease.gpu import GpuWorker, Policy
+from controller.lease.gpu_locks import GpuLocks, domains
+from controller.lease.settings import StepTimeouts
+from controller.lease.switch import Limits, Ports, Switcher
 from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.engine_simulator import Settings, create_app
 from e2e.engine_simulator.engine import Engine as SimEngine

@@ -2,7 +2,7 @@
 
 :class:`MemoryLeasePort` keeps a GPU Lease in memory with the API server's rules: every
 write is a compare-and-swap on ``resourceVersion`` (a stale write raises
-:class:`~controller.switch.Fenced`, as the real port does), every read answers the current
+:class:`~controller.lease.switch.Fenced`, as the real port does), every read answers the current
 copy, and :meth:`MemoryLeasePort.move` is another writer taking the Lease over.
 :class:`ReaderDevice` is the device port on the real inspection client.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import datetime as dt
 
-from controller.device import DeviceReader, GpuSnapshot
-from controller.leases import GpuLease
-from controller.switch import Fenced
+from controller.api.gpu_lease import GpuLease
+from controller.lease.device import DeviceReader, GpuSnapshot
+from controller.lease.switch import Fenced
 
 __all__ = ["MemoryLeasePort", "ReaderDevice"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from kubernetes import client
 
-from controller.device import DeviceError, DeviceReader
+from controller.lease.device import DeviceError, DeviceReader
 from driver.devices import device_name
 from driver.inspection import process_environment
 from driver.nvml.fake import FakeNvml

@@ -4,6 +4,8 @@ The whole suite (``make test``) has a time budget; some scenarios (real nodes th
 rolling upgrade, a registry install, campaigns) each take minutes. They are marked
 ``@pytest.mark.sampled`` and a run of the whole suite keeps only a sample of them:
 
+- a scenario is a file: its marked tests run together or not at all (they may build on
+  each other, as an install, its upgrade and its uninstall do);
 - ``ROTA_SAMPLE`` says how many (default :data:`DEFAULT_SAMPLE`); ``all`` keeps every one,
   ``0`` none;
 - which ones follows from a seed (``ROTA_SAMPLE_SEED``, else the checkout's commit), so one
@@ -54,6 +56,11 @@ def sample_size(raw: str | None) -> int | None:
     return size
 
 
+def scenario_of(item: pytest.Item) -> str:
+    """The scenario a sampled test belongs to: its file."""
+    return item.nodeid.split("::", 1)[0]
+
+
 def choose(nodeids: list[str], size: int | None, seed: str) -> list[str]:
     """The ``size`` node ids ranked first by a hash of seed and id (all when None)."""
     if size is None or size >= len(nodeids):
@@ -74,13 +81,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not sampled:
         return
     seed = os.environ.get("ROTA_SAMPLE_SEED") or _commit(config.rootpath)
-    kept = set(choose([item.nodeid for item in sampled], sample_size(raw), seed))
-    left = [item for item in sampled if item.nodeid not in kept]
+    scenarios = sorted({scenario_of(item) for item in sampled})
+    kept = set(choose(scenarios, sample_size(raw), seed))
+    left = [item for item in sampled if scenario_of(item) not in kept]
     if left:
         config.hook.pytest_deselected(items=left)
         dropped = {id(item) for item in left}
         items[:] = [item for item in items if id(item) not in dropped]
-    config.stash[_KEY] = (seed, sorted(kept), sorted(item.nodeid for item in left))
+    config.stash[_KEY] = (seed, sorted(kept), sorted(set(scenarios) - kept))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
@@ -92,7 +100,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
     terminalreporter.section("sampled scenarios")
     write(f"ran {len(kept)} of {len(kept) + len(left)} (seed {seed}); "
           "ROTA_SAMPLE=all runs every one, ROTA_SAMPLE_SEED=<seed> repeats this sample")
-    for nodeid in kept:
-        write(f"  ran      {nodeid}")
-    for nodeid in left:
-        write(f"  not run  {nodeid}")
+    for scenario in kept:
+        write(f"  ran      {scenario}")
+    for scenario in left:
+        write(f"  not run  {scenario}")

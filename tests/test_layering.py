@@ -16,8 +16,7 @@ IO_LIBRARIES = {"kubernetes", "grpc", "aiohttp", "pynvml", "torch"}
 PURE = ["driver/quantity.py", "driver/opaque.py", "driver/claims.py", "driver/budget.py",
         "driver/slices.py", "driver/devices.py", "driver/cdi.py", "driver/ledger.py",
         "driver/cgroups.py", "driver/nvml/api.py", "controller/claimants.py",
-        "controller/reconcile.py", "controller/naming.py", "controller/leases.py",
-        "driver/aio.py", "driver/startgate.py",
+        "controller/lease/reconcile.py", "driver/aio.py", "driver/startgate.py",
         *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "controller" / "api").rglob("*.py"))]
 SHARED_FROM_DRIVER = {"driver.aio", "driver.claims", "driver.errors", "driver.kube",
                       "driver.listen", "driver.listwatch", "driver.logs", "driver.metrics_registry",
@@ -49,10 +48,9 @@ def test_the_driver_never_imports_the_controller() -> None:
     assert not offenders
 
 
-API_MAY_IMPORT = {"controller.api", "controller.naming", "controller.leases", "pydantic"}
-"""Besides the standard library: the contracts' own package, the pure contract modules not
-yet moved into it, and pydantic. Never a process: the lease controller's modules,
-``controller.gateway``, ``controller.guard``."""
+API_MAY_IMPORT = {"controller.api", "pydantic"}
+"""Besides the standard library: the contracts' own package and pydantic. Never a process:
+``controller.lease``, ``controller.gateway``, ``controller.guard``."""
 
 
 def test_the_contracts_import_no_process() -> None:
@@ -62,7 +60,7 @@ def test_the_contracts_import_no_process() -> None:
     for path in paths:
         for name in _imports(path):
             if name.split(".")[0] in sys.stdlib_module_names or name == "controller":
-                continue  # ``from controller import naming`` is judged as controller.naming
+                continue  # ``from controller.api import naming`` is judged by its module
             if not any(name == allowed or name.startswith(f"{allowed}.")
                        for allowed in API_MAY_IMPORT):
                 found.setdefault(str(path.relative_to(ROOT)), set()).add(name)
@@ -83,38 +81,51 @@ def test_the_controller_takes_only_shared_driver_modules() -> None:
     assert not used, used
 
 
-SHARED_IN_CONTROLLER = {"controller", "controller.api", "controller.credentials",
-                        "controller.claimants", "controller.leases", "controller.naming",
+SHARED_IN_CONTROLLER = {"controller.api", "controller.credentials", "controller.claimants",
                         "controller.urls"}
 """What rota's processes under ``controller/`` share: the contracts and a few pure helpers.
-Everything else belongs to one process."""
+Everything else belongs to one process, in its folder."""
+PROCESSES = {"lease", "gateway", "guard"}
+ENTRY_POINTS = {"controller.__init__", "controller.__main__", "controller.engine_gate",
+                "controller.kubectl_rota"}
+"""Top-level modules that are no process's: the package, the entry point that picks a
+process, the start gate (it runs in the engine's image) and the CLI."""
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 
 def _process_of(name: str) -> str | None:
-    """Which process a ``controller`` module belongs to (None: shared, or not rota's)."""
+    """The process (folder) a ``controller`` module belongs to; None: shared or not ours."""
     parts = name.split(".")
-    if parts[0] != "controller" or any(name == shared or name.startswith(f"{shared}.")
-                                       for shared in SHARED_IN_CONTROLLER - {"controller"}):
+    if parts[0] != "controller" or len(parts) < 2:
         return None
-    if len(parts) == 1:
-        return None
-    if parts[1] in {"gateway", "guard"}:
-        return parts[1]
-    if parts[1] in {"__main__", "kubectl_rota"}:
-        return parts[1]  # the entry point that picks a process; the CLI, a client of all
-    return "lease"
+    return parts[1] if parts[1] in PROCESSES else None
+
+
+def test_every_controller_module_is_a_process_s_or_shared() -> None:
+    """A folder per process: a module beside them is a contract, a shared helper or an
+    entry point, never a process's module left behind."""
+    loose = {_module(path) for path in (ROOT / "controller").glob("*.py")}
+    shared = {name.removeprefix("controller.") for name in SHARED_IN_CONTROLLER}
+    assert {m for m in loose if m not in ENTRY_POINTS
+            and m.removeprefix("controller.") not in shared} == set()
+    folders = {p.name for p in (ROOT / "controller").iterdir()
+               if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == PROCESSES | {"api"}
 
 
 def test_the_lease_controller_the_gateway_and_the_guard_never_import_each_other() -> None:
     crossing: dict[str, set[str]] = {}
     for path in (ROOT / "controller").rglob("*.py"):
-        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        mine = _process_of(module.removesuffix(".__init__"))
-        if mine not in {"lease", "gateway", "guard"}:
+        module = _module(path)
+        mine = _process_of(module)
+        if mine is None:
             continue
         for name in _imports(path):
             theirs = _process_of(name)
-            if theirs in {"lease", "gateway", "guard"} and theirs != mine:
+            if theirs is not None and theirs != mine:
                 crossing.setdefault(module, set()).add(name)
     assert not crossing, crossing
 
@@ -122,9 +133,9 @@ def test_the_lease_controller_the_gateway_and_the_guard_never_import_each_other(
 KUBERNETES_IMPORTERS = {
     "driver/kube.py",  # the driver's client and its errors
     "driver/listwatch.py",  # the one list-then-watch
-    "controller/kube.py",  # the lease controller's client, Leases and Events
-    "controller/cache.py",  # the lease controller's watches of claims and pods
-    "controller/visible_state_writer.py",  # claim status conditions
+    "controller/lease/kube.py",  # the lease controller's client, Leases and Events
+    "controller/lease/cache.py",  # the lease controller's watches of claims and pods
+    "controller/lease/visible_state_writer.py",  # claim status conditions
     "controller/gateway/kube_source.py",  # the gateway's watches
     "controller/gateway/engine_keys.py",  # engines' API key Secrets, read by the gateway
     "controller/kubectl_rota.py",  # the CLI reads what the processes write

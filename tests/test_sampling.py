@@ -1,5 +1,6 @@
 """The sample of long scenarios is bounded, reproducible and can be widened: a pytest run of
-its own with rota's sampling plugin loaded, over ten marked tests and two plain ones."""
+its own with rota's sampling plugin loaded, over ten scenario files of two marked tests
+each (a file runs whole or not at all) and two plain tests."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ from tests.sampling import choose, sample_size
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_TESTS = "\n".join(
-    ["import pytest", ""]
-    + [f"@pytest.mark.sampled\ndef test_long_{n}():\n    pass\n" for n in range(10)]
-    + ["def test_plain_a():\n    pass\n", "def test_plain_b():\n    pass\n"])
+_LONG = "import pytest\n\npytestmark = pytest.mark.sampled\n\n\ndef test_first():\n    pass\n\n\n" \
+    "def test_second():\n    pass\n"
+_PLAIN = "def test_plain_a():\n    pass\n\n\ndef test_plain_b():\n    pass\n"
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
     monkeypatch.setenv("ROTA_SAMPLE_SEED", "seed-1")
     pytester.makeini("[pytest]\nmarkers =\n    sampled: long\n")
     pytester.makeconftest('pytest_plugins = ["tests.sampling"]\n')
-    pytester.makepyfile(test_scenarios=_TESTS)
+    pytester.makepyfile(**{f"test_long_{n}": _LONG for n in range(10)}, test_plain=_PLAIN)
     return pytester
 
 
@@ -35,7 +35,7 @@ def _ran(result: pytest.RunResult) -> list[str]:
 def test_a_whole_run_keeps_the_default_sample_and_every_plain_test(
         suite: pytest.Pytester) -> None:
     result = suite.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3 + 2, deselected=7)
+    result.assert_outcomes(passed=3 * 2 + 2, deselected=7 * 2)
     result.stdout.fnmatch_lines(["*ran 3 of 10 (seed seed-1)*ROTA_SAMPLE=all*"])
 
 
@@ -53,19 +53,19 @@ def test_the_same_seed_runs_the_same_sample_and_another_seed_another(
 def test_rota_sample_widens_or_empties_the_sample(suite: pytest.Pytester,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROTA_SAMPLE", "all")
-    suite.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=12)
+    suite.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=22)
     monkeypatch.setenv("ROTA_SAMPLE", "0")
     suite.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(
-        passed=2, deselected=10)
+        passed=2, deselected=20)
 
 
 def test_a_named_file_runs_whole_unless_a_sample_is_asked_for(
         suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    suite.runpytest_subprocess("-p", "no:cacheprovider", "test_scenarios.py").assert_outcomes(
-        passed=12)
+    named = ("test_long_0.py", "test_long_1.py", "test_plain.py")
+    suite.runpytest_subprocess("-p", "no:cacheprovider", *named).assert_outcomes(passed=6)
     monkeypatch.setenv("ROTA_SAMPLE", "1")
-    suite.runpytest_subprocess("-p", "no:cacheprovider", "test_scenarios.py").assert_outcomes(
-        passed=3, deselected=9)
+    suite.runpytest_subprocess("-p", "no:cacheprovider", *named).assert_outcomes(
+        passed=4, deselected=2)
 
 
 def test_a_bad_sample_size_is_a_usage_error(suite: pytest.Pytester,

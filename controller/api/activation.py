@@ -1,7 +1,7 @@
 """The activation API's contract: what gateways (and ``kubectl rota``) send to a node's
 lease controller, what it answers, and what each error code means for the caller.
 
-The server (:mod:`controller.activation`), the gateway's client
+The server (:mod:`controller.lease.activation`), the gateway's client
 (:mod:`controller.gateway.activation`), ``kubectl rota`` and the tests' fake controllers
 all take the paths, the bodies and :data:`ERRORS` from here; nothing else defines them.
 
@@ -61,17 +61,18 @@ OTHER_REASON = "other"
 ``last_error`` and the log)."""
 PROBE_REASONS = frozenset({"wrong_content", "no_done", "no_usage", "stream_error", "timeout",
                            "http_error", "unreachable"})
-"""The values of :class:`controller.engines.probe.ProbeReason` (a test keeps them equal;
+"""The values of :class:`controller.lease.engines.probe.ProbeReason` (a test keeps them equal;
 this module imports no process)."""
 SWITCH_FAILURE_REASONS = frozenset({
-    # The engine errors (controller.engines.errors).
+    # The engine errors (controller.lease.engines.errors).
     "unreachable", "timeout", "rejected", "gpu_oom", "host_oom", "unauthorized", "ack_error",
     "engine_dead", "state_unknown", "lied", "bad_response", "engine_error",
-    # The correctness probe (controller.engines.probe; a probe with no reason is "failed").
+    # The correctness probe (controller.lease.engines.probe; a probe with no reason is "failed").
     *(f"probe_{reason}" for reason in PROBE_REASONS), "probe_failed",
-    # The NVML check before a wake (controller.device; inspect_failed: the read failed).
+    # The NVML check before a wake (controller.lease.device; inspect_failed: the read failed).
     "memory_not_returned", "unknown_process", "insufficient_memory", "inspect_failed",
-    # Start-up admission (controller.admission) and a switch found unfinished (controller.gpu).
+    # Start-up admission (controller.lease.admission) and a switch found unfinished
+    # (controller.lease.gpu).
     "start_failed", "start_timeout", "start_not_taken", "controller_crash",
     OTHER_REASON,
 })

@@ -2,7 +2,7 @@
 
 The guard (:mod:`controller.guard`) sits in front of an engine and lets control calls
 (sleep, wake, reset) through only with rota's control token; the adapters
-(:mod:`controller.engines`) send it. Standard library only: the guard imports nothing of
+(:mod:`controller.lease.engines`) send it. Standard library only: the guard imports nothing of
 the lease controller.
 """
 

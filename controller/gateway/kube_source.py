@@ -50,7 +50,7 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from controller import naming
+from controller.api import naming
 from controller.gateway.lease_view import slim_claim, slim_pod
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routing import ObjectKind, RoutingState, claim_is_ours

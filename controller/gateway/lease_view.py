@@ -1,6 +1,6 @@
 """The gateway's reading of Leases and pods: what it keeps of each object. Pure.
 
-- GPU Leases are parsed by their one contract, :class:`controller.leases.GpuLease`.
+- GPU Leases are parsed by their one contract, :class:`controller.api.gpu_lease.GpuLease`.
 - A controller Lease (``rota-controller-<node>``, renewed by the node's acting controller)
   is parsed by its one contract too,
   :class:`controller.api.controller_lease.ControllerLease`; its activation URL is made
@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from controller import naming
+from controller.api import naming
 from controller.api.controller_lease import ControllerLease
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import DRIVER
 from controller.gateway.endpoints import normalize_base_url
-from controller.leases import GpuLease
 
 __all__ = ["activation_url", "controller_lease_of", "gpu_lease_of", "slim_claim", "slim_pod"]
 

@@ -8,7 +8,7 @@ by the request path. What each kind of object may decide:
   (:func:`controller.claimants.claimants_from`): model, node, GPU, and the **pod IP**, the
   only address a request is ever sent to. A claimant counts only in a namespace that the
   admin's :class:`~controller.gateway.binding.ModelBinding` binds to its model.
-- GPU Leases (:class:`controller.leases.GpuLease`, one per physical GPU, named after
+- GPU Leases (:class:`controller.api.gpu_lease.GpuLease`, one per physical GPU, named after
   ``(node, Claimant.gpu)`` so the shares of one GPU meet in one Lease) say **who** holds
   each GPU — the holder's claim ref and uid under a fencing number — and whether a switch
   is under way. Never where to send traffic.
@@ -60,8 +60,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
-from controller import naming
+from controller.api import naming
 from controller.api.controller_lease import ControllerLease, LeaseObserver
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import DRIVER, Claimant, claimants_from
 from controller.gateway.binding import ModelBinding
 from controller.gateway.engine_keys import secret_ref
@@ -72,7 +73,6 @@ from controller.gateway.lease_view import (
     slim_claim,
     slim_pod,
 )
-from controller.leases import GpuLease
 from controller.urls import http_url
 
 __all__ = [

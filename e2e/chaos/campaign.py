@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 from kubernetes import client
 
-from controller import naming
+from controller.api import naming
 from e2e.chaos.faults import CATALOGUE, Fault
 from e2e.chaos.load import client_loop, into_tally
 from e2e.chaos.observe import LeaseObserver, Transition

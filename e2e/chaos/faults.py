@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import aiohttp
 from kubernetes import client
 
-from controller import naming
+from controller.api import naming
 from driver.aio import Backoff
 from e2e.chaos.rig import NodeRig, Rig
 from e2e.scenario import Engine, set_faults

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from controller import naming
+from controller.api import naming
 from e2e.gang_node import GangNode, gang_node, node_of, start_sim
 
 __all__ = ["GangCampaign", "Report", "run"]

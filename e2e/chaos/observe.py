@@ -12,8 +12,8 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from controller import naming
-from controller.leases import GpuLease
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from driver.aio import Backoff
 
 __all__ = ["LeaseObserver", "Transition"]

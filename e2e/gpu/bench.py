@@ -1,7 +1,7 @@
 """The GPU benchmark with real vLLM engines: ``python -m e2e.bench_gpu --engine vllm``.
 
 No Kubernetes: the driver's NVML backend behind its inspection service (a unix socket),
-the controller's real :class:`~controller.switch.Switcher` and vLLM adapter, claimants
+the controller's real :class:`~controller.lease.switch.Switcher` and vLLM adapter, claimants
 built as the claims' opaque config would give them, an in-memory Lease. The engines are
 real vLLM 0.26 servers on the GPU (or, with ``--launcher simulator --fake-nvml h200``, the
 engine simulator standing in for them, for a run anywhere).
@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from controller.device import DeviceReader
+from controller.lease.device import DeviceReader
 from driver.devices import GpuDevice, discover
 from driver.inspection import InspectionService
 from driver.logs import configure

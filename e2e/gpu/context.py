@@ -20,14 +20,14 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
-from controller import naming
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.device import GpuSnapshot
-from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
-from controller.engines.registry import make_adapter
-from controller.leases import GpuLease
-from controller.settings import StepTimeouts
-from controller.switch import Limits, Ports, Switcher, SwitchResult
+from controller.lease.device import GpuSnapshot
+from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
+from controller.lease.engines.registry import make_adapter
+from controller.lease.settings import StepTimeouts
+from controller.lease.switch import Limits, Ports, Switcher, SwitchResult
 from driver.devices import GpuDevice
 from driver.nvml.api import NvmlBackend
 from driver.opaque import API_VERSION, KIND, parse_engine_config

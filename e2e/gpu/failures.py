@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 from controller.claimants import Claimant
-from controller.settings import StepTimeouts
+from controller.lease.settings import StepTimeouts
 from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.gpu import report
 from e2e.gpu.context import (

@@ -2,10 +2,11 @@
 
 On N GPUs, engine A is a TP=N simulator (one worker process per GPU, each holding its
 shard) and B0..B(N-1) are TP=1 simulators, Bi on the i-th GPU. They take turns through the
-controller's own gang path, as a GPU worker runs it (``controller/gpu.py``): the domain's
-locks (:class:`~controller.gpu_locks.GpuLocks`), the holders from the Leases
-(:func:`~controller.gang.holders_of`), the set (:func:`~controller.gang.gang_set`) and one
-:class:`~controller.gang.GangSwitch` per switch over one in-memory Lease port per GPU.
+controller's own gang path, as a GPU worker runs it (``controller/lease/gpu.py``): the domain's
+locks (:class:`~controller.lease.gpu_locks.GpuLocks`), the holders from the Leases
+(:func:`~controller.lease.gang.holders_of`), the set
+(:func:`~controller.lease.gang.gang_set`) and one
+:class:`~controller.lease.gang.GangSwitch` per switch over one in-memory Lease port per GPU.
 
 - start-up reconciliation: every Bi holds its GPU, A is put to sleep first (its first sleep
   is reported on its own);
@@ -35,14 +36,14 @@ from typing import Any
 
 import aiohttp
 
-from controller import naming
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.device import DeviceReader, GpuSnapshot
-from controller.engines.base import EngineAdapter
-from controller.gang import GangResult, GangSwitch, gang_set, holders_of
-from controller.gpu_locks import GpuLocks
-from controller.leases import GpuLease
-from controller.switch import Ports, Switcher, SwitchResult
+from controller.lease.device import DeviceReader, GpuSnapshot
+from controller.lease.engines.base import EngineAdapter
+from controller.lease.gang import GangResult, GangSwitch, gang_set, holders_of
+from controller.lease.gpu_locks import GpuLocks
+from controller.lease.switch import Ports, Switcher, SwitchResult
 from driver.inspection import InspectionService
 from driver.nvml.api import NvmlBackend
 from driver.rpc.sockets import UnixServer

@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from controller.engines.base import (
+from controller.lease.engines.base import (
     EngineAdapter,
     EngineEndpoint,
     SleepOutcome,
@@ -31,7 +31,7 @@ from controller.engines.base import (
     UnfinishedWake,
     WakeOutcome,
 )
-from controller.engines.probe import ProbeResult
+from controller.lease.engines.probe import ProbeResult
 
 __all__ = ["AdapterCall", "BenchAdapter", "HttpCall", "HttpTrace"]
 

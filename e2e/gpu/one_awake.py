@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from controller.claimants import Claimant
-from controller.device import GpuSnapshot
+from controller.lease.device import GpuSnapshot
 
 __all__ = ["OneAwakeSampler", "SnapshotSource", "awake_on"]
 
@@ -35,7 +35,7 @@ def awake_on(snapshot: GpuSnapshot, claimants: Sequence[Claimant], tolerance_byt
 
 
 class SnapshotSource(Protocol):
-    """What answers every GPU of the node at once (:class:`~controller.device.DeviceReader`
+    """What answers every GPU of the node at once (:class:`~controller.lease.device.DeviceReader`
     on the inspection socket)."""
 
     async def read(self) -> dict[str, GpuSnapshot]: ...

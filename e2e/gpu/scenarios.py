@@ -40,8 +40,8 @@ from typing import Any
 
 import aiohttp
 
-from controller.engines.errors import EngineError
-from controller.switch import Fenced
+from controller.lease.engines.errors import EngineError
+from controller.lease.switch import Fenced
 from e2e.gpu import report
 from e2e.gpu.context import Bench, BenchError
 from e2e.gpu.engines import EngineStartError

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from controller.switch import Fenced
+from controller.lease.switch import Fenced
 from driver.devices import GpuDevice, discover
 from driver.errors import ConfigError
 from driver.logs import configure

@@ -1,4 +1,4 @@
-"""What the switch benchmark gives the controller's :class:`~controller.switch.Switcher`:
+"""What the switch benchmark gives the controller's :class:`~controller.lease.switch.Switcher`:
 claimants built by hand (as ``claimants_from`` builds them from a claim, its opaque config
 and its pod), the real engine adapters on the simulators, and the NVML view of a GPU as
 the driver's inspection service reports it (in MiB per engine)."""
@@ -12,9 +12,9 @@ from typing import Any
 import aiohttp
 
 from controller.claimants import Claimant
-from controller.device import GpuSnapshot
-from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
-from controller.engines.registry import make_adapter
+from controller.lease.device import GpuSnapshot
+from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
+from controller.lease.engines.registry import make_adapter
 from driver.devices import GpuDevice
 from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.gpu.context import NAMESPACE, NODE, BenchError, mib

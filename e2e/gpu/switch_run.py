@@ -19,12 +19,13 @@ from typing import Any
 
 import aiohttp
 
-from controller import naming, reconcile
-from controller.device import DeviceReader
-from controller.engines.base import Timeouts
-from controller.leases import GpuLease
-from controller.settings import StepTimeouts
-from controller.switch import Limits, Ports, Switcher, SwitchResult
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
+from controller.lease import reconcile
+from controller.lease.device import DeviceReader
+from controller.lease.engines.base import Timeouts
+from controller.lease.settings import StepTimeouts
+from controller.lease.switch import Limits, Ports, Switcher, SwitchResult
 from driver.devices import GpuDevice
 from driver.inspection import InspectionService
 from driver.nvml.api import NvmlBackend

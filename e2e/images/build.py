@@ -52,7 +52,7 @@ RECIPE = 1
 
 BASE_PACKAGES = ("python3", "libstdc++6")
 """Debian's Python, and the C++ runtime grpcio's extension needs."""
-SMOKE_IMPORTS = ("driver.app", "controller.app", "controller.gateway.app", "uvloop")
+SMOKE_IMPORTS = ("driver.app", "controller.lease.app", "controller.gateway.app", "uvloop")
 """Imported in the finished image, so a missing shared library fails the build."""
 HARNESS_SMOKE_IMPORTS = ("e2e.engine_simulator.app",)
 """Imported in a test image once the harness layer is on top."""

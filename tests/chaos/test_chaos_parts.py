@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import naming
-from controller.leases import GpuLease
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from driver.nvml import fixture_path
 from driver.nvml.fake import load_fixture, register_process
 from e2e.chaos.load import classify

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import pytest
 
 from controller.claimants import Claimant
-from controller.device import HandbackProblem, check_before_wake
-from controller.switch import Switcher
+from controller.lease.device import HandbackProblem, check_before_wake
+from controller.lease.switch import Switcher
 from e2e.chaos import gangs
 
 pytestmark = pytest.mark.controller
@@ -47,7 +47,7 @@ async def test_the_campaign_sees_a_controller_without_gang_switches(
                                  tolerance_bytes=self.limits.tolerance_bytes,
                                  unknown_limit_bytes=self.limits.unknown_limit_bytes)
 
-    monkeypatch.setattr("controller.gpu.needs_gang", lambda target, holders: False)
+    monkeypatch.setattr("controller.lease.gpu.needs_gang", lambda target, holders: False)
     monkeypatch.setattr(Switcher, "check_device", first_gpu_only)
     report = await gangs.run(switches=300, seed=7, max_seconds=120)
     assert report.violations, "\n".join(report.lines())

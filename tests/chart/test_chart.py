@@ -423,7 +423,7 @@ def _section(doc: str, heading: str) -> str:
 
 def _controller_settings(pod: dict[str, Any]) -> Any:
     """The lease controller's settings as its container's literal env and args give them."""
-    from controller.settings import load
+    from controller.lease.settings import load
 
     [container] = pod["containers"]
     env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
@@ -432,7 +432,7 @@ def _controller_settings(pod: dict[str, Any]) -> Any:
 
 def test_the_controller_lets_the_switch_in_flight_finish_within_its_grace_period(
         default: Rendered, hardened: Rendered, chart_bin: Path) -> None:
-    from controller.settings import StepTimeouts
+    from controller.lease.settings import StepTimeouts
 
     longer = render(set_values=MINIMAL | {"controller.terminationGracePeriodSeconds": "900"},
                     bin_dir=chart_bin)
@@ -452,7 +452,7 @@ def test_the_controller_lets_the_switch_in_flight_finish_within_its_grace_period
 def test_the_upgrade_guide_states_the_grace_periods_the_chart_and_code_use(
         default: Rendered) -> None:
     from controller.gateway.settings import GatewaySettings
-    from controller.settings import LeaseSettings
+    from controller.lease.settings import LeaseSettings
 
     doc = UPGRADE_DOC.read_text()
     controller_pod = _pod(default, "DaemonSet", "rota-controller")
@@ -507,7 +507,7 @@ def test_the_controllers_claim_status_writes_are_kept_to_its_node_on_every_versi
         [pods] = rendered.find("ValidatingAdmissionPolicy", f"{controller}-pods")
         checks = " ".join(v["expression"] for v in pods["spec"]["validations"])
         assert "spec.?resourceClaims" in checks
-        from controller.visible_state import EngineState
+        from controller.lease.visible_state import EngineState
 
         states = re.search(r"in \[([^\]]*)\]", checks)
         assert states is not None, checks

@@ -25,9 +25,9 @@ import pytest
 import yaml
 from kubernetes import client
 
-from controller import naming
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease, lease_body
 from controller.credentials import PLACEHOLDERS
-from controller.leases import GpuLease, lease_body
 from e2e.chart import CHART, run_tool
 from e2e.cluster import LocalCluster
 from e2e.cluster.nodes import create_node, node_body
@@ -373,7 +373,7 @@ def _gpu_lease(release: Release, node: str, device: str = "gpu-0") -> dict[str, 
 
 
 def _controller_lease(release: Release, node: str) -> dict[str, Any]:
-    """A controller Lease as controller.election writes it."""
+    """A controller Lease as controller.lease.election writes it."""
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
             "metadata": {"name": naming.controller_lease_name(node),
                          "namespace": release.namespace,

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from controller import naming
-from controller.activation_api import TOKEN_HEADER, ActivateAnswer
+from controller.api import naming
 from controller.api.controller_lease import ControllerLease
+from controller.api.gpu_lease import GpuLease, lease_body
 from controller.kubectl_rota import (
     find_claimant,
     interpret_activation,
@@ -26,7 +26,7 @@ from controller.kubectl_rota import (
     render_switch,
     status_rows,
 )
-from controller.leases import GpuLease, lease_body
+from controller.lease.activation_api import TOKEN_HEADER, ActivateAnswer
 from e2e.cluster import LocalCluster
 from e2e.cluster.nodes import create_node
 from e2e.harness import GpuNode
@@ -45,7 +45,7 @@ def _gpu(ns: str, node: str, device: str, **fields: Any) -> dict[str, Any]:
 
 
 def _controller(ns: str, node: str, url: str, *, renewed: dt.datetime) -> dict[str, Any]:
-    """A controller Lease as controller.election writes it (through its one contract)."""
+    """A controller Lease as controller.lease.election writes it (through its one contract)."""
     return ControllerLease(name=naming.controller_lease_name(node), node=node,
                            holder=f"rota-controller-{node[-4:]}", instance="i-1",
                            activation_url=url, renew_time=renewed,

@@ -35,7 +35,7 @@ SCRAPE_LABELS = frozenset({"node", "namespace", "pod", "instance", "job", "conta
 def closed_label_values() -> dict[tuple[str, str], frozenset[str]]:
     """(series, label) -> every value the components give that label: the label sets
     they fix in advance (and create at 0)."""
-    from controller import metrics as controller_metrics
+    from controller.lease import metrics as controller_metrics
 
     return {
         ("rota_controller_switches_total", "outcome"):
@@ -55,11 +55,9 @@ def closed_label_values() -> dict[tuple[str, str], frozenset[str]]:
 
 def _registries() -> list[CollectorRegistry]:
     # Importing the applications imports every module that defines metrics.
-    import controller.app
-    import controller.gateway.app  # noqa: F401
     import driver.app  # noqa: F401
-    from controller import metrics as controller_metrics
     from controller.gateway.metrics import GatewayMetrics
+    from controller.lease import metrics as controller_metrics
     from driver import metrics as driver_metrics
 
     return [driver_metrics.REGISTRY, controller_metrics.REGISTRY,
@@ -172,8 +170,8 @@ def test_every_component_reports_its_version_and_process(
     assert have["rota_driver_info"] == {"version", "sharing_mode"}
     assert have["rota_controller_info"] == {"version"}
     assert have["rota_gateway_info"] == {"version"}
-    from controller import metrics as controller_metrics
     from controller.gateway.metrics import GatewayMetrics
+    from controller.lease import metrics as controller_metrics
     from driver import metrics as driver_metrics
 
     for registry in (driver_metrics.REGISTRY, controller_metrics.REGISTRY,
@@ -219,7 +217,7 @@ def test_every_selected_value_of_a_fixed_label_set_exists() -> None:
 
 
 def test_the_fixed_label_sets_are_created_at_zero(have: dict[str, frozenset[str]]) -> None:
-    from controller import metrics as controller_metrics
+    from controller.lease import metrics as controller_metrics
 
     seen: dict[tuple[str, str], set[str]] = {}
     for family in controller_metrics.REGISTRY.collect():

@@ -7,11 +7,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.gpu import Activation, GpuWorker, Policy
-from controller.leases import GpuLease
-from controller.settings import LeaseSettings
-from controller.switch import Fenced
+from controller.lease.gpu import Activation, GpuWorker, Policy
+from controller.lease.settings import LeaseSettings
+from controller.lease.switch import Fenced
 from driver.opaque import parse_engine_config
 
 MODEL = "org/model-b"

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from controller.engines.base import EngineEndpoint
+from controller.lease.engines.base import EngineEndpoint
 from e2e.engine_simulator import Settings, create_app
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.keys import ENGINE_KEY

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from controller import naming
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.device import GpuProcess, GpuSnapshot
-from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
-from controller.engines.registry import make_adapter
-from controller.leases import GpuLease
-from controller.settings import StepTimeouts
-from controller.switch import Limits, Ports, Switcher
+from controller.lease.device import GpuProcess, GpuSnapshot
+from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
+from controller.lease.engines.registry import make_adapter
+from controller.lease.settings import StepTimeouts
+from controller.lease.switch import Limits, Ports, Switcher
 from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.ports import MemoryLeasePort
 from tests.controller.conftest import ENGINE_SIM_GIB, EngineSim, EngineSimFactory

@@ -4,7 +4,7 @@ A GPU worker that does not take work (a standby, a worker closed when its instan
 the node or is stopping) and a switch cut short by fencing are "ask again": 409 with
 ``Retry-After``, whatever the moment the waiter was answered at. A body over the limit is a
 413 in the contract's error shape, not aiohttp's plain text. The server runs on a real
-:class:`~controller.gpu.GpuWorker` behind a node that only routes to it; nothing waits on
+:class:`~controller.lease.gpu.GpuWorker` behind a node that only routes to it; nothing waits on
 a clock.
 """
 
@@ -18,16 +18,16 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller import naming
-from controller.activation import make_app
-from controller.activation_api import PATH, STATE_PATH, ErrorBody
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from controller.credentials import ApiKeys
 from controller.gateway.activation import ActivationFailed, Activator
 from controller.gateway.metrics import GatewayMetrics
-from controller.gpu import Activation, GpuWorker, Policy
-from controller.leases import GpuLease
-from controller.node import NodeController
-from controller.switch import Fenced
+from controller.lease.activation import make_app
+from controller.lease.activation_api import PATH, STATE_PATH, ErrorBody
+from controller.lease.gpu import Activation, GpuWorker, Policy
+from controller.lease.node import NodeController
+from controller.lease.switch import Fenced
 from tests.controller.activation_kit import CLAIM, MODEL, RoutingNode, claimant_b, make_worker
 
 pytestmark = pytest.mark.controller

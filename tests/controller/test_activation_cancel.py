@@ -4,7 +4,8 @@ one to leave closes that call, the controller's handler is cancelled with it, an
 worker's policy drops the switch (rule ``cancelled``) before any wake.
 
 Everything is real and on real HTTP: the gateway app, the controller's activation API over
-a running :class:`~controller.gpu.GpuWorker` with its :class:`~controller.switch.Switcher`,
+a running :class:`~controller.lease.gpu.GpuWorker` with its
+:class:`~controller.lease.switch.Switcher`,
 and two engine simulators (which count their wakes). The holder's minimum residency keeps
 the switch queued while the client leaves.
 """
@@ -21,16 +22,17 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller import metrics, naming
-from controller.activation import make_app as make_controller_app
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease, lease_body
 from controller.credentials import ApiKeys
 from controller.gateway import keys
 from controller.gateway.app import make_app as make_gateway_app
 from controller.gateway.routing import RoutingState, StaticSource
 from controller.gateway.settings import GatewaySettings
-from controller.gpu import GpuWorker, Policy
-from controller.leases import GpuLease, lease_body
-from controller.node import NodeController
+from controller.lease import metrics
+from controller.lease.activation import make_app as make_controller_app
+from controller.lease.gpu import GpuWorker, Policy
+from controller.lease.node import NodeController
 from e2e.waiting import eventually_async
 from tests.controller.activation_kit import RoutingNode
 from tests.controller.conftest import EngineSim, EngineSimFactory

@@ -13,8 +13,7 @@ from typing import Any, cast
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller import naming
-from controller.activation import make_app
+from controller.api import naming
 from controller.api.activation import (
     ENGINE_UNAUTHORIZED,
     ERRORS,
@@ -30,12 +29,13 @@ from controller.api.activation import (
     refusal_of,
     wire_reason,
 )
+from controller.api.gpu_lease import GpuLease
 from controller.credentials import ApiKeys
-from controller.engines.probe import ProbeReason
 from controller.gateway.activation import KNOWN_OUTCOMES
-from controller.gpu import Activation
-from controller.leases import GpuLease
-from controller.node import NodeController
+from controller.lease.activation import make_app
+from controller.lease.engines.probe import ProbeReason
+from controller.lease.gpu import Activation
+from controller.lease.node import NodeController
 from tests.chart.activation_simulator import ActivationApiSimulator, serving
 from tests.controller.activation_kit import CLAIM, MODEL, RoutingNode, claimant_b, make_worker
 

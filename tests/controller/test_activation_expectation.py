@@ -3,7 +3,7 @@ worker measured itself per claim (the holder's sleep and drain, the target's wak
 probe, from ``SwitchResult.timings``), its place in the GPU's queue, and the wait that
 adds up to. A gateway puts these in its held requests' headers and ``Retry-After``.
 
-The server runs on a real :class:`~controller.gpu.GpuWorker` (its loop not running, so what
+The server runs on a real :class:`~controller.lease.gpu.GpuWorker` (its loop not running, so what
 is queued stays queued); real HTTP, the contract's model reads the answer.
 """
 
@@ -17,14 +17,14 @@ from typing import Any, cast
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller import naming
-from controller.activation import make_app
+from controller.api import naming
 from controller.api.activation import STATE_PATH, ClaimantState, StateAnswer
+from controller.api.gpu_lease import GpuLease
 from controller.credentials import ApiKeys
-from controller.gpu import Activation
-from controller.leases import GpuLease
-from controller.node import NodeController
-from controller.switch import SwitchResult
+from controller.lease.activation import make_app
+from controller.lease.gpu import Activation
+from controller.lease.node import NodeController
+from controller.lease.switch import SwitchResult
 from e2e.waiting import eventually_async
 from tests.controller.activation_kit import CLAIM, RoutingNode, claimant_b, make_worker
 

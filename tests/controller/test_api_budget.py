@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 from kubernetes import client
 
-from controller import settings as lease_settings
 from controller.gateway import settings as gateway_settings
+from controller.lease import settings as lease_settings
 from driver import kube_client
 from driver import settings as driver_settings
 from driver.kube import Kube

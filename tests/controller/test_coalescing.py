@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from controller.claimants import Claimant
-from controller.gpu import GpuWorker, Policy
+from controller.lease.gpu import GpuWorker, Policy
 from driver.opaque import parse_engine_config
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from controller import naming
+from controller.api import naming
 from controller.api.controller_lease import ControllerLease, LeaseObserver
 
 NAME = naming.controller_lease_name("node-1")

@@ -14,10 +14,10 @@ from typing import Any, cast
 
 import pytest
 
-from controller import naming
+from controller.api import naming
 from controller.api.controller_lease import ControllerLease
-from controller.election import Election
-from controller.kube import ControllerKube
+from controller.lease.election import Election
+from controller.lease.kube import ControllerKube
 from driver.errors import KubeConflictError, KubeNotFoundError
 
 pytestmark = pytest.mark.controller

@@ -10,8 +10,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.engines import EngineEndpoint, Timeouts, VllmAdapter
-from controller.engines.errors import EngineDead, EngineRejected, is_engine_dead
+from controller.lease.engines import EngineEndpoint, Timeouts, VllmAdapter
+from controller.lease.engines.errors import EngineDead, EngineRejected, is_engine_dead
 
 
 def _vllm(message: str) -> str:

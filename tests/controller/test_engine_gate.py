@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from controller import engine_gate
-from controller.starts import StartReply, StartRequest
+from controller.lease.starts import StartReply, StartRequest
 
 pytestmark = [pytest.mark.controller]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from controller.engines import (
+from controller.lease.engines import (
     EngineProtocolError,
     EngineRejected,
     EngineStateUnknown,
@@ -14,7 +14,7 @@ from controller.engines import (
     Timeouts,
     make_adapter,
 )
-from controller.engines.probe import probe_payload
+from controller.lease.engines.probe import probe_payload
 from driver.opaque import EngineConfig, HttpAdapterConfig, parse_engine_config
 from tests.controller.conftest import EngineSim
 

@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 
-from controller.engines import (
+from controller.lease.engines import (
     EngineEndpoint,
     EngineLied,
     EngineRejected,
@@ -17,10 +17,10 @@ from controller.engines import (
     VllmOmniAdapter,
     make_adapter,
 )
-from controller.engines.errors import EngineProtocolError
-from controller.engines.probe import probe_payload
-from controller.engines.transport import Answer
-from controller.engines.vllm_omni import parse_acks
+from controller.lease.engines.errors import EngineProtocolError
+from controller.lease.engines.probe import probe_payload
+from controller.lease.engines.transport import Answer
+from controller.lease.engines.vllm_omni import parse_acks
 from driver.opaque import parse_engine_config
 from tests.controller.conftest import ENGINE_SIM_GIB, EngineSimFactory
 

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.engines import (
+from controller.lease.engines import (
     EngineEndpoint,
     EngineLied,
     EngineProtocolError,
@@ -25,8 +25,8 @@ from controller.engines import (
     VllmAdapter,
     run_probe,
 )
-from controller.engines.probe import PROBE_QUESTION, ProbeMode, content_is_correct
-from controller.engines.sse import SseParser
+from controller.lease.engines.probe import PROBE_QUESTION, ProbeMode, content_is_correct
+from controller.lease.engines.sse import SseParser
 from driver.opaque import ProbeConfig
 from tests.controller.conftest import EngineSim, EngineSimFactory
 

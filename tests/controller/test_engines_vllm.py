@@ -8,7 +8,7 @@ import socket
 import aiohttp
 import pytest
 
-from controller.engines import (
+from controller.lease.engines import (
     EngineEndpoint,
     EngineLied,
     EngineProtocolError,
@@ -21,8 +21,8 @@ from controller.engines import (
     UnfinishedWake,
     VllmAdapter,
 )
-from controller.engines.errors import MAX_BODY_CHARS
-from controller.engines.probe import probe_payload
+from controller.lease.engines.errors import MAX_BODY_CHARS
+from controller.lease.engines.probe import probe_payload
 from tests.controller.conftest import ENGINE_SIM_GIB, EngineSim
 
 SHORT = Timeouts(connect_s=1.0, status_s=2.0, sleep_s=5.0, wake_level1_s=0.5,

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.engines import (
+from controller.lease.engines import (
     CONTROL_TOKEN_HEADER,
     EngineDead,
     EngineEndpoint,
@@ -32,7 +32,7 @@ from controller.engines import (
     VllmAdapter,
     VllmOmniAdapter,
 )
-from controller.engines.probe import probe_payload
+from controller.lease.engines.probe import probe_payload
 from driver.nvml.fake import FakeGpu, FakeNvml, NvmlFixture
 from tests.controller.conftest import ENGINE_SIM_GIB, EngineSim, EngineSimFactory
 

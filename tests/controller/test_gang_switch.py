@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from controller import naming
+from controller.api import naming
 from e2e.gang_node import gang_node, node_of
 from tests.controller.conftest import EngineSimFactory
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import naming
-from controller.leases import GpuLease
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 
 ROOT = Path(__file__).resolve().parents[2]
 

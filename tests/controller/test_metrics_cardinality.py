@@ -8,10 +8,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from controller import metrics
-from controller.device import GpuProcess, GpuSnapshot
-from controller.node import NodeController
-from controller.settings import LeaseSettings
+from controller.lease import metrics
+from controller.lease.device import GpuProcess, GpuSnapshot
+from controller.lease.node import NodeController
+from controller.lease.settings import LeaseSettings
 
 GIB = 2**30
 

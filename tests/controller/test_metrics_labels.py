@@ -11,13 +11,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from controller import metrics
+from controller.lease import metrics
 from tests.controller.conftest import EngineSimFactory
 from tests.controller.switch_kit import make_kit
 
 pytestmark = [pytest.mark.controller]
 
-ROOT = Path(__file__).resolve().parents[2] / "controller"
+ROOT = Path(__file__).resolve().parents[2] / "controller" / "lease"
 REASON_NAMES = {"reason"}
 """Assignments to these names (``reason = ...``, ``self.reason = ...``) and keywords of
 this name (``reason=...``) in the engine adapters give a failure its reason."""

@@ -1,4 +1,4 @@
-"""The switch policy's decision function (controller/policy.py), one rule at a time."""
+"""The switch policy's decision function (controller/lease/policy.py), one rule at a time."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from controller.policy import (
+from controller.lease.policy import (
     RULES,
     Action,
     ClaimQueue,

@@ -1,4 +1,4 @@
-"""The GPU worker acts on the switch policy (controller/policy.py): it gathers the state,
+"""The GPU worker acts on the switch policy (controller/lease/policy.py): it gathers the state,
 calls the decision function and acts; the rule shows in the metric. Fakes stand in for
 the Lease, the engines and the switch: what is checked is who is served, and when not."""
 
@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from controller import metrics, naming
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.gpu import Activation, GpuWorker, Policy
-from controller.leases import GpuLease
-from controller.policy import ModelPolicy
-from controller.switch import Switcher, SwitchResult
+from controller.lease import metrics
+from controller.lease.gpu import Activation, GpuWorker, Policy
+from controller.lease.policy import ModelPolicy
+from controller.lease.switch import Switcher, SwitchResult
 from driver.opaque import parse_engine_config
 
 

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from kubernetes import client, config
 
-from controller import naming
+from controller.api import naming
 from e2e.cluster import ClusterOptions, LocalCluster
 from e2e.harness import GpuNode
 from e2e.objects import MANIFESTS, apply_manifest, node_slices

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller import naming
+from controller.api import naming
 from e2e.harness import GpuNode
 from e2e.scenario import (
     AwakeMonitor,

@@ -10,8 +10,8 @@ from typing import Any, cast
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller.node import NodeController, StartAnswer
-from controller.starts import PATH, StartReply, make_app
+from controller.lease.node import NodeController, StartAnswer
+from controller.lease.starts import PATH, StartReply, make_app
 
 pytestmark = pytest.mark.controller
 

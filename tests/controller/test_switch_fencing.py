@@ -8,9 +8,9 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from controller.engines.base import Timeouts
-from controller.settings import StepTimeouts
-from controller.switch import Fenced
+from controller.lease.engines.base import Timeouts
+from controller.lease.settings import StepTimeouts
+from controller.lease.switch import Fenced
 from tests.controller.conftest import EngineSimFactory
 from tests.controller.switch_kit import make_kit
 

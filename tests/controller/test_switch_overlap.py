@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 
 from controller.claimants import Claimant
-from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
-from controller.engines.probe import ProbeResult
-from controller.engines.vllm import VllmAdapter
+from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
+from controller.lease.engines.probe import ProbeResult
+from controller.lease.engines.vllm import VllmAdapter
 from tests.controller.conftest import EngineSimFactory
 from tests.controller.switch_kit import Kit, a_awake_b_asleep
 

@@ -6,7 +6,7 @@ import pytest
 from yarl import URL
 
 from controller.claimants import claimants_from
-from controller.engines.base import EngineEndpoint
+from controller.lease.engines.base import EngineEndpoint
 from controller.urls import advertised_url, http_url
 
 

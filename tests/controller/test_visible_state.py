@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client
 
 from controller.claimants import Claimant, claimants_from
-from controller.visible_state import (
+from controller.lease.visible_state import (
     LABEL_STATE,
     EngineState,
     EventReason,
@@ -21,7 +21,7 @@ from controller.visible_state import (
     merged_devices,
     pod_ref,
 )
-from controller.visible_state_writer import VisibleStateKube, VisibleStateWriter
+from controller.lease.visible_state_writer import VisibleStateKube, VisibleStateWriter
 from e2e.harness import GpuNode
 from e2e.scenario import Engine
 

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller.visible_state import LABEL_STATE
+from controller.lease.visible_state import LABEL_STATE
 from e2e.harness import GpuNode
 from e2e.scenario import Engine, activate, set_faults
 from e2e.waiting import eventually, eventually_async

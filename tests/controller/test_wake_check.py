@@ -5,7 +5,7 @@ and does not name another claim: a process can set its own ROTA_CLAIM_UID, not i
 from __future__ import annotations
 
 from controller.claimants import Claimant
-from controller.device import GpuProcess, GpuSnapshot, HandbackProblem, check_before_wake
+from controller.lease.device import GpuProcess, GpuSnapshot, HandbackProblem, check_before_wake
 from driver.opaque import API_VERSION, KIND, parse_engine_config
 
 GIB = 2**30

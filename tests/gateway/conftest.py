@@ -22,13 +22,13 @@ import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller import naming
+from controller.api import naming
 from controller.api.activation import ErrorBody, refusal_of
+from controller.api.gpu_lease import micro_time
 from controller.gateway import keys
 from controller.gateway.app import make_app
 from controller.gateway.routing import ObjectKind, RoutingState, StaticSource
 from controller.gateway.settings import GatewaySettings
-from controller.leases import micro_time
 from e2e.engine_simulator import Settings as SimSettings
 from e2e.engine_simulator import create_app as create_sim
 from e2e.engine_simulator.engine import Engine

@@ -12,10 +12,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.engines import errors
-from controller.engines.probe import ProbeReason
 from controller.gateway.activation import ActivationFailed, Activator
 from controller.gateway.metrics import GatewayMetrics
+from controller.lease.engines import errors
+from controller.lease.engines.probe import ProbeReason
 
 pytestmark = pytest.mark.gateway
 
@@ -103,10 +103,10 @@ def test_every_reason_the_controller_reports_is_known() -> None:
 
 def test_every_switch_failure_reason_of_the_controller_keeps_its_label() -> None:
     """The gateway labels an activation by the same set of reasons the controller counts
-    its failures by (one home: controller.activation_api); start-up admission's reasons
+    its failures by (one home: controller.lease.activation_api); start-up admission's reasons
     were once 'other' on the gateway's side."""
-    from controller import metrics
     from controller.gateway.activation import KNOWN_OUTCOMES
+    from controller.lease import metrics
 
     assert metrics.SWITCH_FAILURE_REASONS <= KNOWN_OUTCOMES
     assert {"start_failed", "start_timeout", "start_not_taken"} <= KNOWN_OUTCOMES

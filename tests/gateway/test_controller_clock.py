@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from controller import naming
+from controller.api import naming
 from controller.api.controller_lease import ControllerLease
 from controller.gateway.binding import ModelBinding
 from controller.gateway.routing import Action, RoutingState

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from controller import naming
+from controller.api import naming
 from controller.gateway import keys
 from tests.gateway.conftest import (
     DEADLINE,

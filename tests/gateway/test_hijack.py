@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import naming
+from controller.api import naming
 from tests.gateway.conftest import (
     MODEL_A,
     MODEL_B,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from controller import naming
+from controller.api import naming
 from controller.claimants import claimants_from
 from controller.gateway import kube_source
 from controller.gateway.binding import ModelBinding

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller import naming
+from controller.api import naming
 from controller.gateway.app import make_app
 from controller.gateway.routing import RoutingState
 from controller.gateway.settings import GatewaySettings

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from controller import naming
+from controller.api import naming
 from controller.gateway.binding import ModelBinding
 from controller.gateway.routing import Action, RoutingState
 from tests.gateway.conftest import claim_obj, controller_lease, gpu_lease, pod_obj

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from controller import claimants, naming
+from controller import claimants
+from controller.api import naming
 from controller.api.controller_lease import ControllerLease, LeaseObserver
 from controller.gateway import routing
 from controller.gateway.binding import ModelBinding

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Sequence
 
 from controller.claimants import Claimant
-from controller.device import GpuProcess, GpuSnapshot
+from controller.lease.device import GpuProcess, GpuSnapshot
 from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.gpu.one_awake import OneAwakeSampler, awake_on
 

@@ -16,7 +16,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from controller.credentials import Credential
-from controller.engines import (
+from controller.guard.paths import Access, classify
+from controller.guard.proxy import make_app
+from controller.guard.settings import GuardSettings
+from controller.lease.engines import (
     CONTROL_TOKEN_HEADER,
     EngineEndpoint,
     EngineRejected,
@@ -25,9 +28,6 @@ from controller.engines import (
     VllmAdapter,
     VllmOmniAdapter,
 )
-from controller.guard.paths import Access, classify
-from controller.guard.proxy import make_app
-from controller.guard.settings import GuardSettings
 from e2e.engine_simulator import Settings, create_app
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.keys import ENGINE_KEY

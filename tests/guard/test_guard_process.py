@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
-from controller.engines import CONTROL_TOKEN_HEADER
+from controller.lease.engines import CONTROL_TOKEN_HEADER
 from e2e.cluster.local import free_port
 from e2e.waiting import eventually_async
 

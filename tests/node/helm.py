@@ -11,10 +11,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 from kubernetes import client
 
-from controller import naming
-from controller.visible_state import LABEL_STATE
+from controller.api import naming
+from controller.lease.visible_state import LABEL_STATE
 from e2e.chart import run_tool, tools_bin
 from e2e.cluster import LocalCluster
 from e2e.cluster.binaries import locate
@@ -22,7 +23,8 @@ from e2e.cluster.realnode import FAKE_GPU_DEV_ROOT, GPU_LABELS, RealNode, RealNo
 from e2e.deploy import RotaDeployment, is_ready
 from e2e.images import BuiltImages
 from e2e.rota_node import GATEWAY_PORT, EnginePod, RotaOnNodes
-from e2e.waiting import WaitTimeout, eventually
+from e2e.scenario import ask_seven
+from e2e.waiting import WaitTimeout, eventually, eventually_async
 
 PROC_DIR = "/var/lib/kubelet/plugins/gpu.rota.dev/fake-nvml"
 """The fake NVML process registry: inside the driver's plugin directory, a host path the
@@ -113,6 +115,30 @@ class HelmRelease:
             _request_timeout=10)
         annotations = lease.metadata.annotations or {}
         return lease.spec.holder_identity or "", annotations.get(naming.HOLDER_MODEL, "")
+
+
+async def switch_to_the_sleeping_model(release: HelmRelease) -> str:
+    """Once the controller holds the GPU for one of the release's engines, ask the other
+    (asleep) model through the gateway: it answers, then holds the GPU, and the engines'
+    state labels say one awake, one asleep. The model switched to."""
+    holder = eventually(lambda: release.holder() if release.holder()[0]
+                        .startswith(f"{release.engines}/") else None,
+                        timeout=180, what="the controller holding the GPU for one engine")
+    assert holder is not None
+    (asleep,) = {e.model for e in release.engine_pods} - {holder[1]}
+    gateway = release.gateway_url()
+
+    async def answered() -> str:
+        async with aiohttp.ClientSession() as session:
+            return await ask_seven(session, gateway, asleep)
+
+    answer = await eventually_async(answered, timeout=180, max_interval=3.0,
+                                    what=f"an answer from {asleep} through the gateway")
+    assert answer.strip() == "7"
+    assert release.holder()[1] == asleep
+    eventually(lambda: engine_states(release) == ["asleep", "awake"], timeout=60,
+               what="one engine awake, one asleep")
+    return asleep
 
 
 def kubectl(release: HelmRelease, *args: str) -> str:

@@ -21,16 +21,20 @@ import pytest
 from kubernetes import client
 
 from controller.kubectl_rota import main as kubectl_rota
-from controller.visible_state import LABEL_STATE, EventReason
+from controller.lease.visible_state import LABEL_STATE, EventReason
 from e2e.chaos.load import client_loop, into_tally
 from e2e.chaos.tally import Answer, Tally
 from e2e.chart import CHART
 from e2e.cluster import LocalCluster
 from e2e.deploy import is_ready
 from e2e.images import BuiltImages
-from e2e.scenario import ask_seven
 from e2e.waiting import eventually, eventually_async
-from tests.node.helm import HelmRelease, engine_states, helm_stage, kubectl
+from tests.node.helm import (
+    HelmRelease,
+    helm_stage,
+    kubectl,
+    switch_to_the_sleeping_model,
+)
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root, pytest.mark.slow]
@@ -62,23 +66,7 @@ async def test_install_brings_rota_up_and_engines_switch(release: HelmRelease) -
     release.wait_ready()
     release.engine_pods = release.rota.deploy_engines(release.engines)
     models = {e.model: e for e in release.engine_pods}
-    holder = eventually(lambda: release.holder() if release.holder()[0]
-                        .startswith(f"{release.engines}/") else None,
-                        timeout=180, what="the controller holding the GPU for one engine")
-    assert holder is not None
-    (asleep,) = set(models) - {holder[1]}
-    gateway = release.gateway_url()
-
-    async def answered() -> str:
-        async with aiohttp.ClientSession() as session:
-            return await ask_seven(session, gateway, asleep)
-
-    answer = await eventually_async(answered, timeout=180, max_interval=3.0,
-                                    what=f"an answer from {asleep} through the gateway")
-    assert answer.strip() == "7"
-    assert release.holder()[1] == asleep
-    eventually(lambda: engine_states(release) == ["asleep", "awake"], timeout=60,
-               what="one engine awake, one asleep")
+    asleep = await switch_to_the_sleeping_model(release)
     eventually(lambda: _switched_in(release, models[asleep].name), timeout=60,
                what=f"a SwitchedIn event for {models[asleep].name}")
 

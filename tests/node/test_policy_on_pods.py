@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller import naming
+from controller.api import naming
 from e2e.deploy import NAMESPACE, is_ready
 from e2e.objects import create_namespace
 from e2e.rota_node import RotaOnNodes, gated_engine_docs

@@ -34,8 +34,8 @@ import pytest
 import yaml
 from kubernetes import client
 
-from controller import naming
-from controller.device import DeviceReader
+from controller.api import naming
+from controller.lease.device import DeviceReader
 from driver.quantity import parse_quantity
 from e2e.chaos.load import Record, client_loop
 from e2e.chaos.tally import Answer

@@ -14,7 +14,6 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import aiohttp
 import pytest
 import yaml
 from kubernetes import client
@@ -23,9 +22,14 @@ from e2e.chart import tools_bin
 from e2e.cluster import LocalCluster
 from e2e.images import BuiltImages
 from e2e.registry import IMAGE_PATH, LocalRegistry
-from e2e.scenario import ask_seven
-from e2e.waiting import WaitTimeout, eventually, eventually_async
-from tests.node.helm import HelmRelease, engine_states, helm_homes, helm_stage, kubectl
+from e2e.waiting import WaitTimeout, eventually
+from tests.node.helm import (
+    HelmRelease,
+    helm_homes,
+    helm_stage,
+    kubectl,
+    switch_to_the_sleeping_model,
+)
 from tests.real_node import needs_root
 from tests.release.releases import IMAGE_BUILDS, Release, clone, make_release
 
@@ -103,25 +107,7 @@ def _wait_running(installed: Installed, version: str) -> None:
 
 async def _switch(installed: Installed) -> str:
     """Ask the asleep model through the gateway; it answers and then holds the GPU."""
-    rel = installed.helm
-    holder = eventually(lambda: rel.holder() if rel.holder()[0]
-                        .startswith(f"{rel.engines}/") else None,
-                        timeout=180, what="the controller holding the GPU for one engine")
-    assert holder is not None
-    (asleep,) = {e.model for e in rel.engine_pods} - {holder[1]}
-    gateway = rel.gateway_url()
-
-    async def answered() -> str:
-        async with aiohttp.ClientSession() as session:
-            return await ask_seven(session, gateway, asleep)
-
-    answer = await eventually_async(answered, timeout=180, max_interval=3.0,
-                                    what=f"an answer from {asleep} through the gateway")
-    assert answer.strip() == "7"
-    assert rel.holder()[1] == asleep
-    eventually(lambda: engine_states(rel) == ["asleep", "awake"], timeout=60,
-               what="one engine awake, one asleep")
-    return asleep
+    return await switch_to_the_sleeping_model(installed.helm)
 
 
 def _pulled(installed: Installed) -> dict[str, str]:

@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller import naming
+from controller.api import naming
 from e2e.rota_node import RotaOnNodes
 from e2e.scenario import ask_seven
 from e2e.waiting import WaitTimeout, eventually, eventually_async

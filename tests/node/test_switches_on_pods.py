@@ -25,8 +25,8 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller import naming
-from controller.visible_state import LABEL_STATE
+from controller.api import naming
+from controller.lease.visible_state import LABEL_STATE
 from e2e.deploy import NAMESPACE, is_ready
 from e2e.objects import create_namespace
 from e2e.rota_node import RotaOnNodes, gated_engine_docs

@@ -32,9 +32,9 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller import naming
-from controller.device import DeviceReader
-from controller.visible_state import LABEL_STATE
+from controller.api import naming
+from controller.lease.device import DeviceReader
+from controller.lease.visible_state import LABEL_STATE
 from driver.quantity import parse_quantity
 from e2e.deploy import DRIVER, NAMESPACE, is_ready
 from e2e.objects import DRIVER as DRA_DRIVER

@@ -44,10 +44,10 @@ from typing import Any
 
 import aiohttp
 
-from controller.engines.base import EngineEndpoint, Timeouts
-from controller.engines.errors import ProbeFailed, error_message, truncate
-from controller.engines.sse import SseParser
-from controller.engines.transport import api_key_path
+from controller.lease.engines.base import EngineEndpoint, Timeouts
+from controller.lease.engines.errors import ProbeFailed, error_message, truncate
+from controller.lease.engines.sse import SseParser
+from controller.lease.engines.transport import api_key_path
 from driver.opaque import (
     DEFAULT_PROBE_ANSWER,
     DEFAULT_PROBE_MAX_TOKENS,
@@ -131,7 +131,7 @@ class ProbeResult:
     detail: str = ""
 
     def raise_for_failure(self) -> None:
-        """Raise :class:`~controller.engines.errors.ProbeFailed` unless the probe passed."""
+        """Raise :class:`~controller.lease.engines.errors.ProbeFailed` unless the probe passed."""
         if not self.ok:
             reason = self.reason or ProbeReason.HTTP_ERROR
             raise ProbeFailed(f"correctness probe failed ({reason}): {self.detail}",

@@ -1,11 +1,11 @@
 """One worker per physical GPU: the activation queue, reconciliation, policy and switches.
 
 Everything that acts on one GPU runs in its worker, under its lock, one step at a time:
-reconciliation (:mod:`controller.reconcile`), switches (:mod:`controller.switch`) and the
-idle TTL. Reconciliation runs first whenever the worker opens (the instance gained the
-node), whenever the node's claimants change, soon after a switch left an engine
-unsettled, and at least every ``resync_s`` *even while activations queue*: a steady load
-never starves it.
+reconciliation (:mod:`controller.lease.reconcile`), switches
+(:mod:`controller.lease.switch`) and the idle TTL. Reconciliation runs first whenever the
+worker opens (the instance gained the node), whenever the node's claimants change, soon
+after a switch left an engine unsettled, and at least every ``resync_s`` *even while
+activations queue*: a steady load never starves it.
 
 Activations are queued per GPU and served one switch at a time. Every caller waiting for
 the same claimant shares one switch (coalescing), and claimants are served in the order
@@ -14,8 +14,8 @@ their first request arrived. Policy against thrash: the holder keeps the GPU for
 optional idle TTL puts a holder without work to sleep.
 
 Engines that span GPUs (tensor parallel) join their GPUs' workers into one *domain*
-(:mod:`controller.gpu_locks`): every step holds the locks of its whole domain, taken in
-GPU order, so a gang switch (:mod:`controller.gang`) and the steps of the GPUs it touches
+(:mod:`controller.lease.gpu_locks`): every step holds the locks of its whole domain, taken in
+GPU order, so a gang switch (:mod:`controller.lease.gang`) and the steps of the GPUs it touches
 never overlap. A gang engine's activations and start queue at the worker of its first GPU.
 
 Closing (leadership lost, or the controller stopping) answers every waiter at once and
@@ -33,19 +33,27 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from controller import metrics, naming
-from controller import policy as switch_policy
-from controller.admission import StartSwitch, StartTicket
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease, lease_body
 from controller.claimants import Claimant
-from controller.engines.base import EngineAdapter
-from controller.engines.errors import EngineError
-from controller.gang import GangResult, GangSwitch, gang_set, holder_timings, holders_of, needs_gang
-from controller.gpu_locks import GpuLocks
-from controller.kube import ControllerKube
-from controller.leases import GpuLease, lease_body
-from controller.reconcile import Seen, classify, plan
-from controller.switch import Fenced, Switcher, SwitchResult
-from controller.visibility import GpuVisibility
+from controller.lease import metrics
+from controller.lease import policy as switch_policy
+from controller.lease.admission import StartSwitch, StartTicket
+from controller.lease.engines.base import EngineAdapter
+from controller.lease.engines.errors import EngineError
+from controller.lease.gang import (
+    GangResult,
+    GangSwitch,
+    gang_set,
+    holder_timings,
+    holders_of,
+    needs_gang,
+)
+from controller.lease.gpu_locks import GpuLocks
+from controller.lease.kube import ControllerKube
+from controller.lease.reconcile import Seen, classify, plan
+from controller.lease.switch import Fenced, Switcher, SwitchResult
+from controller.lease.visibility import GpuVisibility
 from driver.aio import Backoff, wait_any
 from driver.errors import KubeConflictError, KubeNotFoundError
 
@@ -142,7 +150,7 @@ class Policy:
     """How often a switch fenced off before it began (a conflicting write of its Lease)
     is tried again, after reconciliation, before its waiters are answered."""
     models: switch_policy.ModelPolicy = field(default_factory=switch_policy.ModelPolicy)
-    """The node's default switch policy per model (:mod:`controller.policy`); each
+    """The node's default switch policy per model (:mod:`controller.lease.policy`); each
     claim's EngineConfig overrides its fields."""
     home_model: str = ""
     """The served model name woken on a GPU idle for ``home_idle_s`` ("": a claim with
@@ -595,7 +603,7 @@ class GpuWorker:
     async def _serve_gang_start(self, ticket: StartTicket, newcomer: Claimant,
                                 holders: tuple[Claimant, ...]) -> None:
         """Start-up admission of an engine that spans GPUs, or whose GPUs' holders do:
-        across every GPU of the set (see :meth:`controller.gang.GangSwitch.start`)."""
+        across every GPU of the set (see :meth:`controller.lease.gang.GangSwitch.start`)."""
         assert self.starter is not None
         uid = newcomer.claim_uid
         leases = {gpu: await self.lease_of(gpu)
@@ -740,7 +748,7 @@ class GpuWorker:
 
     def _policy_input(self, holder: Claimant | None, in_flight: int
                       ) -> switch_policy.PolicyInput:
-        """What :func:`controller.policy.decide` needs, gathered from this worker."""
+        """What :func:`controller.lease.policy.decide` needs, gathered from this worker."""
         defaults = self._defaults()
         home = self._home()
         queues = tuple(switch_policy.ClaimQueue(w.claimant.ref, max(w.waiting(), int(w.home)),
@@ -886,7 +894,7 @@ class GpuWorker:
 
     async def _serve_gang(self, waiting: _Waiting, target: Claimant,
                           holders: tuple[Claimant, ...], stop: asyncio.Event) -> None:
-        """A switch that changes several GPU Leases (see :mod:`controller.gang`)."""
+        """A switch that changes several GPU Leases (see :mod:`controller.lease.gang`)."""
         uid = target.claim_uid
         leases = {gpu: await self.lease_of(gpu)
                   for gpu in {*target.gpus, *(g for h in holders for g in h.gpus)}}

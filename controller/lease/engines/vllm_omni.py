@@ -6,7 +6,7 @@ vLLM-Omni 0.26 (and 0.30) behave.
   "SUCCESS"|"SKIPPED", "acks": [...]}``, one ACK per stage (rank 0) with the bytes it
   freed; ``metadata.total_freed_gib`` and ``rank_residual_gib`` are strings (``"12.34"``).
   Any ACK with status ``ERROR`` fails the call
-  (:class:`~controller.engines.errors.EngineRejected`, reason ``ack_error``, or
+  (:class:`~controller.lease.engines.errors.EngineRejected`, reason ``ack_error``, or
   ``gpu_oom`` when its message says the device ran out of memory).
 - **Level 1 only.** A wakeup after a level-2 sleep is not implemented (501) and leaves the
   engine unwakeable until restarted: the driver refuses ``sleepLevel: 2`` for this adapter
@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from controller.engines.base import (
+from controller.lease.engines.base import (
     EngineEndpoint,
     SleepOutcome,
     StageAck,
@@ -42,16 +42,16 @@ from controller.engines.base import (
     WakeOutcome,
     check_level,
 )
-from controller.engines.common import ALL_TAGS, HttpEngineAdapter, Step
-from controller.engines.errors import (
+from controller.lease.engines.common import ALL_TAGS, HttpEngineAdapter, Step
+from controller.lease.engines.errors import (
     EngineProtocolError,
     EngineRejected,
     EngineTimeout,
     is_gpu_oom,
     truncate,
 )
-from controller.engines.transport import Answer
-from controller.engines.vllm import RESET_PREFIX_CACHE, check_reset_answer
+from controller.lease.engines.transport import Answer
+from controller.lease.engines.vllm import RESET_PREFIX_CACHE, check_reset_answer
 from driver.aio import Backoff
 from driver.opaque import ProbeConfig
 

@@ -10,7 +10,7 @@ server), the claim's ``http`` config names three paths on the engine's port:
 - ``isSleepingPath``: ``GET`` answering ``{"is_sleeping": bool}``.
 
 Every sleep and wake is confirmed through ``isSleepingPath``. A sleep that does not answer
-in time raises :class:`~controller.engines.errors.EngineStateUnknown` (it may still take
+in time raises :class:`~controller.lease.engines.errors.EngineStateUnknown` (it may still take
 effect). In-flight counts come from vLLM's gauges on ``/metrics`` when the engine has them
 (else None), health from ``/health``. With the defaults the adapter drives a vLLM engine at
 level 1.
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from controller.engines.base import EngineEndpoint, SleepOutcome, Timeouts, check_level
-from controller.engines.common import ALL_TAGS, HttpEngineAdapter, Step
+from controller.lease.engines.base import EngineEndpoint, SleepOutcome, Timeouts, check_level
+from controller.lease.engines.common import ALL_TAGS, HttpEngineAdapter, Step
 from driver.opaque import HttpAdapterConfig, ProbeConfig
 
 __all__ = ["HttpAdapter"]

@@ -1,11 +1,11 @@
 """What kubectl shows about one GPU's engines, from what its worker does.
 
 A :class:`GpuVisibility` turns a GPU worker's steps into the visible state that
-:mod:`controller.visible_state` defines: Events (``SwitchedIn``, ``SwitchedOut``,
+:mod:`controller.lease.visible_state` defines: Events (``SwitchedIn``, ``SwitchedOut``,
 ``SwitchFailed`` with a CamelCase cause, ``StartWaiting``, ``StartAdmitted``), the
 ``gpu.rota.dev/state`` label of every engine pod on the GPU, and the ``Awake`` and
 ``Ready`` conditions of each claim's device. It only queues writes
-(:class:`controller.visible_state_writer.VisibleStateWriter` sends them off the switch's
+(:class:`controller.lease.visible_state_writer.VisibleStateWriter` sends them off the switch's
 path); a failed write never delays or fails a switch.
 
 The labels follow the GPU Lease: after every Lease write the holder of an ``awake`` Lease
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from controller import naming
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.leases import GpuLease
-from controller.switch import SwitchResult
-from controller.visible_state import (
+from controller.lease.switch import SwitchResult
+from controller.lease.visible_state import (
     EngineState,
     EventReason,
     Occurrence,
@@ -34,7 +34,7 @@ from controller.visible_state import (
     claim_ref,
     pod_ref,
 )
-from controller.visible_state_writer import VisibleStateWriter
+from controller.lease.visible_state_writer import VisibleStateWriter
 
 __all__ = ["GpuVisibility"]
 
@@ -84,7 +84,8 @@ class GpuVisibility:
     def switched(self, result: SwitchResult, holder: Claimant | None, target: Claimant, *,
                  start: bool = False, rule: str = "") -> None:
         """The Events of a finished switch (or start) from ``holder`` to ``target``;
-        ``rule`` is the switch policy's rule that made it (:data:`controller.policy.RULES`)."""
+        ``rule`` is the switch policy's rule that made it
+        (:data:`controller.lease.policy.RULES`)."""
         why = f" (policy: {rule})" if rule else ""
         if not result.ok:
             self._record(target, EventReason.SWITCH_FAILED,

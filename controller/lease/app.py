@@ -21,17 +21,17 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from controller import starts
-from controller.activation import make_app
-from controller.cache import NodeCache
 from controller.credentials import ApiKeys, SecretFile, reload_forever
-from controller.device import DeviceReader
-from controller.election import Election
-from controller.kube import ControllerKube
-from controller.node import NodeController
-from controller.settings import LeaseSettings
+from controller.lease import starts
+from controller.lease.activation import make_app
+from controller.lease.cache import NodeCache
+from controller.lease.device import DeviceReader
+from controller.lease.election import Election
+from controller.lease.kube import ControllerKube
+from controller.lease.node import NodeController
+from controller.lease.settings import LeaseSettings
+from controller.lease.visible_state_writer import VisibleStateKube, VisibleStateWriter
 from controller.urls import advertised_url
-from controller.visible_state_writer import VisibleStateKube, VisibleStateWriter
 from driver.aio import Backoff, retry
 from driver.errors import KubeError
 from driver.kube import load_api_client

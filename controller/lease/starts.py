@@ -2,7 +2,7 @@
 
 The lease controller serves it on a unix socket in a host directory that the driver's CDI
 spec mounts (read-only, host path = container path) into every container of every claim
-with an engine config; see :mod:`driver.startgate` and :mod:`controller.admission`.
+with an engine config; see :mod:`driver.startgate` and :mod:`controller.lease.admission`.
 
 ``POST /v1/start`` with :class:`StartRequest`: the claim's uid and its token (both from the
 container's CDI environment). The controller checks the token with the driver, finds the
@@ -28,8 +28,8 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from controller.device import DeviceError
-from controller.node import NodeController
+from controller.lease.device import DeviceError
+from controller.lease.node import NodeController
 
 __all__ = ["MAX_BODY_BYTES", "PATH", "StartReply", "StartRequest", "make_app", "serve"]
 

@@ -20,7 +20,7 @@ An admin should not need rota's HTTP endpoints to see what happened on a GPU:
   ("status.allocation: field cannot be modified once set"), so the writer reads and
   replaces with a compare-and-swap.
 
-This module is pure: it builds the bodies. :mod:`controller.visible_state_writer` sends
+This module is pure: it builds the bodies. :mod:`controller.lease.visible_state_writer` sends
 them, off the switch's path.
 """
 
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from controller.api.gpu_lease import micro_time
 from controller.claimants import DRIVER, Claimant
-from controller.leases import micro_time
 
 __all__ = [
     "FIELD_MANAGER",

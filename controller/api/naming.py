@@ -19,7 +19,7 @@ instance; renewed every few seconds; annotation :data:`ACTIVATION_URL`.
 Compatibility, so that a rolling upgrade may run two releases side by side:
 
 - readers ignore annotations and labels they do not know (a newer writer may add some),
-  and keep them on their next write (:attr:`controller.leases.GpuLease.extra_annotations`);
+  and keep them on their next write (:attr:`controller.api.gpu_lease.GpuLease.extra_annotations`);
 - a key is never given a new meaning; a new meaning gets a new key;
 - a removed key is still read and dropped for one release (never written again), so that
   the first write of the new release removes it: :data:`HOLDER_ENDPOINT` is one;

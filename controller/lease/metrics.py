@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from controller.activation_api import OTHER_REASON as OTHER_REASON
-from controller.activation_api import SWITCH_FAILURE_REASONS as SWITCH_FAILURE_REASONS
-from controller.policy import RULES as POLICY_RULES
+from controller.lease.activation_api import OTHER_REASON as OTHER_REASON
+from controller.lease.activation_api import SWITCH_FAILURE_REASONS as SWITCH_FAILURE_REASONS
+from controller.lease.policy import RULES as POLICY_RULES
 from driver.metrics_registry import new_registry, package_version
 
 REGISTRY = new_registry()
@@ -97,7 +97,7 @@ VISIBLE_STATE_KINDS = ("event", "pod_label", "claim_conditions")
 POLICY_DECISIONS = Counter(
     "rota_controller_policy_decisions_total",
     "Decisions of the switch policy that acted (a switch, an idle sleep, a cancelled "
-    "switch), by the rule that fired (controller.policy.RULES).", ["rule"],
+    "switch), by the rule that fired (controller.lease.policy.RULES).", ["rule"],
     registry=REGISTRY)
 INFO = Gauge("rota_controller_info", "1, labelled with the lease controller's version.",
              ["version"], registry=REGISTRY)

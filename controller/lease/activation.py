@@ -33,7 +33,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from controller import metrics
 from controller.api.activation import (
     MAX_BODY_BYTES,
     PATH,
@@ -51,8 +50,9 @@ from controller.api.activation import (
 )
 from controller.claimants import Claimant
 from controller.credentials import ApiKeys
-from controller.node import NodeController, UnknownModel
-from controller.switch import Fenced
+from controller.lease import metrics
+from controller.lease.node import NodeController, UnknownModel
+from controller.lease.switch import Fenced
 
 log = logging.getLogger(__name__)
 

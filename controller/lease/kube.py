@@ -2,7 +2,7 @@
 
 It extends the driver's facade (same threads, timeouts and error mapping) with the Leases
 the controller reads and writes with a compare-and-swap on ``resourceVersion``. Claims,
-pods and slices are not listed here: :mod:`controller.cache` watches them.
+pods and slices are not listed here: :mod:`controller.lease.cache` watches them.
 """
 
 from __future__ import annotations

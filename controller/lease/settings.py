@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from controller.policy import ModelPolicy
+from controller.lease.policy import ModelPolicy
 from driver.settings import parse_settings
 
 GIB = 1024**3

@@ -16,7 +16,7 @@ adapter sends is checked by the guard alone. Its traps, and what this adapter do
 - A ``/sleep`` whose client gives up is **not** cancelled: vLLM carries it out when the
   engine next goes idle, even after a later wake, and the next request then kills the
   engine core. So a sleep is never abandoned silently: one that does not answer within
-  ``Timeouts.sleep_s`` raises :class:`~controller.engines.errors.EngineStateUnknown`.
+  ``Timeouts.sleep_s`` raises :class:`~controller.lease.engines.errors.EngineStateUnknown`.
 - A level-2 wake is four calls: ``wake_up?tags=weights``, ``collective_rpc
   reload_weights`` (``{"results": [null, ...]}``; the default loader only: it fails under
   ``--load-format dummy``), ``reset_prefix_cache`` (``{"success": bool}``; ``false`` fails
@@ -28,7 +28,7 @@ adapter sends is checked by the guard alone. Its traps, and what this adapter do
   reload) cannot be undone by ``/sleep`` (a no-op on a half-woken executor, the memory
   stays): it raises with ``unfinished`` set and :meth:`finish_wake` continues it.
 - A wake that finds no room answers 500 with ``CUDA Error: out of memory``: that is
-  :class:`~controller.engines.errors.EngineRejected` with reason ``gpu_oom``.
+  :class:`~controller.lease.engines.errors.EngineRejected` with reason ``gpu_oom``.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
-from controller.engines.base import SleepOutcome, check_level
-from controller.engines.common import ALL_TAGS, HttpEngineAdapter, Step
-from controller.engines.errors import EngineProtocolError, EngineRejected
-from controller.engines.transport import Answer
+from controller.lease.engines.base import SleepOutcome, check_level
+from controller.lease.engines.common import ALL_TAGS, HttpEngineAdapter, Step
+from controller.lease.engines.errors import EngineProtocolError, EngineRejected
+from controller.lease.engines.transport import Answer
 
 __all__ = ["LEVEL1_WAKE", "LEVEL2_WAKE", "VllmAdapter", "check_rpc_answer"]
 

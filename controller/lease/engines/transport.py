@@ -2,12 +2,12 @@
 
 Every call runs on the controller's single ``aiohttp.ClientSession`` (owned by the caller)
 under a total timeout and a connect timeout, reads at most :data:`MAX_ANSWER_BYTES` of the
-answer, and turns every failure into an :class:`~controller.engines.errors.EngineError`.
+answer, and turns every failure into an :class:`~controller.lease.engines.errors.EngineError`.
 
 Credentials go where the engine (or rota's engine guard) reads them, and nowhere else:
 the engine's API key as ``Authorization: Bearer`` on ``/v1*`` paths only (vLLM checks
 ``--api-key`` there and nowhere else), rota's control token in
-:data:`~controller.engines.base.CONTROL_TOKEN_HEADER` on control calls (vLLM ignores it;
+:data:`~controller.lease.engines.base.CONTROL_TOKEN_HEADER` on control calls (vLLM ignores it;
 the engine guard checks it).
 
 Retries, all through :func:`driver.aio.retry` (bounded, jittered):
@@ -22,7 +22,8 @@ Retries, all through :func:`driver.aio.retry` (bounded, jittered):
 A call sent again always goes on a new connection of its own: the idle connections to an
 engine may all have been closed at the same moment.
 
-A 500 with ``EngineDeadError``'s message becomes :class:`~controller.engines.errors.EngineDead`.
+A 500 with ``EngineDeadError``'s message becomes
+:class:`~controller.lease.engines.errors.EngineDead`.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from typing import Any
 
 import aiohttp
 
-from controller.engines.base import CONTROL_TOKEN_HEADER, EngineEndpoint, Timeouts
-from controller.engines.errors import (
+from controller.lease.engines.base import CONTROL_TOKEN_HEADER, EngineEndpoint, Timeouts
+from controller.lease.engines.errors import (
     EngineDead,
     EngineError,
     EngineProtocolError,

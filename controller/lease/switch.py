@@ -28,7 +28,7 @@ is not handed back is never followed by another wake. A sleep whose outcome is u
 timed out, or its answer was lost) may still fire later (vLLM keeps a ``mode=wait`` sleep
 registered): such an engine is never woken by this switch; it is returned as
 *unsettled*, and the caller confirms through ``/is_sleeping`` and the GPU that it really
-slept before anyone is woken (reconciliation does, in :mod:`controller.gpu`).
+slept before anyone is woken (reconciliation does, in :mod:`controller.lease.gpu`).
 
 Pure protocol over injected ports (:class:`Ports`), so it is tested without Kubernetes.
 """
@@ -43,13 +43,19 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from controller import metrics, naming
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.device import GpuSnapshot, HandbackProblem, check_before_wake
-from controller.engines.base import EngineAdapter
-from controller.engines.errors import EngineError, EngineLied, EngineRejected, EngineUnreachable
-from controller.leases import GpuLease
-from controller.settings import StepTimeouts
+from controller.lease import metrics
+from controller.lease.device import GpuSnapshot, HandbackProblem, check_before_wake
+from controller.lease.engines.base import EngineAdapter
+from controller.lease.engines.errors import (
+    EngineError,
+    EngineLied,
+    EngineRejected,
+    EngineUnreachable,
+)
+from controller.lease.settings import StepTimeouts
 from driver.aio import Backoff
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Sends what :mod:`controller.visible_state` builds to the API server, off the switch's path.
+"""Sends what :mod:`controller.lease.visible_state` builds to the API server, off the switch's path.
 
 A switch never waits for an Event, a label or a condition: callers hand their changes to
 :class:`VisibleStateWriter`, which keeps only the latest wanted value per object (a newer
@@ -19,9 +19,9 @@ from typing import Any
 
 from kubernetes import client
 
-from controller import metrics
 from controller.claimants import Claimant
-from controller.visible_state import (
+from controller.lease import metrics
+from controller.lease.visible_state import (
     FIELD_MANAGER,
     SERIES_WINDOW_S,
     EngineState,

@@ -32,10 +32,18 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from controller import metrics, naming
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.leases import GpuLease
-from controller.switch import Fenced, SleepUnknown, Switcher, SwitchFailed, SwitchResult, reason_of
+from controller.lease import metrics
+from controller.lease.switch import (
+    Fenced,
+    SleepUnknown,
+    Switcher,
+    SwitchFailed,
+    SwitchResult,
+    reason_of,
+)
 from driver.aio import Backoff
 
 log = logging.getLogger(__name__)
@@ -101,7 +109,7 @@ class StartLimits:
 
 
 class StartSwitch:
-    """Runs starts for one GPU on a :class:`~controller.switch.Switcher`'s steps."""
+    """Runs starts for one GPU on a :class:`~controller.lease.switch.Switcher`'s steps."""
 
     def __init__(self, switcher: Switcher, *, limits: StartLimits,
                  claimant_of: Callable[[str], Claimant | None]) -> None:

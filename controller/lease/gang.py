@@ -4,11 +4,11 @@ A tensor-parallel engine holds several GPUs (:attr:`Claimant.gpus`) and is awake
 the holder of every one. Waking it takes all of its GPUs in one switch; putting one to
 sleep so that another engine can have one of its GPUs gives back all of them. Both are
 gang switches, made here; a switch between two one-GPU engines stays with
-:class:`controller.switch.Switcher` alone.
+:class:`controller.lease.switch.Switcher` alone.
 
 The GPUs of a gang switch (its *set*) are the target's GPUs and, of every engine it puts
 to sleep, the GPUs whose Lease names that engine. The caller holds the locks of all of them
-(:class:`controller.gpu_locks.GpuLocks`, taken in GPU order), so no other step of this
+(:class:`controller.lease.gpu_locks.GpuLocks`, taken in GPU order), so no other step of this
 controller touches them meanwhile. The steps, as for one GPU:
 
 1. every Lease of the set says ``switching`` (or ``starting``) under a new fencing number,
@@ -36,13 +36,14 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from controller import metrics, naming
-from controller.admission import StartSwitch, StartTicket
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant, gpu_order
-from controller.engines.base import EngineAdapter
-from controller.engines.errors import EngineUnreachable
-from controller.leases import GpuLease
-from controller.switch import (
+from controller.lease import metrics
+from controller.lease.admission import StartSwitch, StartTicket
+from controller.lease.engines.base import EngineAdapter
+from controller.lease.engines.errors import EngineUnreachable
+from controller.lease.switch import (
     Fenced,
     LeasePort,
     SleepUnknown,

@@ -4,7 +4,7 @@ The switch protocol drains, sleeps, wakes and probes engines of several kinds (v
 vLLM-Omni, anything with HTTP sleep controls). This module holds the one interface they
 share, :class:`EngineAdapter`, the values its methods take and return, and the timeouts
 that bound every call. Adapters live in their own modules and are chosen by
-:func:`controller.engines.registry.make_adapter`.
+:func:`controller.lease.engines.registry.make_adapter`.
 
 **Credentials.** Two, never mixed up, never logged:
 
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from controller.api.engine_guard import CONTROL_TOKEN_HEADER
 
 if TYPE_CHECKING:
-    from controller.engines.probe import ProbeResult
+    from controller.lease.engines.probe import ProbeResult
 
 __all__ = [
     "CONTROL_TOKEN_HEADER",
@@ -252,13 +252,13 @@ class WakeOutcome:
 
 class EngineAdapter(Protocol):
     """The controller's view of one engine. Every method is bounded by :class:`Timeouts`
-    and raises only :class:`~controller.engines.errors.EngineError` subclasses (besides
+    and raises only :class:`~controller.lease.engines.errors.EngineError` subclasses (besides
     ``ValueError`` for a level other than 1 or 2, and cancellation).
 
     No method retries a sleep or a wake (a control POST is re-sent once, only when the
     server closed a kept-alive connection before it answered). A sleep is never abandoned
     silently: one that does not answer in time raises
-    :class:`~controller.engines.errors.EngineStateUnknown` (vLLM keeps it registered and
+    :class:`~controller.lease.engines.errors.EngineStateUnknown` (vLLM keeps it registered and
     carries it out when the engine next goes idle, even after a later wake). A wake that
     stops partway raises with ``unfinished`` set; :meth:`finish_wake` continues it.
     """
@@ -322,5 +322,5 @@ class EngineAdapter(Protocol):
 
     async def probe(self) -> ProbeResult:
         """Send the correctness request; never raises for a failed probe (see
-        :meth:`ProbeResult.raise_for_failure <controller.engines.probe.ProbeResult>`)."""
+        :meth:`ProbeResult.raise_for_failure <controller.lease.engines.probe.ProbeResult>`)."""
         ...

@@ -8,7 +8,7 @@ config names; every adapter satisfies :class:`EngineAdapter` and raises only
 
 from __future__ import annotations
 
-from controller.engines.base import (
+from controller.lease.engines.base import (
     CONTROL_TOKEN_HEADER,
     EngineAdapter,
     EngineEndpoint,
@@ -21,7 +21,7 @@ from controller.engines.base import (
     UnfinishedWake,
     WakeOutcome,
 )
-from controller.engines.errors import (
+from controller.lease.engines.errors import (
     EngineDead,
     EngineError,
     EngineLied,
@@ -32,11 +32,11 @@ from controller.engines.errors import (
     EngineUnreachable,
     ProbeFailed,
 )
-from controller.engines.http import HttpAdapter
-from controller.engines.probe import ProbeMode, ProbeReason, ProbeResult, Usage, run_probe
-from controller.engines.registry import make_adapter
-from controller.engines.vllm import VllmAdapter
-from controller.engines.vllm_omni import VllmOmniAdapter
+from controller.lease.engines.http import HttpAdapter
+from controller.lease.engines.probe import ProbeMode, ProbeReason, ProbeResult, Usage, run_probe
+from controller.lease.engines.registry import make_adapter
+from controller.lease.engines.vllm import VllmAdapter
+from controller.lease.engines.vllm_omni import VllmOmniAdapter
 
 __all__ = [
     "CONTROL_TOKEN_HEADER",

@@ -41,9 +41,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from controller import naming
+from controller.api import naming
 from controller.api.controller_lease import ControllerLease, LeaseObserver
-from controller.kube import ControllerKube
+from controller.lease.kube import ControllerKube
 from driver.errors import KubeConflictError, KubeError, KubeNotFoundError
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The lease controller of one node: claimants, one worker per physical GPU, leadership.
 
 It acts only while it holds the node's controller Lease. Each time it gains the Lease,
-every GPU worker opens and reconciles before serving anything (see :mod:`controller.gpu`);
+every GPU worker opens and reconciles before serving anything (see :mod:`controller.lease.gpu`);
 when it loses the Lease, every worker closes at once: waiters are answered, no new engine
 call is made, and a step in flight stops at its next fencing check.
 
@@ -9,7 +9,7 @@ Workers, GPU Leases and reconciliation are keyed by the physical GPU
 (:attr:`controller.claimants.Claimant.gpu`): in ``partitioned`` mode every share of a GPU
 (``gpu-0-share-<k>``) belongs to the one worker of ``gpu-0``. A claimant that holds several
 GPUs has a worker on each; the workers of GPUs joined by such claimants take each other's
-locks for every step (:mod:`controller.gpu_locks`).
+locks for every step (:mod:`controller.lease.gpu_locks`).
 
 Stopping (:meth:`NodeController.drain`): workers close and answer their waiters, the step
 in flight finishes within the grace period, and only then may the Lease be released.
@@ -26,21 +26,21 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from controller import metrics
-from controller.admission import StartLimits, StartSwitch
-from controller.cache import NodeCache
 from controller.claimants import Claimant, gpu_order
-from controller.device import DeviceReader, GpuSnapshot
-from controller.election import Election
-from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
-from controller.engines.registry import make_adapter
-from controller.gpu import Activation, GpuWorker, KubeLeasePort, Policy
-from controller.gpu_locks import GpuLocks, domains
-from controller.kube import ControllerKube
-from controller.settings import LeaseSettings
-from controller.switch import Fenced, Limits, Ports, Switcher
-from controller.visibility import GpuVisibility
-from controller.visible_state_writer import VisibleStateWriter
+from controller.lease import metrics
+from controller.lease.admission import StartLimits, StartSwitch
+from controller.lease.cache import NodeCache
+from controller.lease.device import DeviceReader, GpuSnapshot
+from controller.lease.election import Election
+from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
+from controller.lease.engines.registry import make_adapter
+from controller.lease.gpu import Activation, GpuWorker, KubeLeasePort, Policy
+from controller.lease.gpu_locks import GpuLocks, domains
+from controller.lease.kube import ControllerKube
+from controller.lease.settings import LeaseSettings
+from controller.lease.switch import Fenced, Limits, Ports, Switcher
+from controller.lease.visibility import GpuVisibility
+from controller.lease.visible_state_writer import VisibleStateWriter
 from driver.aio import wait_any
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class NodeController:
         return await self._worker(target.gpu).activate(target)
 
     async def request_start(self, claim_uid: str, token: str) -> StartAnswer:
-        """One long poll of a start gate (see :mod:`controller.starts`)."""
+        """One long poll of a start gate (see :mod:`controller.lease.starts`)."""
         hold = self.settings.start_hold_s
         if not await self.device.verify_start_token(claim_uid, token):
             return StartAnswer(status=401, reason="unauthorized",

@@ -12,7 +12,7 @@ must have:
   ``vllm:engine_sleep_state`` as a second witness where the engine exports it;
 - never abandon a sleep silently: a sleep call that does not answer in time (or whose
   connection broke after it was sent) raises
-  :class:`~controller.engines.errors.EngineStateUnknown`, because vLLM keeps such a
+  :class:`~controller.lease.engines.errors.EngineStateUnknown`, because vLLM keeps such a
   sleep registered and carries it out when the engine next goes idle;
 - a wake that stops partway raises with :attr:`EngineError.unfinished` set, so that the
   caller can finish it (:meth:`HttpEngineAdapter.finish_wake`): vLLM cannot put a
@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
-from controller.engines.base import (
+from controller.lease.engines.base import (
     EngineEndpoint,
     SleepState,
     SleepStateKind,
@@ -44,7 +44,7 @@ from controller.engines.base import (
     UnfinishedWake,
     WakeOutcome,
 )
-from controller.engines.errors import (
+from controller.lease.engines.errors import (
     EngineDead,
     EngineError,
     EngineLied,
@@ -53,9 +53,9 @@ from controller.engines.errors import (
     EngineTimeout,
     EngineUnreachable,
 )
-from controller.engines.probe import ProbeResult, run_probe
-from controller.engines.prom import label_values_at_one, sum_samples
-from controller.engines.transport import Answer, EngineHttp
+from controller.lease.engines.probe import ProbeResult, run_probe
+from controller.lease.engines.prom import label_values_at_one, sum_samples
+from controller.lease.engines.transport import Answer, EngineHttp
 from driver.aio import both
 from driver.opaque import ProbeConfig
 
@@ -195,7 +195,7 @@ class HttpEngineAdapter:
                                config=self.probe_config)
 
     async def sleep_state(self, unfinished: UnfinishedWake | None = None) -> SleepState:
-        """See :meth:`~controller.engines.base.EngineAdapter.sleep_state`."""
+        """See :meth:`~controller.lease.engines.base.EngineAdapter.sleep_state`."""
         try:
             health = await self._http.read("health", self.health_path, control=False,
                                            accept=frozenset({503}))

@@ -25,8 +25,8 @@ from typing import Any
 
 from kubernetes import client
 
-from controller import metrics
 from controller.claimants import DRIVER, Claimant, claimants_from, device_memory_of
+from controller.lease import metrics
 from driver.kube import RESOURCE_GROUP, RESOURCE_VERSION
 from driver.listwatch import ListWatch, Obj
 

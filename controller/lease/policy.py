@@ -6,7 +6,7 @@ every claimant waiting for the GPU, each claimant's :class:`ModelPolicy`, the me
 stay, switch to a claimant, put the holder to sleep, or cancel a switch whose waiters
 left, with the rule that fired (a short stable string, :data:`RULES`: an Event's note
 and a metric label) and a reason in words. No I/O and no clock: time is ``now`` in the
-input. The lease controller (:mod:`controller.gpu`) and the policy benchmark
+input. The lease controller (:mod:`controller.lease.gpu`) and the policy benchmark
 (``python -m e2e.bench_policy``) call this same function.
 
 The rules, in the order they are tried:

@@ -28,7 +28,7 @@ as a Prometheus label value as is. The reasons, all distinct:
 ``lied``             :class:`EngineLied`: a 200 answer, then ``/is_sleeping`` contradicts it.
 ``bad_response``     :class:`EngineProtocolError`: a 2xx answer that cannot be parsed.
 ``probe_<reason>``   :class:`ProbeFailed`: the correctness probe failed; ``<reason>`` is one
-                     of :class:`~controller.engines.probe.ProbeReason` (``wrong_content``,
+                     of :class:`~controller.lease.engines.probe.ProbeReason` (``wrong_content``,
                      ``no_done``, ``no_usage``, ``stream_error``, ``timeout``,
                      ``http_error``, ``unreachable``).
 ===================  ====================================================================
@@ -48,7 +48,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from controller.engines.base import UnfinishedWake
+    from controller.lease.engines.base import UnfinishedWake
 
 __all__ = [
     "MAX_BODY_CHARS",
@@ -141,7 +141,7 @@ class EngineError(Exception):
     reason: str = "engine_error"
     unfinished: UnfinishedWake | None = None
     """Set on the error of a wake that stopped partway: what is still asleep, and the step
-    :meth:`~controller.engines.base.EngineAdapter.finish_wake` continues from."""
+    :meth:`~controller.lease.engines.base.EngineAdapter.finish_wake` continues from."""
 
     def __init__(self, message: str, *, step: str) -> None:
         super().__init__(message)

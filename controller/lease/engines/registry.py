@@ -2,7 +2,7 @@
 
 The claim's opaque config names its adapter (``vllm``, ``vllm-omni``, ``http``), the
 adapter-specific settings (``omniStageIds``, ``http``) and the probe (``probe``);
-:func:`make_adapter` turns that into an :class:`~controller.engines.base.EngineAdapter` on
+:func:`make_adapter` turns that into an :class:`~controller.lease.engines.base.EngineAdapter` on
 the controller's session. The engine's API key travels in the endpoint
 (``EngineEndpoint.api_key``), read by the caller from the Secret ``apiKeySecret`` names.
 """
@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from controller.engines.base import EngineAdapter, EngineEndpoint, Timeouts
-from controller.engines.http import HttpAdapter
-from controller.engines.vllm import VllmAdapter
-from controller.engines.vllm_omni import VllmOmniAdapter
+from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
+from controller.lease.engines.http import HttpAdapter
+from controller.lease.engines.vllm import VllmAdapter
+from controller.lease.engines.vllm_omni import VllmOmniAdapter
 from driver.opaque import EngineConfig
 
 __all__ = ["ADAPTERS", "AdapterFactory", "make_adapter"]
