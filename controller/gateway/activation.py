@@ -207,6 +207,10 @@ class Activator:
                          extra={"model": model, "claim": claim, "upstream": url,
                                 "request_id": request_id})
                 call.cancel()
+                # A request for the same switch from now on starts a call of its own,
+                # never joins this one as it ends cancelled.
+                if self._calls.get(key) is call:
+                    del self._calls[key]
             raise
         finally:
             left = self._waiters.get(key, 0) - 1
