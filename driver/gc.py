@@ -16,7 +16,10 @@ collector:
    costs one LIST per pass, not a GET per prepared claim;
 2. reads from the API server only the other records, and those that share their
    namespace and name with another record (a claim deleted and re-created under the same
-   name: a pod names claims by name, so it cannot tell which uid it holds). The record
+   name: a pod names claims by name, so it cannot tell which uid it holds); every
+   ``read_held_every``-th pass (10 by default) it reads the held ones too, because a
+   re-created claim whose prepare is refused (the old record holds its budget) leaves only
+   the old record under that name, held by the successor's pod. The record
    is a *suspect* when the claim is gone (404), was re-created (another uid), or is no
    longer allocated in this node's pool by this driver. An API error proves nothing: that
    record is kept. A ``replaced`` record is never held: the name is now another claim,
@@ -108,8 +111,14 @@ class LedgerCollector:
 
     def __init__(self, *, preparer: GcPreparer, kube: GcKube, node_name: str, driver: str,
                  pool: str, interval_s: float = 60.0, grace_s: float = 120.0,
+                 read_held_every: int = 10,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock`` measures ``grace_s`` (seconds, monotonic)."""
+        """``clock`` measures ``grace_s`` (seconds, monotonic). Every ``read_held_every``-th
+        pass reads the claims of held records too: a claim deleted and created again under
+        its name, whose successor cannot be prepared while the old record holds its budget,
+        is named by the successor's pod, so only its uid tells the two apart."""
+        if read_held_every < 1:
+            raise ValueError(f"read_held_every must be at least 1, not {read_held_every}")
         self.preparer = preparer
         self.kube = kube
         self.node_name = node_name
@@ -118,6 +127,8 @@ class LedgerCollector:
         self.interval_s = interval_s
         self.grace_s = grace_s
         self.clock = clock
+        self.read_held_every = read_held_every
+        self._passes = 0
         self._suspect_since: dict[str, float] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -144,9 +155,11 @@ class LedgerCollector:
         if completed:
             held = claims_held_by_pods(await self.kube.list_pods_on_node(self.node_name))
         names = Counter((r.namespace, r.name) for r in completed)
+        self._passes += 1
+        read_all = self._passes % self.read_held_every == 0
         for record in completed:
             ref = (record.namespace, record.name)
-            if ref in held and names[ref] == 1:
+            if ref in held and names[ref] == 1 and not read_all:
                 result.held.append(record.uid)
                 continue
             result.read += 1

@@ -15,6 +15,7 @@ from driver.gc import LedgerCollector
 from driver.kube import Kube
 from e2e.objects import engine_pod
 from e2e.preparing import NodeFiles, allocated_claim, node_devices
+from e2e.waiting import eventually
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
 
@@ -67,3 +68,41 @@ async def test_an_empty_ledger_costs_no_request(
                                 driver=DRIVER_NAME, pool=node, grace_s=0)
     await collector.collect_once()
     assert kube.calls == []
+
+
+async def test_a_leaked_record_whose_successor_cannot_be_prepared_is_collected(
+        kube_api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    """Claim ``x`` is prepared, its unprepare never comes, and ``x`` is deleted and created
+    again: the new ``x`` cannot be prepared while the old record holds the budget, and its
+    pod names ``x``. Only reading the claim tells the old uid from the new one: a pass that
+    reads held records too collects the old record."""
+    node = f"gc-{uuid.uuid4().hex[:8]}"
+    old = allocated_claim(kube_api, namespace, "x", pool=node)
+    files = NodeFiles(tmp_path)
+    kube = CountingKube(kube_api)
+    preparer = files.preparer(kube, node_devices(node), pool=node)
+    answers = await preparer.prepare([old])
+    assert not isinstance(answers[old.uid], Exception), answers
+    resource = client.ResourceV1Api(kube_api)
+    resource.delete_namespaced_resource_claim("x", namespace, grace_period_seconds=0)
+
+    def gone() -> bool:
+        try:
+            resource.read_namespaced_resource_claim("x", namespace)
+        except client.ApiException as exc:
+            return bool(exc.status == 404)
+        return False
+
+    eventually(gone, timeout=30, what="the old claim x deleted")
+    new = allocated_claim(kube_api, namespace, "x", pool=node)
+    assert new.uid != old.uid
+    pod = engine_pod("engine-x", node=node, claim_name="x")
+    pod["spec"]["nodeName"] = node
+    client.CoreV1Api(kube_api).create_namespaced_pod(namespace, pod)
+    collector = LedgerCollector(preparer=preparer, kube=kube, node_name=node,
+                                driver=DRIVER_NAME, pool=node, grace_s=0, read_held_every=2)
+    first = await collector.collect_once()
+    assert first.collected == []
+    assert first.held == [old.uid]
+    second = await collector.collect_once()
+    assert second.collected == [old.uid]
