@@ -195,6 +195,8 @@ class GpuWorker:
         self._queue: dict[str, _Waiting] = {}
         self._wakeup = asyncio.Event()
         self._switching = False
+        self._switching_to = ""
+        """The claim uid of the switch in flight (while ``_switching``)."""
         self._accepting = False
         self._closed = ("not_leader", "this instance does not act for the node")
         self._dirty = False
@@ -242,10 +244,13 @@ class GpuWorker:
             and lease.holder else None
         if holder == claimant.ref and not self._switching:
             return 0.0, 0, 0.0
+        if self._switching and self._switching_to == claimant.claim_uid:
+            own = round(self.switch_cost(holder, claimant.ref), 3)
+            return own, 0, own  # its own switch is the one in flight
         wait = 0.0
         position = 0
         current: str | None = holder
-        if self._switching:  # a switch in flight, to a claimant this worker does not name
+        if self._switching:  # a switch in flight, to another claimant
             wait += self.switch_cost(current, None)
             position += 1
             current = None
@@ -570,7 +575,7 @@ class GpuWorker:
         holder = next((c for c in on_gpu if c.ref == lease.holder), None)
         if lease.state != naming.STATE_AWAKE:
             holder = None
-        self._switching = True
+        self._switching, self._switching_to = True, uid
         if self.visibility is not None:
             self.visibility.switching(holder, newcomer, starting=True)
         result: SwitchResult | None = None
@@ -618,7 +623,7 @@ class GpuWorker:
                                "blockers": blockers})
             return
         claimants = [c for c in self.claimants() if c.pod_ip and set(c.gpus) & set(gpus)]
-        self._gang_begins(gpus)
+        self._gang_begins(gpus, newcomer)
         if self.visibility is not None:
             self.visibility.switching(holders[0] if holders else None, newcomer,
                                       starting=True)
@@ -691,7 +696,7 @@ class GpuWorker:
             self._decided("cancelled", target, "every request for it left before its wake")
             return
         self._queue.pop(uid)
-        self._switching = True
+        self._switching, self._switching_to = True, uid
         if self.visibility is not None:
             self.visibility.switching(holder if lease.state != naming.STATE_IDLE else None,
                                       target)
@@ -875,9 +880,10 @@ class GpuWorker:
         return sorted(c.ref for gpu in gpus for c in self.sibling(gpu).unsettled.values()
                       if c.claim_uid != uid)
 
-    def _gang_begins(self, gpus: tuple[str, ...]) -> None:
+    def _gang_begins(self, gpus: tuple[str, ...], target: Claimant) -> None:
         for gpu in gpus:
-            self.sibling(gpu)._switching = True
+            worker = self.sibling(gpu)
+            worker._switching, worker._switching_to = True, target.claim_uid
 
     def _gang_ends(self, gpus: tuple[str, ...], *, cut_short: bool) -> None:
         """The set's workers take work again; after a switch cut short (fenced, failed
@@ -913,9 +919,13 @@ class GpuWorker:
             remaining = max(residency) + self.policy.min_residency_s - self.clock()
             if remaining > 0 and await wait_any(stop, timeout_s=remaining):
                 return
+        if not waiting.home and waiting.waiting() == 0:
+            self._queue.pop(uid)
+            self._decided("cancelled", target, "every request for it left before its wake")
+            return
         self._queue.pop(uid)
         claimants = [c for c in self.claimants() if c.pod_ip and set(c.gpus) & set(gpus)]
-        self._gang_begins(gpus)
+        self._gang_begins(gpus, target)
         if self.visibility is not None:
             self.visibility.switching(holders[0] if holders else None, target)
         result: GangResult | None = None

@@ -128,3 +128,17 @@ def test_an_earlier_controllers_claimant_reads_without_the_new_fields() -> None:
                                         "gpu": "gpu-0", "serving": True, "later": 1})
     assert old.expected_switch_s is None
     assert old.queue_position is None
+
+
+async def test_a_claimant_whose_own_switch_is_in_flight_is_first_and_expects_its_own_switch(
+        rig: tuple[RoutingNode, TestClient[Any, Any]]) -> None:
+    """The worker has taken the claimant's switch off its queue and runs it (the Lease
+    still names the old holder): the claimant is next, not behind a switch to someone
+    else, and its wait is its own switch."""
+    node, client = rig
+    worker = node.worker
+    worker._switching, worker._switching_to = True, node.claimant.claim_uid
+    state = await _claimant(client)
+    assert state.queue_position == 0
+    assert state.expected_switch_s == pytest.approx(0.5 + 0.6 + 0.1)
+    assert state.expected_wait_s == state.expected_switch_s

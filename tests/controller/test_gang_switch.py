@@ -5,6 +5,7 @@ change of every engine, not sampled)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import aiohttp
 import pytest
@@ -307,5 +308,31 @@ async def test_a_gang_switch_measures_each_holder_and_the_phases_wall_times(
         assert {"drain", "sleep", "wake_call", "probe_ttft"} <= timings.keys()
         assert timings["sleep"] >= max(timings[f"sleep:{e.claimant.ref}"] for e in (a, b))
         assert node.workers["gpu-0"]._costs[tp.claimant.ref].wake_s == timings["wake_call"]
+    finally:
+        await node.close()
+
+
+async def test_a_gang_switch_every_caller_left_during_the_residency_wait_is_not_made(
+        engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
+    """The holders keep their GPUs for the minimum residency; the only caller of the TP
+    engine leaves during that wait: no switch is made (the holders stay awake, the TP
+    engine asleep, each Lease naming its holder)."""
+    node = await gang_node(engine_sim_factory, engine_session,
+                           [("a", ("gpu-0",), 20), ("b", ("gpu-1",), 20),
+                            ("tp", ("gpu-0", "gpu-1"), 40)], gpus=2, awake=("a", "b"))
+    a, b, tp = node.engines
+    for worker in node.workers.values():
+        worker.policy = dataclasses.replace(worker.policy, min_residency_s=1.5)
+    try:
+        call = asyncio.create_task(node.activate(tp))
+        await asyncio.sleep(0.5)  # queued, and its worker waits out the residency
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        await asyncio.sleep(2.0)  # past the residency: the switch would have begun
+        assert tp.sim.engine.is_sleeping
+        assert not a.sim.engine.is_sleeping
+        assert not b.sim.engine.is_sleeping
+        assert node.holders() == {"gpu-0": a.claimant.ref, "gpu-1": b.claimant.ref}
+        assert node.watch.violations == []
     finally:
         await node.close()
