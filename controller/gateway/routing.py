@@ -429,20 +429,27 @@ class RoutingState:
 
     def _put_lease(self, key: str, obj: Obj | None) -> None:
         known = self._leases.pop(key, None)
-        if known is not None and (obj is None or known[1] != _name(obj)):
-            self._drop_lease(*known)
-        if obj is None:
-            return
-        controller = controller_lease_of(obj)
+        controller = controller_lease_of(obj) if obj is not None else None
+        lease = gpu_lease_of(obj) if obj is not None and controller is None else None
+        now: tuple[str, str] | None = None
         if controller is not None:
-            self._leases[key] = ("controller", controller.name)
+            now = ("controller", controller.name)
+        elif lease is not None:
+            now = ("gpu", lease.name)
+        elif obj is not None:
+            now = ("other", _name(obj))
+        if known is not None and known != now:
+            self._drop_lease(*known)  # gone, renamed, or no longer that kind of Lease
+        if now is None:
+            return
+        if controller is not None:
+            self._leases[key] = now
             self._put_controller(controller)
             return
-        lease = gpu_lease_of(obj)
         if lease is None:
-            self._leases[key] = ("other", _name(obj))
+            self._leases[key] = now
             return
-        self._leases[key] = ("gpu", lease.name)
+        self._leases[key] = now
         if self._gpus.get(lease.name) == lease:
             return
         self._gpus[lease.name] = lease

@@ -263,3 +263,16 @@ def test_a_slim_claim_keeps_what_routing_reads_only() -> None:
     assert "managedFields" not in slim["metadata"]
     assert "devices" not in slim["status"]
     assert claimants.claimants_from([slim], {}) == claimants.claimants_from([claim], {})
+
+
+def test_a_lease_that_stops_being_a_gpu_lease_stops_routing() -> None:
+    """A GPU Lease modified so that it no longer is one (its kind label gone) is dropped:
+    its holder gets no traffic from it any more (the rebuild-everything state dropped it;
+    an in-place entry must be dropped too)."""
+    state = _world()
+    lease = _awake(3)
+    labels = lease["metadata"]["labels"]
+    del labels[naming.LABEL_KIND]
+    state.apply("lease", "MODIFIED", lease)
+    assert state.decide(_model(3)).action is not Action.FORWARD
+    assert state.decide(_model(4)).action is Action.FORWARD
