@@ -949,9 +949,12 @@ class GpuWorker:
         measured costs of the holders it had and of the target."""
         for gpu, lease in result.leases.items():
             worker = self.sibling(gpu)
-            if result.ok:
+            if result.ok and lease.holder == target.ref:
+                # The target's own wake (a start that kept the old holders woke them,
+                # not the target: their steps are not its costs).
                 target_steps = {k: v for k, v in result.timings.items() if ":" not in k}
                 worker._keep_costs(target_steps, None, target)
+            if result.ok:
                 for holder in holders:
                     if gpu in holder.gpus:
                         worker._keep_costs(holder_timings(result.timings, holder), holder,

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from controller.api import naming
+from controller.lease.policy import SwitchCost
 from e2e.gang_node import gang_node, node_of
 from tests.controller.conftest import EngineSimFactory
 
@@ -282,6 +283,9 @@ async def test_a_tp_engine_starts_only_with_its_budget_free_on_every_gpu(
         assert not a.sim.engine.is_sleeping
         assert not b.sim.engine.is_sleeping
         assert node.watch.violations == []
+        for gpu in ("gpu-0", "gpu-1"):  # the holders' wake-back is not the newcomer's cost
+            cost = node.workers[gpu]._costs.get(tp.claimant.ref, SwitchCost())
+            assert cost.wake_s == SwitchCost().wake_s
     finally:
         await node.close()
 
