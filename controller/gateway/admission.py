@@ -2,7 +2,11 @@
 
 Each model has a :class:`ModelGate`. A request takes a place (``running``) while it is
 being served by this replica — waiting for a switch or streaming from the engine — and at
-most ``limit`` do at once; beyond that up to ``queue_size`` wait in arrival order, and a
+most ``limit`` do at once: ``limit_per_engine`` for every engine that serves the model (at
+least one), so a model served by four engines takes four times the requests of a model
+served by one. The count of engines is read at every arrival and every release, so places
+follow the fleet as engines come and go. Beyond the limit up to ``queue_size`` wait in
+arrival order, and a
 request finding the queue full is refused at once (429). A queued request that does not
 get a place before its deadline is refused with 503. Either way the answer carries
 Retry-After. A place is given back on every exit, a client's disconnect (task
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
@@ -36,14 +40,21 @@ class GateCounts:
 class ModelGate:
     """The places of one model on this replica."""
 
-    def __init__(self, model: str, *, limit: int, queue_size: int, retry_after: float) -> None:
+    def __init__(self, model: str, *, limit_per_engine: int, engines: Callable[[], int],
+                 queue_size: int, retry_after: float) -> None:
         self.model = model
-        self.limit = limit
+        self.limit_per_engine = limit_per_engine
+        self._engines = engines
         self.queue_size = queue_size
         self.retry_after = retry_after
         self.running = 0
         self.in_flight = 0
         self._queue: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def limit(self) -> int:
+        """How many requests may hold a place at once now."""
+        return self.limit_per_engine * max(1, self._engines())
 
     @property
     def waiting(self) -> int:
@@ -59,6 +70,7 @@ class ModelGate:
             Overloaded: the queue is full (429).
             Unavailable: no place came free before the deadline (503).
         """
+        self._grant()  # places an added engine brought go to the queue first
         if self.running < self.limit and not self._queue:
             self.running += 1
             return
@@ -88,12 +100,17 @@ class ModelGate:
 
     def release(self) -> None:
         """Give a place back: to the oldest waiter still waiting, else to the pool."""
-        while self._queue:
+        self.running -= 1
+        self._grant()
+
+    def _grant(self) -> None:
+        """Hand free places to the waiters, oldest first."""
+        limit = self.limit
+        while self._queue and self.running < limit:
             place = self._queue.popleft()
             if not place.done():
+                self.running += 1
                 place.set_result(None)
-                return
-        self.running -= 1
 
     @asynccontextmanager
     async def place(self, deadline: float) -> AsyncIterator[None]:
@@ -115,10 +132,14 @@ class ModelGate:
 
 
 class Admission:
-    """The gates of every model, created on first use (only for models rota knows)."""
+    """The gates of every model, created on first use (only for models rota knows).
 
-    def __init__(self, *, limit: int, queue_size: int, retry_after: float) -> None:
-        self._limit = limit
+    ``engines(model)`` says how many engines serve ``model`` now."""
+
+    def __init__(self, *, limit_per_engine: int, engines: Callable[[str], int],
+                 queue_size: int, retry_after: float) -> None:
+        self._limit_per_engine = limit_per_engine
+        self._engines = engines
         self._queue_size = queue_size
         self._retry_after = retry_after
         self._gates: dict[str, ModelGate] = {}
@@ -127,7 +148,8 @@ class Admission:
         gate = self._gates.get(model)
         if gate is None:
             gate = self._gates[model] = ModelGate(
-                model, limit=self._limit, queue_size=self._queue_size,
+                model, limit_per_engine=self._limit_per_engine,
+                engines=lambda: self._engines(model), queue_size=self._queue_size,
                 retry_after=self._retry_after)
         return gate
 

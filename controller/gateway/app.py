@@ -201,7 +201,8 @@ def make_app(settings: GatewaySettings, *, routing_source: RoutingSource | None 
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=settings.max_body_bytes)
     state = RoutingState()
-    admission = Admission(limit=settings.max_concurrency, queue_size=settings.queue_size,
+    admission = Admission(limit_per_engine=settings.max_concurrency_per_engine,
+                          engines=state.engine_count, queue_size=settings.queue_size,
                           retry_after=settings.retry_after_s)
     metrics = GatewayMetrics(admission.counts)
     token = SecretFile(settings.activation_token_file) if settings.activation_token_file \

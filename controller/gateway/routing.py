@@ -624,6 +624,10 @@ class RoutingState:
     def claimants(self, model: str) -> list[Claimant]:
         return list(self._of_model(model))
 
+    def engine_count(self, model: str) -> int:
+        """How many engines (claimants) serve ``model``, awake or not."""
+        return len(self._by_model.get(model, {}))
+
     def _controller(self, claimant: Claimant) -> ControllerLease | None:
         return self._controllers.get(naming.controller_lease_name(claimant.node))
 

@@ -68,10 +68,12 @@ class GatewaySettings(BaseModel):
                                 "accepted; larger ones get 413.")
     body_timeout_s: float = Field(default=10.0, gt=0, description="A request body must arrive "
                                   "within this many seconds, else 408.")
-    max_concurrency: int = Field(default=64, ge=1, description="Requests per model this "
-                                 "replica sends to engines at once.")
+    max_concurrency_per_engine: int = Field(
+        default=64, ge=1, description="Requests per model this replica serves at once, for "
+                                      "each engine that serves the model (a model on four "
+                                      "engines: four times as many).")
     queue_size: int = Field(default=256, ge=0, description="Requests per model that may wait "
-                            "for a place beyond max_concurrency; more get 429.")
+                            "for a place beyond its concurrency limit; more get 429.")
     max_wait_s: float = Field(default=180.0, gt=0, description="Longest a request waits (queue, "
                               "a switch, a held drain) before it gets 503.")
     retry_after_s: int = Field(default=2, ge=1, description="Retry-After (seconds) on 429 and "

@@ -13,8 +13,9 @@ from tests.gateway.conftest import eventually
 pytestmark = pytest.mark.gateway
 
 
-def _gate(limit: int = 1, queue_size: int = 2) -> ModelGate:
-    return ModelGate("m", limit=limit, queue_size=queue_size, retry_after=2)
+def _gate(limit: int = 1, queue_size: int = 2, engines: int = 1) -> ModelGate:
+    return ModelGate("m", limit_per_engine=limit, engines=lambda: engines,
+                     queue_size=queue_size, retry_after=2)
 
 
 def _far() -> float:
@@ -85,7 +86,57 @@ async def test_a_cancelled_waiter_frees_its_place_even_when_handed_one() -> None
 
 
 def test_gates_are_per_model() -> None:
-    admission = Admission(limit=2, queue_size=0, retry_after=1)
+    admission = Admission(limit_per_engine=2, engines=lambda model: 1, queue_size=0,
+                          retry_after=1)
     assert admission.gate("a") is admission.gate("a")
     assert admission.gate("a") is not admission.gate("b")
     assert set(admission.counts()) == {"a", "b"}
+
+
+async def test_the_limit_is_per_engine_that_serves_the_model() -> None:
+    gate = _gate(limit=2, queue_size=1, engines=3)
+    for _ in range(6):
+        await gate.acquire(_far())
+    assert (gate.limit, gate.running, gate.waiting) == (6, 6, 0)
+    queued = asyncio.create_task(gate.acquire(_far()))
+    await _until_queued(gate, 1)
+    gate.release()
+    await queued
+    assert (gate.running, gate.waiting) == (6, 0)
+
+
+async def test_a_model_without_engines_still_has_one_engines_places() -> None:
+    gate = _gate(limit=2, engines=0)
+    await gate.acquire(_far())
+    await gate.acquire(_far())
+    assert (gate.limit, gate.running) == (2, 2)
+
+
+async def test_places_an_added_engine_brings_go_to_the_queue_first() -> None:
+    engines = [1]
+    gate = ModelGate("m", limit_per_engine=1, engines=lambda: engines[0], queue_size=4,
+                     retry_after=2)
+    await gate.acquire(_far())
+    first = asyncio.create_task(gate.acquire(_far()))
+    await _until_queued(gate, 1)
+    engines[0] = 2  # a second engine of the model came up
+    second = asyncio.create_task(gate.acquire(_far()))
+    async with asyncio.timeout(5):
+        await first  # the newcomer's arrival handed the new place to the oldest waiter
+    assert (gate.running, gate.waiting) == (2, 1)
+    engines[0] = 1
+    gate.release()  # one engine again: a place given back does not go on
+    assert (gate.running, gate.waiting) == (1, 1)
+    gate.release()
+    await second
+    assert (gate.running, gate.waiting) == (1, 0)
+
+
+async def test_admission_asks_how_many_engines_serve_each_model() -> None:
+    counts = {"big": 4, "small": 1}
+    admission = Admission(limit_per_engine=8, engines=lambda model: counts.get(model, 0),
+                          queue_size=1, retry_after=2)
+    assert admission.gate("big").limit == 32
+    assert admission.gate("small").limit == 8
+    counts["small"] = 2
+    assert admission.gate("small").limit == 16

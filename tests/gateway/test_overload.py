@@ -13,9 +13,11 @@ from tests.gateway.conftest import (
     MODEL_B,
     Failure,
     RigFactory,
+    claim_obj,
     content_of,
     controller_lease,
     eventually,
+    pod_obj,
     read_events,
 )
 
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.gateway
 
 
 async def test_a_full_queue_answers_429_with_retry_after(make_rig: RigFactory) -> None:
-    rig = await make_rig(max_concurrency=1, queue_size=1, retry_after_s=3)
+    rig = await make_rig(max_concurrency_per_engine=1, queue_size=1, retry_after_s=3)
     await rig.a.faults(stall_generation=True)
     gate = rig.app[keys.ADMISSION].gate(MODEL_A)
     first = await rig.chat(MODEL_A, stream=True)
@@ -44,8 +46,24 @@ async def test_a_full_queue_answers_429_with_retry_after(make_rig: RigFactory) -
     await eventually(lambda: gate.running == 0 and gate.waiting == 0, "every place back")
 
 
+async def test_a_model_on_more_engines_gets_more_places(make_rig: RigFactory) -> None:
+    """The concurrency limit is per engine that serves the model (it was per model: a model
+    on many engines got the places of one)."""
+    rig = await make_rig(max_concurrency_per_engine=3)
+    gate = rig.app[keys.ADMISSION].gate(MODEL_A)
+    assert gate.limit == 3
+    rig.apply("claim", "ADDED", claim_obj("claim-a2", model=MODEL_A, port=rig.a.port,
+                                          pod_uid="pod-a2", node="node-2"))
+    rig.apply("pod", "ADDED", pod_obj("pod-claim-a2", uid="pod-a2"))
+    assert gate.limit == 6
+    assert rig.app[keys.ADMISSION].gate(MODEL_B).limit == 3
+    rig.apply("claim", "DELETED", claim_obj("claim-a2", model=MODEL_A, port=rig.a.port,
+                                            pod_uid="pod-a2", node="node-2"))
+    assert gate.limit == 3
+
+
 async def test_waiting_too_long_for_a_place_answers_503(make_rig: RigFactory) -> None:
-    rig = await make_rig(max_concurrency=1, queue_size=4, max_wait_s=0.3)
+    rig = await make_rig(max_concurrency_per_engine=1, queue_size=4, max_wait_s=0.3)
     await rig.a.faults(stall_generation=True)
     first = await rig.chat(MODEL_A, stream=True)
     assert first.status == 200

@@ -13,11 +13,11 @@ pytestmark = pytest.mark.gateway
 
 
 def test_environment_then_flags() -> None:
-    env = {"ROTA_GATEWAY_PORT": "9000", "ROTA_GATEWAY_MAX_CONCURRENCY": "3",
+    env = {"ROTA_GATEWAY_PORT": "9000", "ROTA_GATEWAY_MAX_CONCURRENCY_PER_ENGINE": "3",
            "ROTA_GATEWAY_API_KEYS_FILE": "/run/keys/keys"}
     settings = load(["--port", "9100"], env)
     assert settings.port == 9100
-    assert settings.max_concurrency == 3
+    assert settings.max_concurrency_per_engine == 3
     assert settings.api_keys_file == Path("/run/keys/keys")
     assert load([], {}) == GatewaySettings()
 
