@@ -156,6 +156,9 @@ class Policy:
     """The served model name woken on a GPU idle for ``home_idle_s`` ("": a claim with
     ``home: true``, if any)."""
     home_idle_s: float = 60.0
+    priority_ceilings: Mapping[str, int] = field(default_factory=dict)
+    """The highest priority claims of each namespace may take (names or shell patterns;
+    see :func:`controller.lease.policy.priority_ceiling`); empty: no bound."""
 
 
 class GpuWorker:
@@ -765,8 +768,10 @@ class GpuWorker:
                 in_flight=in_flight, idle_since=self._last_busy,
                 drain_estimate_s=self._drains.get(holder.ref, 0.0) if holder else 0.0),
             queues=queues,
-            policies={c.ref: switch_policy.policy_for(c.config, defaults)
-                      for c in self.claimants()},
+            policies={c.ref: switch_policy.policy_for(
+                c.config, defaults, ceiling=switch_policy.priority_ceiling(
+                    c.namespace, self.policy.priority_ceilings, defaults.priority))
+                for c in self.claimants()},
             costs=dict(self._costs), default_policy=defaults,
             home=home.ref if home else None, home_idle_s=self.policy.home_idle_s,
             usage_s=self._usage_now(holder))

@@ -151,7 +151,8 @@ class NodeController:
                               coalesce_window_s=s.coalesce_window_s, resync_s=s.resync_s,
                               tolerance_bytes=s.resident_tolerance_bytes,
                               models=s.model_policy(), home_model=s.home_model,
-                              home_idle_s=s.home_idle_s))
+                              home_idle_s=s.home_idle_s,
+                              priority_ceilings=s.policy_priority_ceilings.root))
             self.workers[gpu] = worker
             self._tasks[gpu] = asyncio.create_task(worker.run(self._workers_stop),
                                                    name=f"gpu-{gpu}")

@@ -44,6 +44,7 @@ claimant waits, else the ranking above without the holder's rules).
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ __all__ = [
     "SwitchCost",
     "decide",
     "policy_for",
+    "priority_ceiling",
     "quantum_of",
 ]
 
@@ -326,10 +328,32 @@ def _next_bound(inp: PolicyInput, waiters: list[ClaimQueue], holder: str | None
     return min(times) if times else None
 
 
-def policy_for(config: EngineConfig, default: ModelPolicy) -> ModelPolicy:
-    """A claimant's policy: its EngineConfig's fields, the node's ``default`` elsewhere."""
+def priority_ceiling(namespace: str, ceilings: Mapping[str, int], default: int
+                     ) -> int | None:
+    """The highest priority the admin lets a claim of ``namespace`` take.
+
+    ``ceilings`` maps namespace names or shell patterns (``team-*``, ``*``) to a ceiling:
+    a namespace's own name first, then the first pattern that matches it, in order. No
+    ceilings at all: None (no bound; a claim's priority stands). Ceilings set but none
+    for this namespace: ``default``, the node's default priority, so a tenant the admin
+    did not name cannot rise above everyone's default."""
+    if not ceilings:
+        return None
+    if namespace in ceilings:
+        return ceilings[namespace]
+    for pattern, ceiling in ceilings.items():
+        if fnmatch.fnmatchcase(namespace, pattern):
+            return ceiling
+    return default
+
+
+def policy_for(config: EngineConfig, default: ModelPolicy, *, ceiling: int | None = None
+               ) -> ModelPolicy:
+    """A claimant's policy: its EngineConfig's fields, the node's ``default`` elsewhere;
+    its priority no higher than ``ceiling`` (see :func:`priority_ceiling`)."""
+    priority = default.priority if config.priority is None else config.priority
     return ModelPolicy(
-        priority=default.priority if config.priority is None else config.priority,
+        priority=priority if ceiling is None else min(priority, ceiling),
         keep_alive_s=(default.keep_alive_s if config.keep_alive_seconds is None
                       else config.keep_alive_seconds),
         quantum_factor=default.quantum_factor, min_quantum_s=default.min_quantum_s,

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 
 from controller.lease.policy import ModelPolicy
 from driver.settings import parse_settings
@@ -36,6 +36,10 @@ class StepTimeouts(BaseModel):
     lease_s: float = Field(default=10.0, gt=0)
     start_s: float = Field(default=900.0, gt=0)
     """From a start slot's grant until the engine answers /health (a cold start)."""
+
+
+class PriorityCeilings(RootModel[dict[str, int]]):
+    """Namespace name or shell pattern → the highest priority its claims may take."""
 
 
 class LeaseSettings(BaseModel):
@@ -97,6 +101,12 @@ class LeaseSettings(BaseModel):
                                        "nobody waiting (EngineConfig keepAliveSeconds); 0: "
                                        "--idle-sleep-s, and when that is 0 too, forever.")
     policy_priority: int = Field(default=0, description="Switch policy: default priority.")
+    policy_priority_ceilings: PriorityCeilings = Field(
+        default_factory=lambda: PriorityCeilings({}),
+        description="Switch policy: JSON object of the highest priority the claims of a "
+                    "namespace may take, by name or shell pattern ({\"prod\": 100, "
+                    "\"team-*\": 10}); a claim above it is held to it, a namespace not "
+                    "named gets --policy-priority. Empty: no bound.")
     policy_share_weight: float = Field(default=1.0, gt=0, description="Switch policy: "
                                        "default fair-share weight.")
     home_model: str = Field(default="", description="Switch policy: the served model name "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from controller.credentials import PLACEHOLDERS
 from driver.settings import DriverSettings
@@ -512,3 +513,38 @@ def test_the_controllers_claim_status_writes_are_kept_to_its_node_on_every_versi
         states = re.search(r"in \[([^\]]*)\]", checks)
         assert states is not None, checks
         assert {s.strip(" '") for s in states[1].split(",")} == {s.value for s in EngineState}
+
+
+# -- the switch policy and the gateway's places as chart values ----------------------------
+
+def test_the_switch_policy_and_the_gateways_places_are_chart_values(
+        default: Rendered, chart_bin: Path, tmp_path: Path) -> None:
+    from controller.gateway.settings import load as gateway_settings
+    from controller.lease.settings import LeaseSettings
+
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"controller": {"policy": {
+        "quantumFactor": 2.5, "minQuantumSeconds": 3, "maxWaitSeconds": 12,
+        "keepAliveSeconds": 90, "priority": 5, "shareWeight": 2,
+        "priorityCeilings": {"prod": 100, "team-*": 10}, "homeModel": "org/chat",
+        "homeIdleSeconds": 30}},
+        "gateway": {"maxConcurrencyPerEngine": 16, "queueSize": 32}}))
+    set_ = render(set_values=MINIMAL, values_files=[values], bin_dir=chart_bin)
+    s = _controller_settings(_pod(set_, "DaemonSet", "rota-controller"))
+    assert (s.policy_quantum_factor, s.policy_min_quantum_s, s.policy_max_wait_s,
+            s.policy_keep_alive_s, s.policy_priority, s.policy_share_weight) == (
+        2.5, 3, 12, 90, 5, 2)
+    assert s.policy_priority_ceilings.root == {"prod": 100, "team-*": 10}
+    assert list(s.policy_priority_ceilings.root) == ["prod", "team-*"]
+    assert (s.home_model, s.home_idle_s) == ("org/chat", 30)
+    [gateway] = _pod(set_, "Deployment", "rota-gateway")["containers"]
+    env = {e["name"]: e["value"] for e in gateway["env"] if "value" in e}
+    g = gateway_settings(gateway.get("args", []), env)
+    assert (g.max_concurrency_per_engine, g.queue_size) == (16, 32)
+    # The defaults render to the binaries' own defaults.
+    d = _controller_settings(_pod(default, "DaemonSet", "rota-controller"))
+    for name in ("policy_quantum_factor", "policy_min_quantum_s", "policy_max_wait_s",
+                 "policy_keep_alive_s", "policy_priority", "policy_share_weight",
+                 "home_model", "home_idle_s"):
+        assert getattr(d, name) == LeaseSettings.model_fields[name].default, name
+    assert d.policy_priority_ceilings.root == {}

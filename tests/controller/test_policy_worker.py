@@ -63,11 +63,11 @@ class _Switcher:
         return SwitchResult(True, self.port.lease)
 
 
-def _claimant(name: str, **config: object) -> Claimant:
+def _claimant(name: str, *, namespace: str = "ns", **config: object) -> Claimant:
     parsed = parse_engine_config({"apiVersion": "gpu.rota.dev/v1alpha1",
                                   "kind": "EngineConfig", "model": name,
                                   "awakeMemory": "8Gi", **config})
-    return Claimant(claim_uid=f"uid-{name}", namespace="ns", claim_name=name, node="n",
+    return Claimant(claim_uid=f"uid-{name}", namespace=namespace, claim_name=name, node="n",
                     device="gpu-0", share_id=None, config=parsed, model=name, port=8000,
                     sleep_level=1, resident_bytes=1 << 30, pod_name=f"p-{name}",
                     pod_uid=f"pu-{name}", pod_ip="127.0.0.2", pod_ready=True,
@@ -140,6 +140,31 @@ async def test_a_busy_holder_keeps_its_quantum_and_a_higher_priority_preempts() 
     await node.worker._serve_next(stop)
     assert (await task_b).ok
     assert node.switcher.switches[-1] == ("ns/c", "ns/b")
+
+
+async def test_a_priority_above_the_admins_ceiling_does_not_preempt() -> None:
+    """A tenant cannot give itself a priority the admin did not allow (it preempted on
+    the old code: a claim's priority was taken as it was written)."""
+    a = _claimant("a", namespace="team-a")
+    c = _claimant("c", namespace="team-b", priority=500)
+    stop = asyncio.Event()
+    stop.set()
+    held = _Node([a, c], Policy(priority_ceilings={"team-a": 10}), holder=a)
+    held.engines["team-a/a"].busy = 3
+    task = held.ask(c)
+    await _settle()
+    await held.worker._serve_next(stop)
+    assert held.switcher.switches == [], "team-b is held to the default priority (0)"
+    assert not task.done()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    allowed = _Node([a, c], Policy(priority_ceilings={"team-*": 10}), holder=a)
+    allowed.engines["team-a/a"].busy = 3
+    task = allowed.ask(c)
+    await _settle()
+    await allowed.worker._serve_next(stop)
+    assert (await task).ok, "team-b may go up to 10, above team-a's 0"
+    assert allowed.switcher.switches == [("team-a/a", "team-b/c")]
 
 
 async def test_a_switch_whose_callers_left_is_not_made() -> None:
