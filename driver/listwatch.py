@@ -19,7 +19,15 @@ The protocol, as the API server expects it of a client that keeps a cache:
 4. optionally list again every ``relist_s`` even when nothing failed.
 
 Selectors (``field_selector``, ``label_selector``) narrow both the list and the watch on
-the server; ``keep`` narrows what is handed on, for what no selector can express.
+the server; ``keep`` narrows what is handed on, for what no selector can express, and
+``cut`` trims each object to what the caller keeps (in the thread, page by page, so a list
+of a large fleet is never held whole).
+
+A 403 (the caller may not list or watch there: RBAC narrower than what it was asked to
+follow) is an error like any other unless ``on_forbidden`` is given: then the caller is
+told once, on the loop, with the error (it drops what it held: it can no longer follow
+it), the list is tried again on a slower schedule of its own (``forbidden_backoff``), and
+the next list that succeeds replaces as usual.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 _GONE = 410
+_FORBIDDEN = 403
 
 
 class _Gone(Exception):
@@ -71,6 +80,11 @@ class ListWatch:
         backoff: pauses after errors (unbounded: the watch is meant to last; default
             0.5 s growing to 30 s), reset by every successful list.
         on_error: told of each error that made it list again (a metric).
+        cut: what of each kept object is handed on (default: the object).
+        on_forbidden: makes a 403 skippable (see the module docstring); called on the loop
+            with the error.
+        forbidden_backoff: pauses between lists while they are refused (default 1 s
+            growing to 60 s: a 403 lasts until an admin changes RBAC).
     """
 
     def __init__(self, name: str, list_fn: Callable[..., Any], *args: Any,
@@ -81,7 +95,10 @@ class ListWatch:
                  page_size: int = 500, watch_timeout_s: int = 300, api_timeout_s: float = 10.0,
                  relist_s: float | None = None,
                  backoff: Backoff | None = None,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_error: Callable[[BaseException], None] | None = None,
+                 cut: Callable[[Obj], Obj] | None = None,
+                 on_forbidden: Callable[[str], None] | None = None,
+                 forbidden_backoff: Backoff | None = None) -> None:
         self.name = name
         self._list_fn = list_fn
         self._args = args
@@ -97,6 +114,9 @@ class ListWatch:
         self._relist_s = relist_s
         self._backoff = backoff or Backoff(first_s=0.5, max_s=30.0)
         self._on_error = on_error
+        self._cut = cut or (lambda obj: obj)
+        self._on_forbidden = on_forbidden
+        self._forbidden_backoff = forbidden_backoff or Backoff(first_s=1.0, max_s=60.0)
         self._kept: set[str] = set()
         self._version = ""
         """The last resourceVersion seen; empty: list first."""
@@ -156,7 +176,7 @@ class ListWatch:
             body = json.loads(resp.data)
             self.lists += 1
             page = body.get("items") or []
-            items.extend(o for o in page if self._keep is None or self._keep(o))
+            items.extend(self._cut(o) for o in page if self._keep is None or self._keep(o))
             meta = body.get("metadata") or {}
             token = meta.get("continue")
             if not token:
@@ -207,7 +227,7 @@ class ListWatch:
                     self._kept.discard(uid)
                 else:
                     self._kept.add(uid)
-                self._deliver(self._on_event, kind, obj)
+                self._deliver(self._on_event, kind, self._cut(obj))
             self._backoff.reset()  # a watch the server ended in time: the link is good
 
     def _run(self) -> None:
@@ -220,6 +240,7 @@ class ListWatch:
                     self._kept = {self._uid(o) for o in items}
                     self._deliver(self._replaced, items)
                     self._backoff.reset()
+                    self._forbidden_backoff.reset()
                 self._watch(listed_at)
                 self._version = ""  # time to list again (relist_s)
             except _Gone:
@@ -231,6 +252,13 @@ class ListWatch:
                 if isinstance(exc, client.ApiException) and exc.status == _GONE:
                     self._version = ""
                     log.info("watch expired; listing again", extra={"resource": self.name})
+                    continue
+                if (isinstance(exc, client.ApiException) and exc.status == _FORBIDDEN
+                        and self._on_forbidden is not None):
+                    self._version = ""  # what was followed is lost: list when allowed
+                    self._deliver(self._on_forbidden,
+                                  f"{exc.status} {exc.reason or 'Forbidden'}")
+                    self._forbidden_backoff.wait(self.stopping)
                     continue
                 if self._on_error is not None:
                     self._on_error(exc)

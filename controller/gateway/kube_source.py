@@ -17,14 +17,16 @@ What is watched:
 - Leases in the controller namespace labelled ``app.kubernetes.io/managed-by=rota`` (GPU
   and controller Leases).
 
-Each watch lists first, in pages of :data:`LIST_PAGE` objects (``limit`` and
-``continue``; a continue token that expired is a 410 and the list starts again), each page
-cut down to what routing keeps (claims of rota's driver only, slim claims and pods) before
-the next is read, so a relist of a large fleet never holds the whole response at once;
-the state applies the list as the differences from what it held. Then it watches from the
-list's resourceVersion; it lists again after ``resync_s``, after a 410 Gone, and after any error,
-with bounded, jittered exponential backoff. The state is marked synced once claims, Leases and the
-pods of every namespace known at that time have been listed.
+Each watch is a :class:`driver.listwatch.ListWatch`, the one list-then-watch of rota's
+processes: it lists in pages of :data:`LIST_PAGE` objects, each page cut down to what
+routing keeps (claims of rota's driver only, slim claims and pods) before the next is read,
+so a relist of a large fleet never holds the whole response at once; the state applies the
+list as the differences from what it held. Then it watches from the list's
+resourceVersion. After a connection error or an API server restart it resumes the watch
+from the last version it saw (no new list); it lists again only after a 410 Gone and every
+``resync_s``, with bounded, jittered exponential backoff between attempts. The state is
+marked synced once claims, Leases and the pods of every namespace known at that time have
+been listed.
 
 A namespace whose pods this gateway may not list (403: the chart grants pod reads only in
 ``engineNamespaces``, while the model binding may name ``*`` or patterns, and any tenant
@@ -41,14 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
-from kubernetes import client, watch
+from kubernetes import client
 
 from controller.api import naming
 from controller.gateway.lease_view import slim_claim, slim_pod
@@ -57,6 +56,7 @@ from controller.gateway.routing import ObjectKind, RoutingState, claim_is_ours
 from controller.gateway.settings import GatewaySettings
 from driver.aio import Backoff, wait_any
 from driver.kube import load_api_client
+from driver.listwatch import ListWatch
 
 __all__ = ["KubeSource"]
 
@@ -68,23 +68,21 @@ _BACKOFF_MAX_S = 30.0
 _FORBIDDEN_BACKOFF_S = 1.0
 _FORBIDDEN_BACKOFF_MAX_S = 60.0
 """Pauses between lists of a namespace whose pods this gateway may not list (403)."""
-_GONE = 410
-_FORBIDDEN = 403
 LIST_PAGE = 500
 """Objects per list page (the API server's own default chunk size for its reflectors)."""
 
 
-def _kept(kind: ObjectKind, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What the state will keep of a page of listed objects (pure; run in the thread)."""
+def _cut(kind: ObjectKind, obj: dict[str, Any]) -> dict[str, Any]:
+    """What the state keeps of a listed or watched object (pure; run in the thread)."""
     if kind == "claim":
-        return [slim_claim(o) for o in items if claim_is_ours(o)]
+        return slim_claim(obj)
     if kind == "pod":
-        return [slim_pod(o) for o in items]
-    return items
+        return slim_pod(obj)
+    return obj
 
 
 class _Watch:
-    """List, then watch, one resource (in one namespace or all) in a daemon thread."""
+    """One resource (in one namespace or all) followed into the routing state."""
 
     def __init__(self, resource: str, kind: ObjectKind, namespace: str | None,
                  list_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -99,37 +97,45 @@ class _Watch:
         self.resource = resource
         self.kind = kind
         self.namespace = namespace
-        self._list_fn, self._args, self._kwargs = list_fn, args, kwargs
-        self._loop = loop
         self._state = state
-        self._settings = settings
         self._after_event = after_event
-        self._on_restart = on_restart
         self._on_forbidden = on_forbidden
-        self.stop = threading.Event()
-        self.listed = asyncio.Event()
-        """Set (on the loop) once a list has been delivered."""
         self.forbidden = asyncio.Event()
         """Set (on the loop) while the last list was refused with 403 (skippable watches)."""
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"watch-{resource}-{namespace or 'all'}")
+        self._stopped = False
+        self._follow = ListWatch(
+            f"{resource}/{namespace or 'all'}", list_fn, *args, loop=loop,
+            on_replace=self._replace, on_event=self._apply,
+            keep=claim_is_ours if kind == "claim" else None,
+            cut=functools.partial(_cut, kind), label_selector=kwargs.get("label_selector"),
+            page_size=LIST_PAGE, watch_timeout_s=settings.watch_timeout_s,
+            api_timeout_s=settings.api_timeout_s, relist_s=settings.resync_s,
+            backoff=Backoff(first_s=_BACKOFF_S, max_s=_BACKOFF_MAX_S),
+            on_error=lambda exc: on_restart(resource),
+            on_forbidden=self._forbid if on_forbidden is not None else None,
+            forbidden_backoff=Backoff(first_s=_FORBIDDEN_BACKOFF_S,
+                                      max_s=_FORBIDDEN_BACKOFF_MAX_S))
+
+    @property
+    def listed(self) -> asyncio.Event:
+        """Set (on the loop) once a list has been delivered."""
+        return self._follow.listed
+
+    @property
+    def lists(self) -> int:
+        return self._follow.lists
 
     def start(self) -> None:
-        self._thread.start()
+        self._follow.start()
 
-    def _deliver(self, fn: Callable[[], None]) -> None:
-        if self.stop.is_set():
-            return
-        try:
-            self._loop.call_soon_threadsafe(fn)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.stop.set()
+    def stop(self) -> None:
+        self._stopped = True
+        self._follow.stop()
 
     def _replace(self, items: list[dict[str, Any]]) -> None:
-        if self.stop.is_set():
+        if self._stopped:
             return
         self._state.replace(self.kind, items, namespace=self.namespace)
-        self.listed.set()
         if self.forbidden.is_set():
             self.forbidden.clear()
             if self._on_forbidden is not None:
@@ -138,7 +144,7 @@ class _Watch:
 
     def _forbid(self, error: str) -> None:
         """The list was refused (403): nothing of this namespace may be served."""
-        if self.stop.is_set() or self.forbidden.is_set():
+        if self._stopped or self.forbidden.is_set():
             return
         self.forbidden.set()
         # What an earlier list showed can no longer be followed: drop it.
@@ -148,82 +154,10 @@ class _Watch:
         self._after_event()
 
     def _apply(self, event: str, obj: dict[str, Any]) -> None:
-        if self.stop.is_set():
+        if self._stopped:
             return
         self._state.apply(self.kind, event, obj)
         self._after_event()
-
-    def _list(self) -> tuple[list[dict[str, Any]], str]:
-        """Every object, page by page; the resourceVersion of the list (its first page's
-        snapshot, which every later page continues)."""
-        items: list[dict[str, Any]] = []
-        token: str | None = None
-        while True:
-            paging: dict[str, Any] = {"limit": LIST_PAGE}
-            if token:
-                paging["_continue"] = token
-            resp = self._list_fn(*self._args, **self._kwargs, **paging,
-                                 _preload_content=False,
-                                 _request_timeout=self._settings.api_timeout_s)
-            body = json.loads(resp.data)
-            items.extend(_kept(self.kind, list(body.get("items") or [])))
-            meta = body.get("metadata") or {}
-            token = meta.get("continue") or None
-            if token is None:
-                return items, str(meta["resourceVersion"])
-
-    def _watch(self, version: str, listed_at: float) -> None:
-        """Watch from ``version`` until it is time to re-list (returns) or an error (raises)."""
-        timeout = self._settings.watch_timeout_s
-        while not self.stop.is_set():
-            if time.monotonic() - listed_at >= self._settings.resync_s:
-                return
-            w = watch.Watch()
-            try:
-                for event in w.stream(self._list_fn, *self._args, **self._kwargs,
-                                      resource_version=version, timeout_seconds=timeout,
-                                      allow_watch_bookmarks=True,
-                                      _request_timeout=timeout + self._settings.api_timeout_s):
-                    if self.stop.is_set():
-                        return
-                    kind, obj = str(event["type"]), dict(event["raw_object"])
-                    version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
-                    if kind in ("ADDED", "MODIFIED", "DELETED"):
-                        self._deliver(functools.partial(self._apply, kind, obj))
-            finally:
-                w.stop()
-
-    def _run(self) -> None:
-        pauses = Backoff(first_s=_BACKOFF_S, max_s=_BACKOFF_MAX_S)
-        refused = Backoff(first_s=_FORBIDDEN_BACKOFF_S, max_s=_FORBIDDEN_BACKOFF_MAX_S)
-        while not self.stop.is_set():
-            try:
-                items, version = self._list()
-                self._deliver(functools.partial(self._replace, items))
-                pauses.reset()
-                refused.reset()
-                self._watch(version, time.monotonic())
-            except client.ApiException as exc:
-                if exc.status == _GONE:
-                    continue  # our resourceVersion is too old: list again at once
-                if exc.status == _FORBIDDEN and self._on_forbidden is not None:
-                    # Logged and counted once, on the loop; tried again in the background.
-                    self._deliver(functools.partial(
-                        self._forbid, f"{exc.status} {exc.reason or 'Forbidden'}"))
-                    refused.wait(self.stop)
-                    continue
-                self._failed(exc, pauses)
-            except Exception as exc:
-                self._failed(exc, pauses)
-
-    def _failed(self, exc: Exception, pauses: Backoff) -> None:
-        if self.stop.is_set():
-            return
-        self._on_restart(self.resource)
-        log.warning("watch failed; listing again after a pause", extra={
-            "resource": self.resource, "namespace": self.namespace,
-            "error": repr(exc)[:300]})
-        pauses.wait(self.stop)
 
 
 class KubeSource:
@@ -313,7 +247,7 @@ class KubeSource:
                 self._reconcile_pods(state, pods)
         finally:
             for w in [*watches, *self._pods.values()]:
-                w.stop.set()
+                w.stop()
             self._pods.clear()
             self._count_forbidden()
             if own_api:
@@ -329,6 +263,6 @@ class KubeSource:
         for namespace in sorted(set(self._pods) - wanted):
             log.info("no rota claims left; no longer watching pods",
                      extra={"namespace": namespace})
-            self._pods.pop(namespace).stop.set()
+            self._pods.pop(namespace).stop()
             state.replace("pod", [], namespace=namespace)
             self._count_forbidden()

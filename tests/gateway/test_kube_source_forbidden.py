@@ -1,6 +1,8 @@
 """The gateway's watches against an in-process stand-in of the Kubernetes API that refuses
 the pods of some namespaces (403), as the chart's RBAC does outside ``engineNamespaces``
 (review R4): one claim in such a namespace must not keep every gateway replica unready.
+And a watch that fails (an API server restarting) resumes from where it was, without a
+new list of the fleet.
 
 The stand-in speaks the little of the API that :class:`KubeSource` uses (lists of claims,
 Leases and pods, and watches that stay open), over real HTTP, to the real ``kubernetes``
@@ -48,6 +50,15 @@ class FakeApi:
     forbidden: set[str] = field(default_factory=set)
     """Namespaces whose pods may not be listed or watched; ``"claims"``: claims neither."""
     refusals: Counter[str] = field(default_factory=Counter)
+    lists: Counter[str] = field(default_factory=Counter)
+    """List requests answered, by resource ("claims", "leases", a pod namespace)."""
+    watches: Counter[str] = field(default_factory=Counter)
+    """Watch requests answered (opened or failed), by resource."""
+    failing_watches: Counter[str] = field(default_factory=Counter)
+    """The next this many watch requests of each resource are answered 500 (an API server
+    in trouble)."""
+    resource_versions: Counter[str] = field(default_factory=Counter)
+    """Watch requests by the resourceVersion they asked to start from."""
     closing: asyncio.Event = field(default_factory=asyncio.Event)
     kick: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -64,11 +75,20 @@ class FakeApi:
                        "rota-gateway\" cannot list resource", "reason": "Forbidden",
             "code": 403}, status=403)
 
-    async def _answer(self, request: web.Request, items: list[dict[str, Any]]
-                      ) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, items: list[dict[str, Any]],
+                      what: str) -> web.StreamResponse:
         if "watch" not in request.query:
+            self.lists[what] += 1
             return web.json_response({"kind": "List", "apiVersion": "v1",
                                       "metadata": {"resourceVersion": "1"}, "items": items})
+        self.watches[what] += 1
+        self.resource_versions[request.query.get("resourceVersion", "")] += 1
+        if self.failing_watches[what] > 0:
+            self.failing_watches[what] -= 1
+            return web.json_response({
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": "etcdserver: leader changed", "reason": "InternalError",
+                "code": 500}, status=500)
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
         await wait_any(self.closing, self.kick,
@@ -79,17 +99,17 @@ class FakeApi:
         if "claims" in self.forbidden:
             self.refusals["claims"] += 1
             return self._refuse("resourceclaims.resource.k8s.io")
-        return await self._answer(request, self.claims)
+        return await self._answer(request, self.claims, "claims")
 
     async def leases_handler(self, request: web.Request) -> web.StreamResponse:
-        return await self._answer(request, [])
+        return await self._answer(request, [], "leases")
 
     async def pods_handler(self, request: web.Request) -> web.StreamResponse:
         namespace = request.match_info["namespace"]
         if namespace in self.forbidden:
             self.refusals[namespace] += 1
             return self._refuse("pods")
-        return await self._answer(request, self.pods.get(namespace, []))
+        return await self._answer(request, self.pods.get(namespace, []), namespace)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -242,3 +262,30 @@ async def test_claims_that_may_not_be_listed_are_not_skipped(
     await _refused_at_least(fake, "claims", 2)
     assert not run.state.synced
     assert run.forbidden_gauge == 0
+
+
+async def test_a_failed_watch_resumes_from_its_version_without_a_new_list(
+        running: Start) -> None:
+    """An API server that fails the watches (a restart, an etcd leader change) costs one
+    watch request per stream, not a list of every claim (each failed watch listed again
+    on the old code)."""
+    fake = _claims_and_pods()
+    run: Running = await running(fake)
+    await _until(run.state, lambda: run.state.synced, "the first lists")
+    streams = ["claims", "leases", GOOD, ELSEWHERE]
+
+    async def watching(counts: Counter[str]) -> bool:
+        return all(fake.watches[s] > counts[s] for s in streams)
+    await eventually_async(lambda: watching(Counter()), timeout=DEADLINE,
+                           what="every stream watching")
+    lists = Counter(fake.lists)
+    watches = Counter(fake.watches)
+    fake.failing_watches = Counter({s: 2 for s in streams})
+    fake.end_watches()
+    # Each stream's watch fails twice, then it watches again.
+    await eventually_async(lambda: watching(watches + Counter({s: 2 for s in streams})),
+                           timeout=DEADLINE, what="every stream watching again")
+    assert sum(fake.failing_watches.values()) == 0
+    assert fake.lists == lists, "a failed watch resumes: no stream lists again"
+    assert fake.resource_versions[""] == 0, "every watch starts from a version it saw"
+    assert run.state.decide(MODEL_GOOD).reason == "no_controller"
