@@ -71,8 +71,11 @@ class LeaseObserver:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop and wait for the thread (a no-op when it never started: a rig that failed
+        to come up reports its own error, not this one)."""
         self._stop.set()
-        self._thread.join(10)
+        if self._thread.is_alive():
+            self._thread.join(10)
 
     def _seen(self, obj: dict[str, Any]) -> None:
         labels = (obj.get("metadata") or {}).get("labels") or {}
