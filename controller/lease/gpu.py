@@ -474,7 +474,10 @@ class GpuWorker:
             lease.target_model, lease.draining_model)} | set(self.unsettled)
         decision = plan(on_gpu, seen, lease.holder, suspects=suspects,
                         may_not_keep=await self._gangs_held_elsewhere(on_gpu))
-        if self._new_term or unfinished or decision.put_to_sleep:
+        asleep_holding = (decision.keep is not None and decision.keep.ref == lease.holder
+                          and seen[decision.keep.claim_uid] is Seen.UNKNOWN
+                          and answers[on_gpu.index(decision.keep)] is True)
+        if self._new_term or unfinished or decision.put_to_sleep or asleep_holding:
             # A new fencing number first: whatever an earlier instance was doing is over,
             # and its next engine call is refused.
             lease = await self.switcher.write(lease.new_term(self.identity), timings)
@@ -486,6 +489,8 @@ class GpuWorker:
                 if gpu != self.gpu:
                     self.sibling(gpu).mark_dirty()
         keep = decision.keep
+        if keep is not None and asleep_holding:
+            seen[keep.claim_uid] = await self._wake_back(keep, lease.fence, on_gpu, seen)
         # A suspect stays unsettled until a sleep of ours completed (it is then ASLEEP).
         self.unsettled = {c.claim_uid: c for c in on_gpu if c is not keep and (
             seen[c.claim_uid] is Seen.UNKNOWN
@@ -513,6 +518,38 @@ class GpuWorker:
         else:
             self._unsettled_pauses = _unsettled_backoff()
             self._next_reconcile = self.clock() + self.policy.resync_s
+
+    async def _wake_back(self, holder: Claimant, fence: int, on_gpu: list[Claimant],
+                         seen: dict[str, Seen]) -> Seen:
+        """The Lease's holder says it sleeps but still holds more than its resident
+        memory (a sleep nobody waited for fired and handed nothing back): vLLM then holds
+        every request, and a sleep changes nothing, so no other engine can ever be woken
+        beside it. Wake it back, as a switch would, once every other engine is known
+        asleep and the GPU is read (its own memory counts as reused): it is then the
+        awake holder its Lease names, and the next switch away sleeps it again."""
+        if any(seen[c.claim_uid] in (Seen.AWAKE, Seen.UNKNOWN) for c in on_gpu
+               if c is not holder):
+            return Seen.UNKNOWN
+        timings: dict[str, float] = {}
+        try:
+            problem = await self.switcher.check_device(holder, on_gpu, timings)
+            if problem is None:
+                await self.switcher.wake_and_probe(holder, fence, timings)
+        except Fenced:
+            raise
+        except Exception as exc:
+            log.error("could not wake back a holder that sleeps holding its memory",
+                      extra={"claim": holder.ref, "device": self.gpu, "error": str(exc)})
+            return Seen.UNKNOWN
+        if problem is not None:
+            log.warning("a holder sleeps holding its memory; not woken back",
+                        extra={"claim": holder.ref, "device": self.gpu,
+                               "reason": problem.reason, "error": problem.message})
+            return Seen.UNKNOWN
+        metrics.RECONCILES.labels("woken_back").inc()
+        log.warning("the holder slept without handing its memory back; woken back",
+                    extra={"claim": holder.ref, "device": self.gpu, "model": holder.model})
+        return Seen.AWAKE
 
     async def _gangs_held_elsewhere(self, on_gpu: list[Claimant]) -> set[str]:
         """Claim uids of the engines on this GPU that span GPUs and that the Lease of one

@@ -28,7 +28,7 @@ _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 12
 
 SWITCH_OUTCOMES = ("ok", "failed")
 START_OUTCOMES = ("ok", "refused", "failed")
-RECONCILE_REASONS = ("two_awake", "unknown", "asleep")
+RECONCILE_REASONS = ("two_awake", "unknown", "asleep", "woken_back")
 """What reconciliation saw of an engine it put to sleep: awake beside the holder; holding
 memory without saying whether it sleeps; a suspect of an unfinished switch that says it
 sleeps (its sleep may still be in flight)."""
@@ -74,7 +74,9 @@ START = Histogram("rota_controller_start_duration_seconds", "From a start slot's
                   registry=REGISTRY)
 RECONCILES = Counter("rota_controller_reconcile_actions_total",
                      "Engines put to sleep by start-up or expiry reconciliation, by what was "
-                     "seen of them (two_awake: awake beside the holder).", ["reason"],
+                     "seen of them (two_awake: awake beside the holder), and holders woken "
+                     "back (woken_back: asleep by their own word but holding their memory).",
+                     ["reason"],
                      registry=REGISTRY)
 GPU_MEMORY = Gauge("rota_controller_gpu_memory_bytes",
                    "GPU memory held by each claim's processes, as NVML reports it (claim "
