@@ -210,6 +210,7 @@ async def list_models(request: web.Request) -> web.Response:
     ``rota`` holds:
 
     - ``state``: ``awake`` (an engine serves it now), ``asleep`` (a request wakes it),
+      ``starting`` (an engine of it is starting up, admitted by its node's controller),
       ``switching`` (a switch to or from it runs), ``failed`` (its last switch failed);
     - ``gpus``: ``<node>/<gpu>`` of every GPU where one of its engines runs; ``nodes``: those
       nodes;

@@ -91,7 +91,7 @@ log = logging.getLogger(__name__)
 
 Obj = Mapping[str, Any]
 ObjectKind = Literal["claim", "pod", "lease"]
-ModelState = Literal["awake", "asleep", "switching", "failed"]
+ModelState = Literal["awake", "asleep", "starting", "switching", "failed"]
 Clock = Callable[[], float]
 """The gateway's monotonic clock (seconds), by which controller Leases are judged."""
 
@@ -767,6 +767,10 @@ class RoutingState:
             last_error = None
             if any(self._awake(c, now) for c in claimants):
                 state = "awake"
+            elif any((lease := self.lease_of(c)) is not None
+                     and lease.state == naming.STATE_STARTING and lease.target_model == model
+                     for c in claimants):
+                state = "starting"
             elif self._switch_touching(model, now, alive=True):
                 state = "switching"
             else:

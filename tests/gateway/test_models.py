@@ -30,6 +30,12 @@ async def test_models_list_every_model_with_its_state(make_rig: RigFactory) -> N
     one = await (await rig.gateway.get(f"/v1/models/{MODEL_B}")).json()
     assert (one["id"], one["rota"]["state"]) == (MODEL_B, "switching")
 
+    # An engine of B starting up (start-up admission): "starting" (it said "switching").
+    rig.state.apply("lease", "MODIFIED", rig.controller.lease_now(
+        state=naming.STATE_STARTING, target=MODEL_B, draining=MODEL_A))
+    one = await (await rig.gateway.get(f"/v1/models/{MODEL_B}")).json()
+    assert one["rota"]["state"] == "starting"
+
     rig.state.apply("lease", "MODIFIED", gpu_lease(
         holder=None, state=naming.STATE_FAILED, target=MODEL_B,
         last_error="gpu_oom: engines/claim-b ran out waking; prod/secret-claim holds 60Gi"))
