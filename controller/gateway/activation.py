@@ -63,7 +63,7 @@ from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.proxy import read_bounded
 from driver.aio import Backoff
 
-__all__ = ["KNOWN_OUTCOMES", "Activation", "ActivationFailed", "Activator", "Expectation"]
+__all__ = ["KNOWN_OUTCOMES", "ActivationFailed", "Activator", "Expectation"]
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +87,6 @@ KNOWN_OUTCOMES = frozenset({
 """Every value an activation's outcome (a metric label and the client's error code) takes:
 a controller's answer names its reason freely, so anything not listed here is ``other``
 (the reason itself stays in the error message)."""
-
-
-@dataclass(frozen=True)
-class Activation:
-    """A successful activation: ``claim`` holds its GPU under ``fence``."""
-
-    model: str
-    claim: str
-    switched: bool
-    fence: int
 
 
 @dataclass(frozen=True)
@@ -170,14 +160,14 @@ class Activator:
         self._attempts = attempts
         self._retry_after = retry_after
         self._metrics = metrics
-        self._calls: dict[tuple[str, str, str], asyncio.Task[Activation]] = {}
+        self._calls: dict[tuple[str, str, str], asyncio.Task[ActivateAnswer]] = {}
         self._waiters: dict[tuple[str, str, str], int] = {}
         self._state_timeout = aiohttp.ClientTimeout(total=connect_timeout_s)
         self._expected: dict[str, float] = {}
         """By model: the last expected switch a controller gave while it was asleep."""
 
     async def activate(self, url: str, model: str, claim: str, *, deadline: float,
-                       request_id: str = "") -> Activation:
+                       request_id: str = "") -> ActivateAnswer:
         """Ask the controller at ``url`` to make ``claim`` serve ``model``; wait until
         ``deadline`` (event-loop time) at most.
 
@@ -251,7 +241,7 @@ class Activator:
         if spent > 0:
             self._expected[model] = round(spent, 3)
 
-    def _finished(self, key: tuple[str, str, str], call: asyncio.Task[Activation]) -> None:
+    def _finished(self, key: tuple[str, str, str], call: asyncio.Task[ActivateAnswer]) -> None:
         if self._calls.get(key) is call:
             del self._calls[key]
         if not call.cancelled():
@@ -264,7 +254,7 @@ class Activator:
             call.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
 
-    async def _call(self, url: str, model: str, claim: str, request_id: str) -> Activation:
+    async def _call(self, url: str, model: str, claim: str, request_id: str) -> ActivateAnswer:
         start = time.perf_counter()
         outcome = "error"
         try:
@@ -292,7 +282,7 @@ class Activator:
         return headers
 
     async def _attempt_all(self, url: str, model: str, claim: str,
-                           request_id: str) -> Activation:
+                           request_id: str) -> ActivateAnswer:
         target = f"{url}{PATH}"
         try:
             body = ActivateRequest(model=model, claim=claim).model_dump()
@@ -323,7 +313,7 @@ class Activator:
             retry_after=self._retry_after)
 
     def _interpret(self, status: int, retry_after: str | None, raw: bytes, model: str,
-                   claim: str, url: str) -> Activation:
+                   claim: str, url: str) -> ActivateAnswer:
         try:
             payload: Any = json.loads(raw) if raw else None
         except ValueError:
@@ -337,7 +327,7 @@ class Activator:
                     code="bad_activation_answer", retry_after=self._retry_after) from exc
             if answer.switched:
                 self.learned(answer.model, answer.timings)
-            return Activation(answer.model, answer.claim, answer.switched, answer.fence)
+            return answer
         kind, message = _error_of(payload)
         if status in (401, 403):
             log.error("the lease controller refused the activation token",
