@@ -10,12 +10,19 @@ import aiohttp
 import pytest
 
 from controller.api import naming
-from e2e.gang_node import gang_node
+from e2e.gang_node import GangNode, gang_node
 from tests.controller.conftest import EngineSimFactory
 
 pytestmark = pytest.mark.controller
 
 DEADLINE_S = 30.0
+
+
+async def _a_awake_b_asleep(factory: EngineSimFactory, session: aiohttp.ClientSession
+                            ) -> GangNode:
+    """One GPU, A awake and named by its Lease, B asleep."""
+    return await gang_node(factory, session, [("a", ("gpu-0",), 20), ("b", ("gpu-0",), 20)],
+                           gpus=1, awake=("a",))
 
 
 async def test_a_holder_asleep_holding_its_memory_is_woken_back(
@@ -25,9 +32,7 @@ async def test_a_holder_asleep_holding_its_memory_is_woken_back(
     changes nothing. Reconciliation wakes A back, so that its Lease and its state agree
     (on the old code A stayed asleep under a Lease that said awake, for good when nobody
     asked for another model), and the GPU switches on as usual."""
-    node = await gang_node(engine_sim_factory, engine_session,
-                           [("a", ("gpu-0",), 20), ("b", ("gpu-0",), 20)], gpus=1,
-                           awake=("a",))
+    node = await _a_awake_b_asleep(engine_sim_factory, engine_session)
     a, b = node.engines
     try:
         await a.sim.faults(sleep_lies=True)
@@ -55,9 +60,7 @@ async def test_a_holder_asleep_holding_its_memory_stays_beside_another_unknown(
         caplog: pytest.LogCaptureFixture) -> None:
     """No wake while another engine of the GPU may be awake: both asleep by their word,
     both holding memory; neither is woken back (one awake engine at most, always)."""
-    node = await gang_node(engine_sim_factory, engine_session,
-                           [("a", ("gpu-0",), 20), ("b", ("gpu-0",), 20)], gpus=1,
-                           awake=("a",))
+    node = await _a_awake_b_asleep(engine_sim_factory, engine_session)
     a, b = node.engines
     try:
         await a.sim.faults(sleep_lies=True)
