@@ -43,6 +43,7 @@ NODE_MIX: tuple[tuple[str, tuple[str, ...], int], ...] = (
     ("tp2-b", ("gpu-2", "gpu-3"), 40),
     ("tp2-c", ("gpu-4", "gpu-5"), 40),
     ("tp2-x", ("gpu-3", "gpu-4"), 40),
+    ("tp2-d", ("gpu-6", "gpu-7"), 40),
     *((f"one-{i}", (f"gpu-{i}",), 20) for i in range(8)),
 )
 """Name, GPUs and awake GiB (across its GPUs) of each engine; every GPU's residents plus
