@@ -252,10 +252,7 @@ def _sections(output: str) -> dict[str, str]:
 @pytest.mark.cluster
 @pytest.mark.node
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("ROTA_DOCS_ON_NODE") != "1", reason=(
-    "on request only (ROTA_DOCS_ON_NODE=1): on a cluster of its own beside the suite's, the "
-    "controller could not reach the engines' pod IPs (wake_up: connect failed) in its last "
-    "runs; until that is understood it stays out of make test"))
+@pytest.mark.sampled
 def test_quick_start_and_admin_commands_on_a_real_node(tmp_path: Path) -> None:
     from e2e.chart import tools_bin
     from e2e.cluster import LocalCluster
