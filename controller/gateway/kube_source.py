@@ -121,10 +121,6 @@ class _Watch:
         """Set (on the loop) once a list has been delivered."""
         return self._follow.listed
 
-    @property
-    def lists(self) -> int:
-        return self._follow.lists
-
     def start(self) -> None:
         self._follow.start()
 

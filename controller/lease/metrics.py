@@ -31,7 +31,8 @@ START_OUTCOMES = ("ok", "refused", "failed")
 RECONCILE_REASONS = ("two_awake", "unknown", "asleep", "woken_back")
 """What reconciliation saw of an engine it put to sleep: awake beside the holder; holding
 memory without saying whether it sleeps; a suspect of an unfinished switch that says it
-sleeps (its sleep may still be in flight)."""
+sleeps (its sleep may still be in flight). And ``woken_back``: a holder it woke again, which
+said it slept while it still held its awake memory."""
 
 
 def failure_reason(reason: str) -> str:
