@@ -49,12 +49,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from driver.aio import Backoff
+from driver.start_contract import CLAIM_UID_ENV, PATH, SOCKET_ENV, TOKEN_ENV, StartQuestion
 
 __all__ = ["EX_CONFIG", "EX_TEMPFAIL", "GateError", "ask", "install", "main", "wait_for_slot"]
 
 EX_TEMPFAIL = 75
 EX_CONFIG = 78
-PATH = "/v1/start"
 
 
 def _error_pauses() -> Backoff:
@@ -91,8 +91,11 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def ask(socket_path: str, body: dict[str, Any], *, timeout_s: float) -> tuple[int, dict[str, Any]]:
-    """One question to the controller; its status and JSON answer."""
+def ask(socket_path: str, body: StartQuestion, *, timeout_s: float
+        ) -> tuple[int, dict[str, Any]]:
+    """One question to the controller; its status and JSON answer (a
+    :class:`~driver.start_contract.StartAnswer` from a controller that speaks the contract;
+    read key by key, as anything may answer on a socket)."""
     conn = _UnixConnection(socket_path, timeout_s)
     try:
         conn.request("POST", PATH, body=json.dumps(body),
@@ -122,11 +125,11 @@ def wait_for_slot(environ: dict[str, str], *, max_wait_s: float, question_timeou
         GateError: no grant within ``max_wait_s`` (EX_TEMPFAIL), or a refused token or a
             missing environment (EX_CONFIG).
     """
-    socket_path = environ.get("ROTA_START_SOCKET", "")
-    token = environ.get("ROTA_START_TOKEN", "")
-    claim_uid = environ.get("ROTA_CLAIM_UID", "")
+    socket_path = environ.get(SOCKET_ENV, "")
+    token = environ.get(TOKEN_ENV, "")
+    claim_uid = environ.get(CLAIM_UID_ENV, "")
     if not (socket_path and token and claim_uid):
-        raise GateError("ROTA_START_SOCKET, ROTA_START_TOKEN and ROTA_CLAIM_UID must be set "
+        raise GateError(f"{SOCKET_ENV}, {TOKEN_ENV} and {CLAIM_UID_ENV} must be set "
                         "(they come from rota's CDI spec of the claim)", EX_CONFIG)
     deadline = clock() + max_wait_s
     errors = _error_pauses()
@@ -137,8 +140,8 @@ def wait_for_slot(environ: dict[str, str], *, max_wait_s: float, question_timeou
         if left <= 0:
             raise GateError(f"no start slot within {max_wait_s:.0f} s", EX_TEMPFAIL)
         try:
-            status, answer = ask(socket_path, {"claim_uid": claim_uid, "token": token,
-                                               "attempt": attempt},
+            status, answer = ask(socket_path, StartQuestion(claim_uid=claim_uid, token=token,
+                                                            attempt=attempt),
                                  timeout_s=min(question_timeout_s, max(left, 1.0)))
         except (OSError, http.client.HTTPException) as exc:
             wait = errors.next_delay()
@@ -170,7 +173,8 @@ def install(directory: Path) -> Path:
     sources = {"controller/__init__.py": here.parent / "__init__.py",
                "controller/engine_gate.py": here,
                "driver/__init__.py": here.parent.parent / "driver" / "__init__.py",
-               "driver/aio.py": here.parent.parent / "driver" / "aio.py"}
+               "driver/aio.py": here.parent.parent / "driver" / "aio.py",
+               "driver/start_contract.py": here.parent.parent / "driver" / "start_contract.py"}
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / "rota-engine-gate"
     with tempfile.TemporaryDirectory() as tmp:
@@ -188,7 +192,7 @@ def install(directory: Path) -> Path:
 
 
 def _exec(command: Sequence[str], environ: dict[str, str]) -> NoReturn:
-    env = {k: v for k, v in environ.items() if k != "ROTA_START_TOKEN"}
+    env = {k: v for k, v in environ.items() if k != TOKEN_ENV}
     try:
         os.execvpe(command[0], list(command), env)
     except OSError as exc:
@@ -218,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the engine command goes after --")
     environ = dict(os.environ)
     try:
-        if options.if_configured and not environ.get("ROTA_START_SOCKET"):
+        if options.if_configured and not environ.get(SOCKET_ENV):
             _say("no start gate configured; starting at once")
         else:
             wait_for_slot(environ, max_wait_s=options.max_wait_s)

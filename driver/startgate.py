@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from driver.disk import fsync_dir
+from driver.start_contract import SOCKET_ENV, TOKEN_ENV
 
 __all__ = ["KEY_BYTES", "SOCKET_NAME", "START_GATE_DIR_MODE", "StartGate", "load_or_create_key",
            "prepare_start_gate_dir"]
@@ -68,7 +69,7 @@ class StartGate:
         return hmac.compare_digest(self.token(claim_uid).encode(), token.encode())
 
     def environment(self, claim_uid: str) -> dict[str, str]:
-        return {"ROTA_START_SOCKET": str(self.socket), "ROTA_START_TOKEN": self.token(claim_uid)}
+        return {SOCKET_ENV: str(self.socket), TOKEN_ENV: self.token(claim_uid)}
 
     def mount(self) -> dict[str, Any]:
         """The CDI mount of the directory: read-only (connecting to a unix socket needs no

@@ -30,15 +30,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller.lease.device import DeviceError
 from controller.lease.node import NodeController
+from driver.start_contract import MAX_BODY_BYTES, PATH
 
 __all__ = ["MAX_BODY_BYTES", "PATH", "StartReply", "StartRequest", "make_app", "serve"]
 
 log = logging.getLogger(__name__)
 
-PATH = "/v1/start"
 NODE: web.AppKey[NodeController] = web.AppKey("node", NodeController)
-MAX_BODY_BYTES = 4096
-"""A question longer than this is answered 413 (a gate's is about 150 bytes)."""
 
 
 class StartRequest(BaseModel):

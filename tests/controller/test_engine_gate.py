@@ -23,6 +23,7 @@ from aiohttp import web
 
 from controller import engine_gate
 from controller.lease.starts import StartReply, StartRequest
+from driver.start_contract import PATH
 
 pytestmark = [pytest.mark.controller]
 
@@ -54,7 +55,7 @@ class StartApiSimulator:
 
     async def start(self) -> None:
         app = web.Application()
-        app.router.add_post(engine_gate.PATH, self._start)
+        app.router.add_post(PATH, self._start)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         await web.UnixSite(self._runner, str(self.socket)).start()
