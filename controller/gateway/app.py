@@ -28,12 +28,12 @@ from aiohttp import web
 from controller.credentials import ApiKeys, SecretFile, reload_forever
 from controller.gateway import keys
 from controller.gateway.activation import Activator
-from controller.gateway.admission import Admission
 from controller.gateway.binding import BindingError, BindingFile, ModelBinding
 from controller.gateway.dispatch import Dispatcher
 from controller.gateway.engine_keys import EngineKeys, KubeSecretReader, SecretReader
 from controller.gateway.kube_source import KubeSource
 from controller.gateway.metrics import GatewayMetrics
+from controller.gateway.places import ModelPlaces
 from controller.gateway.routes import error_middleware, routes
 from controller.gateway.routing import RoutingSource, RoutingState
 from controller.gateway.settings import GatewaySettings
@@ -127,7 +127,7 @@ def _clients(token: SecretFile | None, secrets: SecretReader | None, *, kube_sec
             api = await asyncio.to_thread(load_api_client, settings.kubeconfig)
             reader = KubeSecretReader(api, timeout_s=settings.api_timeout_s)
         # Engines' answers pass through byte for byte: no decompression, no pool limit
-        # beyond admission's (which bounds connections per model).
+        # beyond the model's places (which bound connections per model).
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
             auto_decompress=False)
@@ -137,7 +137,7 @@ def _clients(token: SecretFile | None, secrets: SecretReader | None, *, kube_sec
                               retry_after=settings.retry_after_s, metrics=app[keys.METRICS])
         engine_keys = EngineKeys(reader, ttl_s=settings.engine_key_ttl_s,
                                  retry_after=settings.retry_after_s)
-        app[keys.DISPATCHER] = Dispatcher(settings, app[keys.STATE], app[keys.ADMISSION],
+        app[keys.DISPATCHER] = Dispatcher(settings, app[keys.STATE], app[keys.PLACES],
                                           activator, session, app[keys.METRICS], engine_keys)
         try:
             yield
@@ -201,10 +201,10 @@ def make_app(settings: GatewaySettings, *, routing_source: RoutingSource | None 
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=settings.max_body_bytes)
     state = RoutingState()
-    admission = Admission(limit_per_engine=settings.max_concurrency_per_engine,
+    places = ModelPlaces(limit_per_engine=settings.max_concurrency_per_engine,
                           engines=state.engine_count, queue_size=settings.queue_size,
                           retry_after=settings.retry_after_s)
-    metrics = GatewayMetrics(admission.counts)
+    metrics = GatewayMetrics(places.counts)
     token = SecretFile(settings.activation_token_file) if settings.activation_token_file \
         else None
     client_keys = SecretFile(settings.api_keys_file) if settings.api_keys_file else None
@@ -212,7 +212,7 @@ def make_app(settings: GatewaySettings, *, routing_source: RoutingSource | None 
                           settings.model_binding_file)
     app[keys.SETTINGS] = settings
     app[keys.STATE] = state
-    app[keys.ADMISSION] = admission
+    app[keys.PLACES] = places
     app[keys.METRICS] = metrics
     app[keys.API_KEYS] = ApiKeys(client_keys)
     app[keys.STOPPING] = asyncio.Event()

@@ -1,6 +1,6 @@
 """One model request's way through the gateway: place, route, wake, forward, retry.
 
-1. Take a place in the model's gate (:mod:`~controller.gateway.admission`): 429 when the
+1. Take a place in the model's gate (:mod:`~controller.gateway.places`): 429 when the
    queue is full, 503 when no place frees up in time.
 2. Ask the routing state (:mod:`~controller.gateway.routing`) what to do: forward to the
    claimant that holds its GPU (the pod IP this gateway watches, under the GPU Lease's
@@ -48,11 +48,11 @@ from aiohttp import web
 
 from controller.gateway import proxy
 from controller.gateway.activation import ActivationFailed, Activator, Expectation
-from controller.gateway.admission import Admission
 from controller.gateway.downstream import PROGRESS_HEADER, Downstream, Held
 from controller.gateway.engine_keys import EngineKeys
 from controller.gateway.errors import GatewayError, ModelNotFound, Unavailable
 from controller.gateway.metrics import GatewayMetrics
+from controller.gateway.places import ModelPlaces
 from controller.gateway.routing import Action, Decision, RoutingState
 from controller.gateway.settings import GatewaySettings
 
@@ -87,12 +87,12 @@ class ModelRequest:
 class Dispatcher:
     """Everything a model request needs on its way, shared by all requests."""
 
-    def __init__(self, settings: GatewaySettings, state: RoutingState, admission: Admission,
+    def __init__(self, settings: GatewaySettings, state: RoutingState, places: ModelPlaces,
                  activator: Activator, session: aiohttp.ClientSession,
                  metrics: GatewayMetrics, engine_keys: EngineKeys) -> None:
         self.settings = settings
         self.state = state
-        self.admission = admission
+        self.places = places
         self.activator = activator
         self.session = session
         self.metrics = metrics
@@ -159,7 +159,7 @@ class Dispatcher:
     async def _serve(self, downstream: Downstream, gen: ModelRequest) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.max_wait_s
-        gate = self.admission.gate(gen.model)
+        gate = self.places.gate(gen.model)
         downstream.note = f"waiting for a place to serve model '{gen.model}'"
         async with gate.place(deadline):
             attempt = 0

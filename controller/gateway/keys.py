@@ -7,17 +7,17 @@ import asyncio
 from aiohttp import web
 
 from controller.credentials import ApiKeys
-from controller.gateway.admission import Admission
 from controller.gateway.dispatch import Dispatcher
 from controller.gateway.metrics import GatewayMetrics
+from controller.gateway.places import ModelPlaces
 from controller.gateway.routing import RoutingState
 from controller.gateway.settings import GatewaySettings
 
-__all__ = ["ADMISSION", "API_KEYS", "DISPATCHER", "METRICS", "SETTINGS", "STATE", "STOPPING"]
+__all__ = ["API_KEYS", "DISPATCHER", "METRICS", "PLACES", "SETTINGS", "STATE", "STOPPING"]
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 STATE = web.AppKey("routing_state", RoutingState)
-ADMISSION = web.AppKey("admission", Admission)
+PLACES = web.AppKey("places", ModelPlaces)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 API_KEYS = web.AppKey("api_keys", ApiKeys)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)

@@ -6,7 +6,7 @@ one process (tests) never share counters. ``model_name`` is the served model nam
 knows:
 a client's made-up model name is counted as ``(unknown)``, and the series of a model whose
 last claim is gone are dropped at the next scrape (:meth:`GatewayMetrics.prune`), which
-keeps the label set bounded. Queue and in-flight gauges are read from admission at scrape
+keeps the label set bounded. Queue and in-flight gauges are read from the models' places at scrape
 time.
 """
 
@@ -18,7 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from controller.gateway.admission import GateCounts
+from controller.gateway.places import GateCounts
 from driver.metrics_registry import new_registry, package_version
 
 __all__ = ["UNKNOWN_MODEL", "GatewayMetrics"]

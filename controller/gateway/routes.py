@@ -1,6 +1,6 @@
 """The gateway's HTTP surface: the OpenAI endpoints, health, readiness and metrics.
 
-Served, each routed by its body's ``model`` with the same admission, queueing and
+Served, each routed by its body's ``model`` with the same places, queueing and
 switching (:data:`MODEL_PATHS`): ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``, ``/v1/responses``, ``/v1/rerank``, ``/v1/score``, ``/tokenize`` and
 ``/detokenize`` (as vLLM serves them: a GPU often holds a chat model next to an embedder
@@ -258,7 +258,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     known = request.app[keys.STATE].models()
-    request.app[keys.ADMISSION].prune(known)
+    request.app[keys.PLACES].prune(known)
     metrics = request.app[keys.METRICS]
     metrics.prune(known)
     metrics.ignored_claimants.set(request.app[keys.STATE].ignored_claimants)

@@ -80,7 +80,7 @@ async def test_series_of_models_whose_claims_are_gone_are_dropped(
     text = await (await rig.gateway.get("/metrics")).text()
     assert f'model_name="{MODEL_B}"' not in text
     assert f'rota_gateway_requests_total{{model_name="{MODEL_A}",outcome="ok"}} 1.0' in text
-    assert MODEL_B not in rig.app[keys.ADMISSION].counts()
+    assert MODEL_B not in rig.app[keys.PLACES].counts()
 
 
 async def test_an_ipv6_engine_is_reached_at_its_bracketed_address(

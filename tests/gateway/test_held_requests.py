@@ -79,7 +79,7 @@ async def test_an_activation_answer_is_not_a_licence_to_forward(make_rig: RigFac
     """The controller says "done", but the Lease this gateway sees has moved on (a switch
     away from the model began): the request waits for the Lease, not for the answer."""
     rig = await make_rig()
-    gate = rig.app[keys.ADMISSION].gate("sim/model-b")
+    gate = rig.app[keys.PLACES].gate("sim/model-b")
 
     def switch_away_at_once() -> None:
         rig.controller.after_switch = None

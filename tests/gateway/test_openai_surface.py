@@ -1,4 +1,4 @@
-"""The OpenAI surface users expect, each path routed by ``model`` with the same admission,
+"""The OpenAI surface users expect, each path routed by ``model`` with the same places,
 queueing and switching as chat; streamed requests kept alive while a switch runs; the
 OpenAI Python SDK through the gateway."""
 

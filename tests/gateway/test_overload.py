@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gateway
 async def test_a_full_queue_answers_429_with_retry_after(make_rig: RigFactory) -> None:
     rig = await make_rig(max_concurrency_per_engine=1, queue_size=1, retry_after_s=3)
     await rig.a.faults(stall_generation=True)
-    gate = rig.app[keys.ADMISSION].gate(MODEL_A)
+    gate = rig.app[keys.PLACES].gate(MODEL_A)
     first = await rig.chat(MODEL_A, stream=True)
     assert first.status == 200
     queued = asyncio.create_task(rig.answer(MODEL_A))
@@ -50,13 +50,13 @@ async def test_a_model_on_more_engines_gets_more_places(make_rig: RigFactory) ->
     """The concurrency limit is per engine that serves the model (it was per model: a model
     on many engines got the places of one)."""
     rig = await make_rig(max_concurrency_per_engine=3)
-    gate = rig.app[keys.ADMISSION].gate(MODEL_A)
+    gate = rig.app[keys.PLACES].gate(MODEL_A)
     assert gate.limit == 3
     rig.apply("claim", "ADDED", claim_obj("claim-a2", model=MODEL_A, port=rig.a.port,
                                           pod_uid="pod-a2", node="node-2"))
     rig.apply("pod", "ADDED", pod_obj("pod-claim-a2", uid="pod-a2"))
     assert gate.limit == 6
-    assert rig.app[keys.ADMISSION].gate(MODEL_B).limit == 3
+    assert rig.app[keys.PLACES].gate(MODEL_B).limit == 3
     rig.apply("claim", "DELETED", claim_obj("claim-a2", model=MODEL_A, port=rig.a.port,
                                             pod_uid="pod-a2", node="node-2"))
     assert gate.limit == 3

@@ -92,7 +92,7 @@ async def test_client_disconnect_cancels_the_engine_request(make_rig: RigFactory
     assert rig.a.engine.running == 1
     resp.close()  # the client goes away mid-stream
     await rig.a.idle()  # the engine saw its client (the gateway) leave and stopped
-    gate = rig.app[keys.ADMISSION].gate(MODEL_A)
+    gate = rig.app[keys.PLACES].gate(MODEL_A)
     await eventually(lambda: gate.running == 0 and gate.in_flight == 0, "the place freed")
     await rig.a.faults(stall_generation=False)
     assert await rig.answer(MODEL_A) == "7"

@@ -60,7 +60,7 @@ async def test_requests_for_the_draining_model_are_held_then_served(
     assert rig.state.decide(MODEL_A).action is Action.WAIT
 
     held = asyncio.create_task(rig.answer(MODEL_A))
-    gate = rig.app[keys.ADMISSION].gate(MODEL_A)
+    gate = rig.app[keys.PLACES].gate(MODEL_A)
     await eventually(lambda: gate.running == 1, "the request for A holding a place")
     assert not held.done()
     assert gate.in_flight == 0, "a request for the draining model was sent to its engine"
@@ -97,7 +97,7 @@ async def test_a_burst_over_two_models_is_answered_with_few_switches(
     assert rig.controller.max_awake == 1
     await rig.a.idle()
     await rig.b.idle()
-    counts = rig.app[keys.ADMISSION].counts()
+    counts = rig.app[keys.PLACES].counts()
     assert all(c.running == 0 and c.waiting == 0 and c.in_flight == 0 for c in counts.values())
 
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from controller.gateway.admission import Admission, ModelGate
 from controller.gateway.errors import Overloaded, Unavailable
+from controller.gateway.places import ModelGate, ModelPlaces
 from tests.gateway.conftest import eventually
 
 pytestmark = pytest.mark.gateway
@@ -86,11 +86,11 @@ async def test_a_cancelled_waiter_frees_its_place_even_when_handed_one() -> None
 
 
 def test_gates_are_per_model() -> None:
-    admission = Admission(limit_per_engine=2, engines=lambda model: 1, queue_size=0,
+    places = ModelPlaces(limit_per_engine=2, engines=lambda model: 1, queue_size=0,
                           retry_after=1)
-    assert admission.gate("a") is admission.gate("a")
-    assert admission.gate("a") is not admission.gate("b")
-    assert set(admission.counts()) == {"a", "b"}
+    assert places.gate("a") is places.gate("a")
+    assert places.gate("a") is not places.gate("b")
+    assert set(places.counts()) == {"a", "b"}
 
 
 async def test_the_limit_is_per_engine_that_serves_the_model() -> None:
@@ -132,11 +132,11 @@ async def test_places_an_added_engine_brings_go_to_the_queue_first() -> None:
     assert (gate.running, gate.waiting) == (1, 0)
 
 
-async def test_admission_asks_how_many_engines_serve_each_model() -> None:
+async def test_the_places_ask_how_many_engines_serve_each_model() -> None:
     counts = {"big": 4, "small": 1}
-    admission = Admission(limit_per_engine=8, engines=lambda model: counts.get(model, 0),
+    places = ModelPlaces(limit_per_engine=8, engines=lambda model: counts.get(model, 0),
                           queue_size=1, retry_after=2)
-    assert admission.gate("big").limit == 32
-    assert admission.gate("small").limit == 8
+    assert places.gate("big").limit == 32
+    assert places.gate("small").limit == 8
     counts["small"] = 2
-    assert admission.gate("small").limit == 16
+    assert places.gate("small").limit == 16

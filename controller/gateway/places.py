@@ -1,4 +1,4 @@
-"""Per-model admission: a concurrency limit, a bounded FIFO queue and bounded waits.
+"""Per-model places: a concurrency limit, a bounded FIFO queue and bounded waits.
 
 Each model has a :class:`ModelGate`. A request takes a place (``running``) while it is
 being served by this replica — waiting for a switch or streaming from the engine — and at
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from controller.gateway.errors import Overloaded, Unavailable
 
-__all__ = ["Admission", "GateCounts", "ModelGate"]
+__all__ = ["GateCounts", "ModelGate", "ModelPlaces"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class ModelGate:
             self.in_flight -= 1
 
 
-class Admission:
+class ModelPlaces:
     """The gates of every model, created on first use (only for models rota knows).
 
     ``engines(model)`` says how many engines serve ``model`` now."""
