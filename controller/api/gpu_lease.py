@@ -32,6 +32,18 @@ def parse_micro_time(value: str | None) -> dt.datetime | None:
         return None
 
 
+def _state(value: str) -> naming.LeaseState:
+    """The state a Lease carries: none is ``idle``; one this reader does not know (a newer
+    writer's) is read as ``switching``, the state whose finder reconciles before anything
+    else, and which gets no traffic."""
+    if not value:
+        return naming.LeaseState.IDLE
+    try:
+        return naming.LeaseState(value)
+    except ValueError:
+        return naming.LeaseState.SWITCHING
+
+
 @dataclass(frozen=True)
 class GpuLease:
     """The GPU Lease of one device: who is awake, and the switch in progress."""
@@ -41,7 +53,7 @@ class GpuLease:
     device: str
     holder: str = ""
     fence: int = 0
-    state: str = naming.STATE_IDLE
+    state: naming.LeaseState = naming.LeaseState.IDLE
     holder_model: str = ""
     holder_claim_uid: str = ""
     target_model: str = ""
@@ -72,7 +84,7 @@ class GpuLease:
             device=str(labels.get(naming.LABEL_DEVICE, "")),
             holder=str(spec.get("holderIdentity") or ""),
             fence=int(spec.get("leaseTransitions") or 0),
-            state=pop(naming.STATE) or naming.STATE_IDLE,
+            state=_state(pop(naming.STATE)),
             holder_model=pop(naming.HOLDER_MODEL), holder_claim_uid=pop(naming.HOLDER_CLAIM_UID),
             target_model=pop(naming.TARGET_MODEL),
             draining_model=pop(naming.DRAINING_MODEL), last_error=pop(naming.LAST_ERROR),

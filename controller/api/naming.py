@@ -23,9 +23,10 @@ Compatibility, so that a rolling upgrade may run two releases side by side:
 - a key is never given a new meaning; a new meaning gets a new key;
 - a removed key is still read and dropped for one release (never written again), so that
   the first write of the new release removes it: :data:`HOLDER_ENDPOINT` is one;
-- a state value a reader does not know is never read as a holder that may be served: the
-  gateway takes it for a switch under way, the controller reconciles the GPU from what
-  the device and the engines say.
+- a state value a reader does not know is never read as a holder that may be served: it
+  is read as :attr:`LeaseState.SWITCHING` (``GpuLease.from_object``), so the gateway takes
+  it for a switch under way and the controller reconciles the GPU first, from what the
+  device and the engines say.
 """
 
 from __future__ import annotations
@@ -86,12 +87,12 @@ class LeaseState(StrEnum):
     """The last switch failed and left nobody awake (``last-error`` says why)."""
 
 
-# The same values as plain strings, for code that compares with what a Lease carries.
-STATE_AWAKE: str = LeaseState.AWAKE
-STATE_SWITCHING: str = LeaseState.SWITCHING
-STATE_STARTING: str = LeaseState.STARTING
-STATE_IDLE: str = LeaseState.IDLE
-STATE_FAILED: str = LeaseState.FAILED
+# Short names of the states (StrEnum members: they compare equal to the plain strings).
+STATE_AWAKE = LeaseState.AWAKE
+STATE_SWITCHING = LeaseState.SWITCHING
+STATE_STARTING = LeaseState.STARTING
+STATE_IDLE = LeaseState.IDLE
+STATE_FAILED = LeaseState.FAILED
 
 _MAX_NAME = 253
 _MAX_LABEL = 63

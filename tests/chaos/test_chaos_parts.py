@@ -37,8 +37,8 @@ def test_answers_are_classified_by_the_campaigns_rule(status: int, headers: dict
     assert classify(status, headers, body)[0] == kind
 
 
-def _lease(state: str, *, fence: int = 1, controller: str = "ctl-0", error: str = ""
-           ) -> GpuLease:
+def _lease(state: naming.LeaseState, *, fence: int = 1, controller: str = "ctl-0",
+           error: str = "") -> GpuLease:
     return GpuLease(name="rota-gpu-n-gpu-0", node="n", device="gpu-0", state=state,
                     fence=fence, controller=controller, last_error=error)
 

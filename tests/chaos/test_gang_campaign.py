@@ -21,6 +21,7 @@ async def test_a_short_gang_campaign_keeps_every_promise(caplog: pytest.LogCaptu
                                                          ) -> None:
     caplog.set_level(logging.CRITICAL)
     report = await gangs.run(switches=600, seed=7, max_seconds=300)
+    print("\n".join(report.lines()))  # the campaign's figures, shown when a check fails
     assert report.switches >= 600
     assert report.violations == [], "two engines awake on one GPU"
     assert report.unanswered == 0

@@ -73,3 +73,16 @@ def test_the_controller_writes_leases_only_through_named_transitions() -> None:
                     and node.func.attr == "with_"):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders
+
+
+def _read(state: str | None) -> GpuLease:
+    annotations = {} if state is None else {naming.STATE: state}
+    return GpuLease.from_object({"metadata": {"name": "n-gpu-0", "annotations": annotations},
+                                 "spec": {}})
+
+
+def test_the_state_read_is_typed_and_an_unknown_one_is_switching() -> None:
+    assert _read("awake").state is naming.LeaseState.AWAKE
+    assert _read(None).state is naming.LeaseState.IDLE
+    # A newer writer's state: read as a switch under way (reconcile first; no traffic).
+    assert _read("hibernating").state is naming.LeaseState.SWITCHING
