@@ -42,8 +42,11 @@ class CampaignOptions:
     """How long a fault stays before it is undone (uniform)."""
     clients_per_gpu: int = 2
     request_timeout_s: float = 120.0
-    settle_s: float = 120.0
-    """After the load stops: how long every GPU has to end up with one owner."""
+    settle_s: float = 420.0
+    """After the load stops: how long every GPU has to end up with one owner, every engine
+    answering. At least the lease controller's longest start back-off after failed starts
+    (300 s: an engine the campaign crashed at its start several times waits that long in its
+    start gate before it listens again), plus a start and a reconciliation."""
     keep_logs: Path | None = None
     """Where to copy every process's log at the end (None: they are removed)."""
     rig: RigOptions = field(default_factory=RigOptions)
@@ -113,7 +116,7 @@ async def _owner_problem(rig: Rig, node: NodeRig, session: aiohttp.ClientSession
                                         name, "rota-system", _request_timeout=5)
         states = [await sim_state(session, e) for e in node.engines]
     except (client.ApiException, aiohttp.ClientError, TimeoutError) as exc:
-        return f"{node.node.name}: cannot read: {exc!r}"[:200]
+        return f"{node.node.name}: an engine or the Lease cannot be read: {exc!r}"[:300]
     state = (lease.metadata.annotations or {}).get(naming.STATE, "")
     holder = lease.spec.holder_identity or ""
     awake = [f"{e.namespace}/{e.spec.name}" for e, s in zip(node.engines, states, strict=True)
