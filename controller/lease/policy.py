@@ -40,6 +40,13 @@ The rules, in the order they are tried:
 
 A GPU with no awake holder serves the best waiter at once (``first_request`` when one
 claimant waits, else the ranking above without the holder's rules).
+
+The node may run the policy in :attr:`PolicyMode.FIRST_COME` instead (``--policy-mode
+first-come``): on-demand switching in arrival order, as llama-swap does, the baseline the
+policy benchmark compares against. Rules 1-6 give way to one, ``first_come``: whoever
+waits longest is served now, the holder drained and put to sleep whatever its load, its
+priority or its quantum (no quantum, no bound, no cost). With nobody waiting, rule 7 holds
+as in ``rota`` mode (the default keep-alive is forever: llama-swap's ``ttl: 0``).
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ __all__ = [
     "GpuView",
     "ModelPolicy",
     "PolicyInput",
+    "PolicyMode",
     "SwitchCost",
     "decide",
     "policy_for",
@@ -68,7 +76,8 @@ __all__ = [
 ]
 
 RULES = ("cancelled", "bounded_wait", "priority_preempt", "holder_idle", "quantum", "cost",
-         "stay", "keep_alive", "home_return", "idle_sleep", "idle", "first_request")
+         "stay", "keep_alive", "home_return", "idle_sleep", "idle", "first_request",
+         "first_come")
 """Every rule :func:`decide` can name: the values of the metric label ``rule``."""
 
 
@@ -82,6 +91,16 @@ class Action(StrEnum):
     """Put the holder to sleep; the GPU goes idle."""
     CANCEL = "cancel"
     """Do not make the pending switch (its waiters left)."""
+
+
+class PolicyMode(StrEnum):
+    """How a GPU chooses whom to serve next (the node's ``--policy-mode``)."""
+
+    ROTA = "rota"
+    """The rules of this module (quantum, bounds, priorities, cost, fair share)."""
+    FIRST_COME = "first-come"
+    """On-demand switching in arrival order, llama-swap's behaviour: a request for a
+    sleeping model drains and sleeps the holder and wakes its model at once."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,9 @@ class ModelPolicy:
     """The bound on a request's wait for a switch while the GPU serves others."""
     share_weight: float = 1.0
     """Weight in the fair share under sustained contention."""
+    mode: PolicyMode = PolicyMode.ROTA
+    """Node-wide: :func:`decide` reads it from :attr:`PolicyInput.default_policy` (the
+    node's defaults), never from a claim's own policy; a claim cannot set it."""
 
     def __post_init__(self) -> None:
         if self.keep_alive_s < 0 or self.quantum_factor < 0 or self.min_quantum_s < 0:
@@ -231,6 +253,13 @@ def decide(inp: PolicyInput) -> Decision:
     waiters = [q for q in inp.queues if q.length > 0 and q.claim != holder]
 
     # 1. A pending switch nobody waits for any more.
+    if inp.default_policy.mode is PolicyMode.FIRST_COME and waiters:
+        q = min(waiters, key=lambda w: w.oldest_since)
+        return Decision(Action.SWITCH, "first_come", f"{q.claim}'s request came first "
+                        f"({_wait(inp, q):.1f} s ago); "
+                        + (f"{holder} ({gpu.in_flight} in flight) drains and sleeps"
+                           if holder else "the GPU is idle"), q.claim)
+
     if gpu.pending is not None and gpu.pending != holder:
         waiting = any(q.claim == gpu.pending and q.length > 0 for q in inp.queues)
         if not waiting and gpu.pending != inp.home:
@@ -360,4 +389,4 @@ def policy_for(config: EngineConfig, default: ModelPolicy, *, ceiling: int | Non
         max_wait_s=default.max_wait_s if config.max_wait_seconds is None
         else config.max_wait_seconds,
         share_weight=default.share_weight if config.share_weight is None
-        else config.share_weight)
+        else config.share_weight, mode=default.mode)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 
-from controller.lease.policy import ModelPolicy
+from controller.lease.policy import ModelPolicy, PolicyMode
 from driver.settings import parse_settings
 
 GIB = 1024**3
@@ -88,6 +88,11 @@ class LeaseSettings(BaseModel):
                                      "(its admission stays open meanwhile).")
     idle_sleep_s: float = Field(default=0.0, ge=0, description="Put the holder to sleep "
                                 "after this long without work (0: never).")
+    policy_mode: PolicyMode = Field(default=PolicyMode.ROTA, description="Switch policy: "
+                                    "rota (quantum, bounds, priorities, cost, fair share) or "
+                                    "first-come (on-demand in arrival order, llama-swap's "
+                                    "behaviour: a request for a sleeping model drains and "
+                                    "sleeps the holder at once; the baseline to compare).")
     policy_quantum_factor: float = Field(default=4.0, ge=0, description="Switch policy: "
                                          "a busy holder keeps the GPU at least this many "
                                          "times the measured cost of the switch away.")
@@ -147,7 +152,7 @@ class LeaseSettings(BaseModel):
                            quantum_factor=self.policy_quantum_factor,
                            min_quantum_s=self.policy_min_quantum_s,
                            max_wait_s=self.policy_max_wait_s,
-                           share_weight=self.policy_share_weight)
+                           share_weight=self.policy_share_weight, mode=self.policy_mode)
 
     @field_validator("start_socket", mode="before")
     @classmethod

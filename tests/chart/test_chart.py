@@ -524,7 +524,7 @@ def test_the_switch_policy_and_the_gateways_places_are_chart_values(
 
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({"controller": {"policy": {
-        "quantumFactor": 2.5, "minQuantumSeconds": 3, "maxWaitSeconds": 12,
+        "mode": "first-come", "quantumFactor": 2.5, "minQuantumSeconds": 3, "maxWaitSeconds": 12,
         "keepAliveSeconds": 90, "priority": 5, "shareWeight": 2,
         "priorityCeilings": {"prod": 100, "team-*": 10}, "homeModel": "org/chat",
         "homeIdleSeconds": 30}},
@@ -537,14 +537,15 @@ def test_the_switch_policy_and_the_gateways_places_are_chart_values(
     assert s.policy_priority_ceilings.root == {"prod": 100, "team-*": 10}
     assert list(s.policy_priority_ceilings.root) == ["prod", "team-*"]
     assert (s.home_model, s.home_idle_s) == ("org/chat", 30)
+    assert s.policy_mode == "first-come"
     [gateway] = _pod(set_, "Deployment", "rota-gateway")["containers"]
     env = {e["name"]: e["value"] for e in gateway["env"] if "value" in e}
     g = gateway_settings(gateway.get("args", []), env)
     assert (g.max_concurrency_per_engine, g.queue_size) == (16, 32)
     # The defaults render to the binaries' own defaults.
     d = _controller_settings(_pod(default, "DaemonSet", "rota-controller"))
-    for name in ("policy_quantum_factor", "policy_min_quantum_s", "policy_max_wait_s",
-                 "policy_keep_alive_s", "policy_priority", "policy_share_weight",
-                 "home_model", "home_idle_s"):
+    for name in ("policy_mode", "policy_quantum_factor", "policy_min_quantum_s",
+                 "policy_max_wait_s", "policy_keep_alive_s", "policy_priority",
+                 "policy_share_weight", "home_model", "home_idle_s"):
         assert getattr(d, name) == LeaseSettings.model_fields[name].default, name
     assert d.policy_priority_ceilings.root == {}

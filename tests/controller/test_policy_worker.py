@@ -217,3 +217,30 @@ async def test_the_fair_share_sees_who_had_the_gpu() -> None:
     await node.worker._serve_next(asyncio.Event())
     assert (await task).ok
     assert node.worker._usage_now(None)["ns/a"] == 100.0
+
+
+async def test_in_first_come_mode_a_busy_holder_gives_way_at_once() -> None:
+    """The node's ``--policy-mode first-come`` reaches the worker through its default
+    policy: the busy holder that keeps its quantum in rota mode (above) is switched away
+    for the first waiter at once."""
+    from controller.lease.policy import PolicyMode
+
+    a, b, c = _claimant("a"), _claimant("b"), _claimant("c")
+    node = _Node([a, b, c], Policy(models=ModelPolicy(mode=PolicyMode.FIRST_COME)), holder=a)
+    node.engines["ns/a"].busy = 3
+    before = _count("first_come")
+    task_c = node.ask(c)
+    await _settle()
+    node.clock.now += 1.0
+    task_b = node.ask(b)
+    await _settle()
+    stop = asyncio.Event()
+    stop.set()
+    await node.worker._serve_next(stop)
+    assert (await task_c).ok
+    assert node.switcher.switches == [("ns/a", "ns/c")], "the first request, not the holder"
+    node.engines["ns/c"].busy = 5
+    await node.worker._serve_next(stop)
+    assert (await task_b).ok
+    assert node.switcher.switches[-1] == ("ns/c", "ns/b")
+    assert _count("first_come") == before + 2
