@@ -272,6 +272,11 @@ async def gang_node(factory: SimFactory, session: aiohttp.ClientSession,
     return node
 
 
+def _seen(port: MemoryLeasePort) -> str | None:
+    """The Lease's version as a node's Lease watch sees it (this one never lags)."""
+    return port.current.resource_version
+
+
 def _domain(joined: dict[str, tuple[str, ...]], gpu: str) -> tuple[str, ...]:
     return joined.get(gpu, (gpu,))
 
@@ -310,6 +315,6 @@ def node_of(engines: list[Engine], session: aiohttp.ClientSession,
                                 claimant_of=lambda uid: by_uid[uid].claimant
                                 if uid in by_uid else None),
             locks=locks, domain=functools.partial(_domain, joined, gpu),
-            sibling=workers.__getitem__)
+            sibling=workers.__getitem__, lease_seen=functools.partial(_seen, leases[gpu]))
     return GangNode(engines, device, leases, workers, watch, [], asyncio.Event(), locks,
                     adapter)

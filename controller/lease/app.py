@@ -77,7 +77,8 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
                     extra={"node": settings.node_name, "error": str(exc),
                            "pause_s": round(pause, 2)}))
     device = DeviceReader(settings.inspect_socket, timeout_s=settings.timeouts.inspect_s)
-    cache = NodeCache(api, node=settings.node_name, api_timeout_s=settings.timeouts.lease_s)
+    cache = NodeCache(api, node=settings.node_name, api_timeout_s=settings.timeouts.lease_s,
+                      lease_namespace=settings.namespace)
     cache.start()
     timeout = aiohttp.ClientTimeout(total=None, connect=5)
     connector = aiohttp.TCPConnector(limit=256)

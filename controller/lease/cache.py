@@ -1,19 +1,22 @@
 """The lease controller's view of its node, fed by watches instead of repeated lists.
 
-Three list-then-watch streams (:class:`driver.listwatch.ListWatch`), each narrowed as far
-as the API allows:
+Three list-then-watch streams (:class:`driver.listwatch.ListWatch`), each narrowed on the
+server to this node, and the claims of the node's pods:
 
-- ResourceClaims: no field or label selector can say "allocated on this node", so the
-  watch covers the cluster and the cache keeps only claims with a result of
-  ``gpu.rota.dev`` in this node's pool (a claim that stops matching leaves the cache);
-- Pods: ``spec.nodeName=<node>`` on the server;
-- ResourceSlices: ``spec.nodeName=<node>,spec.driver=gpu.rota.dev`` on the server (the
-  published memory of plain devices is the resident footprint of their claims).
+- Pods: ``spec.nodeName=<node>``;
+- ResourceClaims: no selector can say "allocated on this node", so claims are not watched;
+  the pods name theirs and each is read once when a pod first names it
+  (:mod:`controller.lease.pod_claims`): a claim written anywhere else in the cluster never
+  reaches this controller;
+- ResourceSlices: ``spec.nodeName=<node>,spec.driver=gpu.rota.dev`` (the published memory
+  of plain devices is the resident footprint of their claims);
+- the node's GPU Leases (with ``lease_namespace``): labels ``gpu.rota.dev/lease=gpu`` and
+  ``gpu.rota.dev/node=<node>``, so that reconciliation confirms a Lease it wrote or read
+  without a GET (:meth:`NodeCache.lease`).
 
 The API server sees one list per stream at start (paginated) and after a 410 only (a lost
-connection resumes the watch from its last version), then one
-long watch each; the switches themselves read nothing but the GPU Lease. Claimants are
-rebuilt from the cache when it changed, never from a new list.
+connection resumes the watch from its last version), then one long watch each. Claimants
+are rebuilt from the cache when it changed, never from a new list.
 """
 
 from __future__ import annotations
@@ -25,23 +28,16 @@ from typing import Any
 
 from kubernetes import client
 
+from controller.api import naming
 from controller.claimants import DRIVER, Claimant, claimants_from, device_memory_of
 from controller.lease import metrics
-from driver.kube import RESOURCE_GROUP, RESOURCE_VERSION
+from controller.lease.pod_claims import PodClaims
+from driver.kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube
 from driver.listwatch import ListWatch, Obj
 
 __all__ = ["NodeCache"]
 
 log = logging.getLogger(__name__)
-
-
-def _allocated_here(node: str) -> Callable[[Obj], bool]:
-    def keep(claim: Obj) -> bool:
-        allocation = (claim.get("status") or {}).get("allocation") or {}
-        return any(r.get("driver") == DRIVER and r.get("pool") == node
-                   for r in (allocation.get("devices") or {}).get("results") or [])
-
-    return keep
 
 
 class _Store:
@@ -68,27 +64,36 @@ class _Store:
 
 
 class NodeCache:
-    """Claims, pods and slices of one node, current within a watch event's delay.
+    """Claims, pods, slices and GPU Leases of one node, current within a watch event's delay.
 
-    :meth:`start` begins the watches; :attr:`synced` is set once each has listed.
+    :meth:`start` begins the watches; :attr:`synced` is set once each has listed and every
+    claim its pods name has been read once.
     """
 
     def __init__(self, api: client.ApiClient, *, node: str, api_timeout_s: float = 10.0,
-                 watch_timeout_s: int = 300) -> None:
+                 watch_timeout_s: int = 300, lease_namespace: str | None = None) -> None:
         self.api = api
         self.node = node
         self.api_timeout_s = api_timeout_s
         self.watch_timeout_s = watch_timeout_s
+        self.lease_namespace = lease_namespace
         self.version = 0
         """Raised by every change; :meth:`claimants` rebuilds only when it moved."""
         self.synced = asyncio.Event()
         self._changed = asyncio.Condition()
-        self._claims = _Store(self._touch)
-        self._pods = _Store(self._touch)
+        self._claims = PodClaims(Kube(api, timeout_s=api_timeout_s).get_claim,
+                                 on_change=self._touch)
+        self._pods = _Store(self._pods_changed)
         self._slices = _Store(self._touch)
+        self._leases = _Store(lambda: None)
+        self._lease_watch: ListWatch | None = None
         self._watches: list[ListWatch] = []
         self._built: tuple[int, list[Claimant]] = (-1, [])
         self._notify: asyncio.Task[None] | None = None
+
+    def _pods_changed(self) -> None:
+        self._claims.pods_changed(self._pods.items)
+        self._touch()
 
     def _touch(self) -> None:
         self.version += 1
@@ -116,29 +121,40 @@ class NodeCache:
                              **kwargs)
 
         self._watches = [
-            watch("resourceclaims", self._claims, objects.list_cluster_custom_object,
-                  RESOURCE_GROUP, RESOURCE_VERSION, "resourceclaims",
-                  keep=_allocated_here(self.node)),
             watch("pods", self._pods, core.list_pod_for_all_namespaces,
                   field_selector=f"spec.nodeName={self.node}"),
             watch("resourceslices", self._slices, objects.list_cluster_custom_object,
                   RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices",
                   field_selector=f"spec.nodeName={self.node},spec.driver={DRIVER}"),
         ]
+        if self.lease_namespace is not None:
+            self._lease_watch = watch(
+                "leases", self._leases,
+                client.CoordinationV1Api(self.api).list_namespaced_lease, self.lease_namespace,
+                label_selector=(f"{naming.LABEL_KIND}={naming.KIND_GPU},"
+                                f"{naming.LABEL_NODE}={naming.label_value(self.node)}"))
+            self._watches.append(self._lease_watch)
         for w in self._watches:
             w.start()
 
     async def wait_synced(self) -> None:
-        """Until every stream has listed once."""
+        """Until every stream has listed once and every claim its pods name was read."""
         for w in self._watches:
             await w.listed.wait()
+        await self._claims.wait_tried()
         self.synced.set()
 
     async def stop(self) -> None:
         for w in self._watches:
             w.stop()
+        await self._claims.stop()
         if self._notify is not None:
             await asyncio.gather(self._notify, return_exceptions=True)
+
+    @property
+    def claim_gets(self) -> int:
+        """Claims read one by one so far (the API cost of following the pods' claims)."""
+        return self._claims.gets
 
     # -- reading -----------------------------------------------------------------------
 
@@ -157,6 +173,14 @@ class NodeCache:
 
     def pod(self, uid: str) -> Obj | None:
         return self._pods.items.get(uid)
+
+    def lease(self, name: str) -> Obj | None:
+        """The node's GPU Lease ``name`` as the watch last saw it; None when there is no
+        Lease watch, it has not listed yet, or it has no such Lease."""
+        if self._lease_watch is None or not self._lease_watch.listed.is_set():
+            return None
+        return next((o for o in self._leases.items.values()
+                     if (o.get("metadata") or {}).get("name") == name), None)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait (bounded) until ``predicate()`` holds after a change; its last value."""

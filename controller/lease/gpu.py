@@ -169,8 +169,12 @@ class GpuWorker:
                  starter: StartSwitch | None = None,
                  visibility: GpuVisibility | None = None, locks: GpuLocks | None = None,
                  domain: Callable[[], tuple[str, ...]] | None = None,
-                 sibling: Callable[[str], GpuWorker] | None = None) -> None:
+                 sibling: Callable[[str], GpuWorker] | None = None,
+                 lease_seen: Callable[[], str | None] | None = None) -> None:
         self.gpu = gpu
+        self.lease_seen = lease_seen
+        """The resourceVersion of this GPU's Lease as the node's Lease watch last saw it
+        (None: not known); lets reconciliation confirm its Lease without a GET."""
         self.locks = locks or GpuLocks()
         self._domain = domain or (lambda: (gpu,))
         """The GPUs whose locks every step of this worker holds (see the module doc)."""
@@ -189,6 +193,8 @@ class GpuWorker:
         self.clock = clock
         self.identity = identity
         self.lease: GpuLease | None = None
+        self.reconciliations = 0
+        """Reconciliations begun (each has its Lease in hand)."""
         self.last_switch: dict[str, object] = {}
         """Outcome and timings of the latest switch, for /v1/state."""
         self.unsettled: dict[str, Claimant] = {}
@@ -451,7 +457,8 @@ class GpuWorker:
         whose state is unknown remembered as possibly awake. Call with the lock held."""
         timings: dict[str, float] = {}
         self._dirty = False
-        lease = self.lease = await self.lease_port.read()
+        lease = self.lease = await self._lease_now()
+        self.reconciliations += 1
         on_gpu = self._on_gpu()
         unfinished = lease.state in (naming.STATE_SWITCHING, naming.STATE_STARTING)
         if unfinished:
@@ -1065,8 +1072,19 @@ class GpuWorker:
                  extra={"device": self.gpu, "holder": holder.ref})
         return False
 
+    async def _lease_now(self) -> GpuLease:
+        """The GPU Lease now: what this worker last wrote or read when the node's Lease
+        watch has seen that very version since (nobody wrote after it; no GET), else read
+        from the API server. Fencing does not rest on this: every write is a
+        compare-and-swap."""
+        known = self.lease
+        if (known is not None and known.resource_version and self.lease_seen is not None
+                and self.lease_seen() == known.resource_version):
+            return known
+        return await self.lease_port.read()
+
     async def _idle_check(self) -> None:
-        lease = self.lease = await self.lease_port.read()
+        lease = self.lease = await self._lease_now()
         if not lease.holder or lease.state != naming.STATE_AWAKE:
             if lease.state == naming.STATE_IDLE:
                 self._home_return(None)

@@ -37,8 +37,6 @@ MUST: dict[str, list[Check]] = {
                *[(v, "resource.k8s.io", "resourceslices", "")
                  for v in ("list", "watch", "create", "update", "delete")]],
     "controller": [("get", "resource.k8s.io", "resourceclaims", "x"),
-                   ("list", "resource.k8s.io", "resourceclaims", ""),
-                   ("watch", "resource.k8s.io", "resourceclaims", ""),
                    ("list", "resource.k8s.io", "resourceslices", ""),
                    ("watch", "resource.k8s.io", "resourceslices", ""),
                    ("watch", "", "pods", ""),  # its node's, by spec.nodeName
@@ -46,7 +44,7 @@ MUST: dict[str, list[Check]] = {
                    ("list", "", "pods", ""), ("patch", "", "pods", "x"),
                    ("create", "events.k8s.io", "events", "x"),
                    *[(v, "coordination.k8s.io", "leases", NAMESPACE)
-                     for v in ("get", "create", "update")]],
+                     for v in ("get", "list", "watch", "create", "update")]],
     "gateway": [("list", "resource.k8s.io", "resourceclaims", ""),
                 ("watch", "resource.k8s.io", "resourceclaims", ""),
                 ("list", "", "pods", ""), ("watch", "", "pods", ""),
@@ -57,7 +55,11 @@ MUST_NOT: dict[str, list[Check]] = {
     "driver": [("watch", "", "pods", ""), ("get", "", "pods", "x"),
                ("update", "resource.k8s.io", "resourceclaims", "x"),
                ("create", "coordination.k8s.io", "leases", NAMESPACE)],
-    "controller": [("create", "resource.k8s.io", "resourceslices", ""),
+    # Claims are read one by one, named by the node's pods: a claim written anywhere in
+    # the cluster must not reach every node's controller.
+    "controller": [("list", "resource.k8s.io", "resourceclaims", ""),
+                   ("watch", "resource.k8s.io", "resourceclaims", ""),
+                   ("create", "resource.k8s.io", "resourceslices", ""),
                    ("update", "resource.k8s.io", "resourceclaims", "x"),
                    ("delete", "", "pods", "x")],
     # No engine API key Secret is named in manifests/ (gateway.engineApiKeySecrets).
