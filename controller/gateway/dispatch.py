@@ -55,6 +55,7 @@ from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.places import ModelPlaces
 from controller.gateway.routing import Action, Decision, RoutingState
 from controller.gateway.settings import GatewaySettings
+from controller.gateway.surface import Dialect
 
 __all__ = ["Dispatcher", "ModelRequest"]
 
@@ -82,6 +83,10 @@ class ModelRequest:
     request_id: str
     arrived: float
     """``time.perf_counter()`` at arrival."""
+    content_type: str = "application/json"
+    """The body's Content-Type, passed to the engine (a form's names its boundary)."""
+    dialect: Dialect = "openai"
+    """How an error is written inside a started stream (Anthropic's on ``/v1/messages``)."""
 
 
 class Dispatcher:
@@ -113,7 +118,8 @@ class Dispatcher:
                     and request.headers.get(PROGRESS_HEADER, "").strip().lower() == "reasoning")
         downstream = Downstream(request, gen.request_id, stream=gen.stream,
                                 keepalive_s=self.settings.stream_keepalive_s,
-                                progress_model=gen.model if progress else None)
+                                progress_model=gen.model if progress else None,
+                                dialect=gen.dialect)
         downstream.start_keepalive()
         extra = {"model": gen.model, "request_id": gen.request_id}
         outcome = "answered"
@@ -215,6 +221,7 @@ class Dispatcher:
         return await proxy.forward(
             downstream, self.session, f"{decision.endpoint}{gen.path}", body=gen.body,
             request_id=gen.request_id, client_timeout=self._timeout, engine_key=engine_key,
+            content_type=gen.content_type,
             lost=lambda: self.state.wait_lost(decision), on_first_byte=first_byte,
             on_first_token=first_token,
             log_extra={"model": model, "request_id": gen.request_id,

@@ -53,6 +53,7 @@ import logging
 import time
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -76,18 +77,23 @@ def _sse(payload: object) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _closing(error: object) -> bytes:
-    """The last events of a stream: the error object ``error``, then ``[DONE]``."""
+def _closing(error: dict[str, Any], dialect: str = "openai") -> bytes:
+    """The last events of a stream: the error object ``error``, then ``[DONE]``; in
+    Anthropic's dialect (``/v1/messages``) one ``event: error`` as vLLM sends it, whose
+    data says ``"type": "error"``."""
+    if dialect == "anthropic":
+        data = json.dumps({"type": "error"} | error, separators=(",", ":"))
+        return f"event: error\ndata: {data}\n\n".encode()
     return _sse(error) + _sse("[DONE]")
 
 
-def _error_events(err: GatewayError) -> bytes:
+def _error_events(err: GatewayError, dialect: str = "openai") -> bytes:
     """``err`` as the last events of a stream: the error (with ``retry_after`` where it has
-    one), then ``[DONE]``."""
+    one), then ``[DONE]`` (see :func:`_closing`)."""
     body = error_body(err.message, type_=err.type, code=err.code, param=err.param)
     if err.retry_after is not None:
         body["error"]["retry_after"] = str(max(1, round(err.retry_after)))
-    return _closing(body)
+    return _closing(body, dialect)
 
 
 @dataclass
@@ -131,8 +137,11 @@ class Downstream:
     """The answer to one client."""
 
     def __init__(self, request: web.Request, request_id: str, *, stream: bool,
-                 keepalive_s: float, progress_model: str | None = None) -> None:
+                 keepalive_s: float, progress_model: str | None = None,
+                 dialect: str = "openai") -> None:
         self.request = request
+        self.dialect = dialect
+        """How errors are written inside the stream: ``openai`` or ``anthropic``."""
         self.progress_model = progress_model
         """Set (to the model's name) when the keep-alive sends visible progress, as
         ``reasoning_content`` chunks, instead of SSE comments."""
@@ -267,7 +276,7 @@ class Downstream:
             text = body[:512].decode(errors="replace") or f"HTTP {status}"
             payload = error_body(text, type_="upstream_error", code=f"upstream_{status}")
         assert self.response is not None
-        await self.response.write(_closing(payload))
+        await self.response.write(_closing(payload, self.dialect))
         await self.response.write_eof()
 
     async def broken_off(self, err: GatewayError, *, at_event_boundary: bool) -> None:
@@ -281,7 +290,7 @@ class Downstream:
         """
         assert self.response is not None
         ending = b"" if at_event_boundary else b"\n\n"
-        await self.response.write(ending + _error_events(err))
+        await self.response.write(ending + _error_events(err, self.dialect))
         await self.response.write_eof()
 
     # -- the gateway's own refusal ------------------------------------------------------
@@ -293,6 +302,6 @@ class Downstream:
         assert self.response is not None
         assert self.early
         with suppress(ConnectionError):
-            await self.response.write(_error_events(err))
+            await self.response.write(_error_events(err, self.dialect))
             await self.response.write_eof()
         return self.response

@@ -92,16 +92,23 @@ def error_body(message: str, *, type_: str, code: str | None,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(err: GatewayError, *, request_id: str | None = None) -> web.Response:
-    """The HTTP answer for ``err``; ``Retry-After`` in whole seconds when it has one."""
+def error_response(err: GatewayError, *, request_id: str | None = None,
+                   dialect: str = "openai") -> web.Response:
+    """The HTTP answer for ``err``; ``Retry-After`` in whole seconds when it has one.
+
+    In the ``anthropic`` dialect (``/v1/messages``) the body also says ``"type": "error"``,
+    which makes the same body Anthropic's error shape (``{"type": "error", "error":
+    {"type", "message"}}``) as well as OpenAI's."""
     headers: dict[str, str] = dict(err.headers)
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))
     if request_id:
         headers["X-Request-Id"] = request_id
-    return web.json_response(error_body(err.message, type_=err.type, code=err.code,
-                                        param=err.param),
-                             status=err.status, headers=headers)
+    body: dict[str, object] = dict(error_body(err.message, type_=err.type, code=err.code,
+                                              param=err.param))
+    if dialect == "anthropic":
+        body["type"] = "error"
+    return web.json_response(body, status=err.status, headers=headers)
 
 
 class GatewayTimeout(GatewayError):

@@ -144,9 +144,9 @@ class TokenSpotter:
         return False
 
 
-def _request_headers(request: web.Request, request_id: str, engine_key: str | None
-                     ) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
+def _request_headers(request: web.Request, request_id: str, engine_key: str | None,
+                     content_type: str) -> dict[str, str]:
+    headers = {"Content-Type": content_type, "Accept-Encoding": "identity",
                "X-Request-Id": request_id}
     for name in _PASSED_REQUEST_HEADERS:
         if name in request.headers:
@@ -236,7 +236,7 @@ async def _broken_off(downstream: Downstream, upstream: aiohttp.ClientResponse, 
 
 async def forward(downstream: Downstream, session: aiohttp.ClientSession, url: str, *,
                   body: bytes, request_id: str, client_timeout: aiohttp.ClientTimeout,
-                  engine_key: str | None = None,
+                  engine_key: str | None = None, content_type: str = "application/json",
                   lost: Callable[[], Awaitable[str]] | None = None,
                   on_first_byte: Callable[[], None], on_first_token: Callable[[], None],
                   log_extra: dict[str, str]) -> Delivered | Refused:
@@ -249,7 +249,8 @@ async def forward(downstream: Downstream, session: aiohttp.ClientSession, url: s
     try:
         opened = await _first_of(_open(session, url, body=body, limits=client_timeout,
                                        headers=_request_headers(request, request_id,
-                                                                engine_key)), lost)
+                                                                engine_key, content_type)),
+                           lost)
     except aiohttp.SocketTimeoutError:
         raise GatewayTimeout(
             f"The engine took the request but sent nothing for "

@@ -1,23 +1,27 @@
-"""The gateway's HTTP surface: the OpenAI endpoints, health, readiness and metrics.
+"""The gateway's HTTP surface: vLLM's model routes, health, readiness and metrics.
 
-Served, each routed by its body's ``model`` with the same places, queueing and
-switching (:data:`MODEL_PATHS`): ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/embeddings``, ``/v1/responses``, ``/v1/rerank``, ``/v1/score``, ``/tokenize`` and
-``/detokenize`` (as vLLM serves them: a GPU often holds a chat model next to an embedder
-or a reranker); and ``/v1/models``. Everything else — engines' control paths
-(``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/collective_rpc``, ``/reset_prefix_cache``,
-``/pause``, ``/resume``, ``/is_paused``, ``/v1/omni/*``) above all — is a 404 from the
-gateway itself: no path is ever proxied by pattern, each served path goes to the same path
-on the engine, so no control call can slip through.
+Served, each routed by the request's ``model`` with the same places, queueing and
+switching: every model-bearing route of vLLM 0.26 (:data:`MODEL_PATHS`, from
+:mod:`~controller.gateway.surface`: chat, completions, responses, Anthropic's messages,
+audio transcriptions and translations, embeddings, pooling, classify, score and rerank,
+tokenize and detokenize, ...; a GPU often holds a chat model next to an embedder or a
+reranker), each to the same path on the engine; and ``/v1/models``. vLLM's other routes —
+engines' control paths (``/sleep``, ``/wake_up``, ``/collective_rpc``, ...) above all — get
+a 404 that names the route and why (:data:`~controller.gateway.surface.REFUSED`); any other
+path a plain 404. No path is ever proxied by pattern, so no control call can slip through.
 
-Only chat, completions and responses stream (:data:`STREAMING_PATHS`): ``stream: true``
-on another path goes to the engine as it is, but its answer, JSON, is never started early
-as an event stream.
+The model is read from the JSON body's ``model``, or from the ``model`` field of a
+``multipart/form-data`` upload (the audio routes; the upload, up to
+``--max-upload-bytes``, is passed on as it came, boundary and all). Only the paths that
+stream (:data:`STREAMING_PATHS`) may get their answer started early as an event stream:
+``stream: true`` elsewhere goes to the engine as it is, and its JSON answer is never
+started early.
 
 A model request is checked before it takes any place: API key (401), body size (413,
 the body is read in bounded pieces and never past the limit), body arrival time (408),
-JSON shape (400, nesting too deep included) and model (404). Each refusal is an
-OpenAI-style error body and touches nothing another request uses.
+body shape (400, JSON nested too deep or a form without its boundary included) and model
+(404). Each refusal is an OpenAI-style error body and touches nothing another request
+uses.
 """
 
 from __future__ import annotations
@@ -48,17 +52,18 @@ from controller.gateway.errors import (
     error_body,
     error_response,
 )
+from controller.gateway.forms import FormError, form_fields
 from controller.gateway.metrics import UNKNOWN_MODEL
 from controller.gateway.routing import ModelInfo
+from controller.gateway.surface import OWN, REFUSED, ROUTED, Dialect, Routed
 
 __all__ = ["MODEL_PATHS", "STREAMING_PATHS", "error_middleware", "routes"]
 
 log = logging.getLogger(__name__)
 
-MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
-               "/v1/rerank", "/v1/score", "/tokenize", "/detokenize")
+MODEL_PATHS = tuple(route.path for route in ROUTED)
 """Paths routed by ``model``; each goes to the same path on the engine."""
-STREAMING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+STREAMING_PATHS = frozenset(route.path for route in ROUTED if route.streams)
 """The paths whose answer is an event stream when the body asks ``stream: true`` (the
 others always answer JSON): only these may have their answer started early
 (:mod:`~controller.gateway.downstream`)."""
@@ -89,9 +94,8 @@ def _authorize(request: web.Request) -> None:
                            code="invalid_api_key")
 
 
-async def _read_body(request: web.Request) -> bytes:
+async def _read_body(request: web.Request, limit: int) -> bytes:
     settings = request.app[keys.SETTINGS]
-    limit = settings.max_body_bytes
     too_large = BadRequest(f"The request body exceeds {limit} bytes.", code="request_too_large",
                            status=413)
     if request.content_length is not None and request.content_length > limit:
@@ -107,6 +111,30 @@ async def _read_body(request: web.Request) -> bytes:
         raise BadRequest(f"The request body did not arrive within {settings.body_timeout_s:g} "
                          "seconds.", code="request_timeout", status=408) from None
     return bytes(data)
+
+
+_TRUE = frozenset({"true", "1", "yes", "on", "t", "y"})
+"""A form's ``stream`` values that mean yes (as pydantic reads a form's booleans)."""
+
+
+def _parse_form(raw: bytes, content_type: str) -> _Envelope:
+    """The ``model`` and ``stream`` fields of a ``multipart/form-data`` upload."""
+    try:
+        fields = form_fields(raw, content_type, ("model", "stream"))
+    except FormError as exc:
+        raise BadRequest(f"The body is not a readable form: {exc}.",
+                         code="invalid_form") from None
+    model = fields.get("model", "").strip()
+    if not model:
+        raise BadRequest("The 'model' form field is required (a non-empty string).",
+                         code="missing_model", param="model")
+    try:
+        return _Envelope(model=model,
+                         stream=fields.get("stream", "").strip().lower() in _TRUE)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        raise BadRequest(f"Invalid request: model: {err['msg']}", code="invalid_value",
+                         param="model") from None
 
 
 def _parse(raw: bytes) -> _Envelope:
@@ -133,12 +161,12 @@ def _parse(raw: bytes) -> _Envelope:
 
 
 async def _refuse(request: web.Request, err: GatewayError, model: str,
-                  request_id: str) -> web.Response:
+                  request_id: str, *, dialect: Dialect = "openai") -> web.Response:
     count_refusal(request.app[keys.METRICS], model, err)
     level = logging.WARNING if err.status >= 500 else logging.INFO
     log.log(level, "request refused", extra={
         "model": model, "request_id": request_id, "status": err.status, "code": err.code})
-    response = error_response(err, request_id=request_id)
+    response = error_response(err, request_id=request_id, dialect=dialect)
     if err.status in (408, 413):
         # The rest of the body was not read: answer, then close the connection at once
         # rather than linger reading what a slow or oversized client still sends.
@@ -153,15 +181,22 @@ async def _refuse(request: web.Request, err: GatewayError, model: str,
     return response
 
 
-async def _model_request(request: web.Request, path: str) -> web.StreamResponse:
+async def _model_request(request: web.Request, route: Routed) -> web.StreamResponse:
     arrived = time.perf_counter()
     request_id = _request_id(request)
     state = request.app[keys.STATE]
+    settings = request.app[keys.SETTINGS]
     model = UNKNOWN_MODEL
     try:
         _authorize(request)
-        raw = await _read_body(request)
-        envelope = _parse(raw)
+        if route.body == "form":
+            content_type = request.headers.get("Content-Type", "")
+            raw = await _read_body(request, settings.max_upload_bytes)
+            envelope = _parse_form(raw, content_type)
+        else:
+            content_type = "application/json"
+            raw = await _read_body(request, settings.max_body_bytes)
+            envelope = _parse(raw)
         if not state.knows(envelope.model):
             if not state.synced:
                 raise Unavailable("The gateway has not yet learned where models live.",
@@ -169,12 +204,13 @@ async def _model_request(request: web.Request, path: str) -> web.StreamResponse:
                                   retry_after=request.app[keys.SETTINGS].retry_after_s)
             raise ModelNotFound(envelope.model)
         model = envelope.model
-        gen = ModelRequest(path=path, model=model,
-                           stream=bool(envelope.stream) and path in STREAMING_PATHS,
-                           body=raw, request_id=request_id, arrived=arrived)
+        gen = ModelRequest(path=route.path, model=model,
+                           stream=bool(envelope.stream) and route.streams,
+                           body=raw, request_id=request_id, arrived=arrived,
+                           content_type=content_type, dialect=route.dialect)
         return await request.app[keys.DISPATCHER].serve(request, gen)
     except GatewayError as err:
-        return await _refuse(request, err, model, request_id)
+        return await _refuse(request, err, model, request_id, dialect=route.dialect)
     except asyncio.CancelledError:
         # The client left while the request waited or streamed; its place and its engine
         # request are already given back by the blocks it was cancelled in.
@@ -183,12 +219,39 @@ async def _model_request(request: web.Request, path: str) -> web.StreamResponse:
         raise
 
 
-def _handler(path: str) -> Handler:
+def _handler(route: Routed) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
-        return await _model_request(request, path)
+        return await _model_request(request, route)
 
-    handle.__name__ = "model_request_" + path.strip("/").replace("/", "_")
+    handle.__name__ = "model_request_" + route.path.strip("/").replace("/", "_")
     return handle
+
+
+def _not_routed(path: str, reasons: dict[str, str]) -> Handler:
+    """A vLLM route the gateway refuses: 404 naming the route and why (``reasons`` by
+    method; any other method gets the first reason)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        method = "WEBSOCKET" if request.headers.get("Upgrade", "").lower() == "websocket" \
+            else request.method
+        reason = reasons.get(method) or next(iter(reasons.values()))
+        return error_response(
+            NotFound(f"The gateway does not route {request.method} {path}: {reason}.",
+                     code="route_not_routed"), request_id=_request_id(request))
+
+    handle.__name__ = "not_routed_" + path.strip("/").replace("/", "_")
+    return handle
+
+
+def _refused_routes() -> list[web.RouteDef]:
+    """One handler per refused path, answering every method (vLLM's own methods name
+    their reason)."""
+    by_path: dict[str, dict[str, str]] = {}
+    for (method, path), reason in REFUSED.items():
+        by_path.setdefault(path, {})[method] = reason
+    own = {path for _, path in OWN}
+    return [web.route("*", path, _not_routed(path, reasons))
+            for path, reasons in by_path.items() if path not in own]
 
 
 def _model_object(info: ModelInfo, activator: Activator) -> dict[str, Any]:
@@ -282,10 +345,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 def routes() -> list[web.RouteDef]:
     return [
-        *(web.post(path, _handler(path)) for path in MODEL_PATHS),
+        *(web.post(route.path, _handler(route)) for route in ROUTED),
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model:.+}", get_model),
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),
+        *_refused_routes(),
     ]

@@ -66,6 +66,10 @@ class GatewaySettings(BaseModel):
                                    "key files are re-read (Secret rotation).")
     max_body_bytes: int = Field(default=1 * MIB, ge=1024, description="Largest request body "
                                 "accepted; larger ones get 413.")
+    max_upload_bytes: int = Field(default=25 * MIB, ge=1024, description="Largest multipart "
+                                  "upload accepted (audio transcriptions and translations); "
+                                  "larger ones get 413. Each waiting upload is held in "
+                                  "memory.")
     body_timeout_s: float = Field(default=10.0, gt=0, description="A request body must arrive "
                                   "within this many seconds, else 408.")
     max_concurrency_per_engine: int = Field(

@@ -29,6 +29,7 @@ from e2e.engine_simulator.omni_api import omni_routes
 from e2e.engine_simulator.openai_api import openai_routes
 from e2e.engine_simulator.settings import Settings
 from e2e.engine_simulator.sim_api import sim_routes
+from e2e.engine_simulator.surface_api import surface_routes
 
 __all__ = ["ENGINE_KEY", "create_app", "run"]
 
@@ -79,6 +80,7 @@ def create_app(
     app.add_routes(metrics_routes())
     app.add_routes(openai_routes())
     app.add_routes(extra_routes())
+    app.add_routes(surface_routes())
     app.add_routes(sim_routes())
     if settings.omni:
         app.add_routes(omni_routes())

@@ -12,7 +12,8 @@ deterministic answer:
 - ``POST /v1/responses``: the Responses API; the answer's text is what a chat completion
   of the same input would say (``7`` for "3 + 4"); ``stream`` gives its typed events
   (``event: response.output_text.delta`` ...).
-- ``POST /v1/rerank`` and ``POST /v1/score``: scores in [0, 1] from the words two texts
+- ``POST /v1/rerank`` (also ``/rerank`` and ``/v2/rerank``) and ``POST /v1/score`` (also
+  ``/score``): scores in [0, 1] from the words two texts
   share.
 - ``POST /tokenize`` and ``POST /detokenize``: one token per character (its code point),
   so that detokenize inverts tokenize.
@@ -37,54 +38,55 @@ from e2e.engine_simulator.errors import SimError
 from e2e.engine_simulator.generation import count_prompt_tokens, plan_tokens
 from e2e.engine_simulator.keys import ENGINE_KEY
 
-__all__ = ["EMBEDDING_DIM", "extra_routes"]
+__all__ = ["EMBEDDING_DIM", "Request", "admitted", "extra_routes", "parse_request", "similarity",
+           "vector"]
 
 EMBEDDING_DIM = 16
 MAX_MODEL_LEN = 4096
 
 
-class _Request(BaseModel):
+class Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
 
 
-T = TypeVar("T", bound=_Request)
+T = TypeVar("T", bound=Request)
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(Request):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: str = "float"
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(Request):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     stream: bool = False
     max_output_tokens: int | None = Field(default=None, ge=1)
 
 
-class RerankRequest(_Request):
+class RerankRequest(Request):
     query: str
     documents: list[str]
     top_n: int | None = Field(default=None, ge=1)
 
 
-class ScoreRequest(_Request):
+class ScoreRequest(Request):
     text_1: str | list[str]
     text_2: str | list[str]
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(Request):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(Request):
     tokens: list[int]
 
 
-async def _parse(request: web.Request, schema: type[T]) -> tuple[Engine, T]:
+async def parse_request(request: web.Request, schema: type[T]) -> tuple[Engine, T]:
     engine = request.app[ENGINE_KEY]
     raw = await request.read()
     try:
@@ -104,26 +106,26 @@ def _text_of(item: str | list[int]) -> str:
     return item if isinstance(item, str) else " ".join(str(t) for t in item)
 
 
-def _vector(text: str) -> list[float]:
+def vector(text: str) -> list[float]:
     digest = hashlib.sha256(text.encode()).digest()
     raw = [b / 255.0 - 0.5 for b in digest[:EMBEDDING_DIM]]
     norm = math.sqrt(sum(v * v for v in raw)) or 1.0
     return [round(v / norm, 6) for v in raw]
 
 
-def _similarity(a: str, b: str) -> float:
+def similarity(a: str, b: str) -> float:
     left, right = set(a.lower().split()), set(b.lower().split())
     return round(len(left & right) / len(left | right), 6) if left | right else 0.0
 
 
-async def _admitted(request: web.Request, engine: Engine) -> None:
+async def admitted(request: web.Request, engine: Engine) -> None:
     """Hold the request as a generation would be held, then let it go at once."""
     gen = await engine.admit(request)
     await engine.finish(gen)
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    engine, body = await _parse(request, EmbeddingRequest)
+    engine, body = await parse_request(request, EmbeddingRequest)
     if body.encoding_format not in ("float", "base64"):
         raise SimError("encoding_format must be 'float' or 'base64'")
     raw = body.input
@@ -132,15 +134,15 @@ async def embeddings(request: web.Request) -> web.Response:
         items = [raw]  # type: ignore[list-item]
     else:
         items = list(raw)  # type: ignore[arg-type]
-    await _admitted(request, engine)
+    await admitted(request, engine)
     data, tokens = [], 0
     for index, item in enumerate(items):
         text = _text_of(item)
         tokens += count_prompt_tokens(text) if isinstance(item, str) else len(item)
-        vector = _vector(text)
-        value: list[float] | str = vector
+        floats = vector(text)
+        value: list[float] | str = floats
         if body.encoding_format == "base64":
-            value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            value = base64.b64encode(struct.pack(f"<{len(floats)}f", *floats)).decode()
         data.append({"index": index, "object": "embedding", "embedding": value})
     return web.json_response({
         "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
@@ -185,7 +187,7 @@ def _event(kind: str, payload: dict[str, Any], sequence: int) -> bytes:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    engine, body = await _parse(request, ResponsesRequest)
+    engine, body = await parse_request(request, ResponsesRequest)
     prompt = _responses_prompt(body)
     prompt_tokens = count_prompt_tokens(prompt)
     model = engine.settings.model
@@ -235,10 +237,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 async def rerank(request: web.Request) -> web.Response:
-    engine, body = await _parse(request, RerankRequest)
-    await _admitted(request, engine)
+    engine, body = await parse_request(request, RerankRequest)
+    await admitted(request, engine)
     results = sorted(({"index": i, "document": {"text": doc},
-                       "relevance_score": _similarity(body.query, doc)}
+                       "relevance_score": similarity(body.query, doc)}
                       for i, doc in enumerate(body.documents)),
                      key=lambda r: -float(r["relevance_score"]))  # type: ignore[arg-type]
     tokens = sum(count_prompt_tokens(body.query + " " + d) for d in body.documents)
@@ -248,15 +250,15 @@ async def rerank(request: web.Request) -> web.Response:
 
 
 async def score(request: web.Request) -> web.Response:
-    engine, body = await _parse(request, ScoreRequest)
+    engine, body = await parse_request(request, ScoreRequest)
     lefts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
     rights = [body.text_2] if isinstance(body.text_2, str) else body.text_2
     if len(lefts) == 1:
         lefts = lefts * len(rights)
     if len(lefts) != len(rights):
         raise SimError("text_1 and text_2 must have the same length (or text_1 one item)")
-    await _admitted(request, engine)
-    data = [{"index": i, "object": "score", "score": _similarity(a, b)}
+    await admitted(request, engine)
+    data = [{"index": i, "object": "score", "score": similarity(a, b)}
             for i, (a, b) in enumerate(zip(lefts, rights, strict=True))]
     tokens = sum(count_prompt_tokens(a + " " + b) for a, b in zip(lefts, rights, strict=True))
     return web.json_response({"id": f"score-{uuid.uuid4().hex}", "object": "list",
@@ -266,22 +268,22 @@ async def score(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    engine, body = await _parse(request, TokenizeRequest)
+    engine, body = await parse_request(request, TokenizeRequest)
     if body.prompt is None and body.messages is None:
         raise SimError("either prompt or messages is required")
     text = body.prompt if body.prompt is not None else "\n".join(
         str(m.get("content", "")) for m in body.messages or [])
-    await _admitted(request, engine)
+    await admitted(request, engine)
     tokens = [ord(c) for c in text]
     return web.json_response({"count": len(tokens), "max_model_len": MAX_MODEL_LEN,
                               "tokens": tokens, "token_strs": None})
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    engine, body = await _parse(request, DetokenizeRequest)
+    engine, body = await parse_request(request, DetokenizeRequest)
     if any(not 0 <= t <= 0x10FFFF for t in body.tokens):
         raise SimError("token id out of range")
-    await _admitted(request, engine)
+    await admitted(request, engine)
     return web.json_response({"prompt": "".join(chr(t) for t in body.tokens)})
 
 
@@ -289,8 +291,8 @@ def extra_routes() -> list[web.RouteDef]:
     return [
         web.post("/v1/embeddings", embeddings),
         web.post("/v1/responses", responses),
-        web.post("/v1/rerank", rerank),
-        web.post("/v1/score", score),
+        *(web.post(path, rerank) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
+        *(web.post(path, score) for path in ("/v1/score", "/score")),
         web.post("/tokenize", tokenize),
         web.post("/detokenize", detokenize),
     ]

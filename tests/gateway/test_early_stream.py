@@ -19,6 +19,7 @@ from controller.gateway import keys
 from controller.gateway.activation import ActivationFailed
 from controller.gateway.routes import MODEL_PATHS, STREAMING_PATHS
 from tests.gateway.conftest import DEADLINE, MODEL_B, Rig, RigFactory, claim_obj
+from tests.gateway.surface_cases import JSON_CASES, STREAMED_BODIES
 from tests.gateway.wire import Answer, Exchange, closing_error, parse_answer, parse_sse
 
 pytestmark = pytest.mark.gateway
@@ -168,13 +169,8 @@ async def test_an_unexpected_failure_after_the_early_start_is_an_error_event(
     assert (error["code"], error["type"]) == ("internal_error", "server_error")
 
 
-NOT_STREAMING: list[tuple[str, dict[str, Any], str]] = [
-    ("/v1/embeddings", {"input": ["hello world", "3 + 4"]}, "data"),
-    ("/v1/rerank", {"query": "three plus four", "documents": ["four", "seven"]}, "results"),
-    ("/v1/score", {"text_1": "three plus four", "text_2": ["seven", "four"]}, "data"),
-    ("/tokenize", {"prompt": "3 + 4"}, "tokens"),
-    ("/detokenize", {"tokens": [55]}, "prompt"),
-]
+NOT_STREAMING = [(path, body, field) for path, body, field in JSON_CASES
+                 if path not in STREAMING_PATHS]
 
 
 def test_the_paths_that_stream_are_served_paths_and_the_others_are_not() -> None:
@@ -207,11 +203,7 @@ async def test_stream_true_on_a_path_that_never_streams_gets_no_early_start(
     assert field in json.loads(answer.body)
 
 
-@pytest.mark.parametrize(("path", "body"), [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "What is 3 + 4?"}]}),
-    ("/v1/completions", {"prompt": "3 + 4 ="}),
-    ("/v1/responses", {"input": "What is 3 + 4?"}),
-])
+@pytest.mark.parametrize(("path", "body"), sorted(STREAMED_BODIES.items()))
 async def test_the_paths_that_stream_are_kept_alive_while_they_wait(
         make_rig: RigFactory, path: str, body: dict[str, Any]) -> None:
     rig = await make_rig(stream_keepalive_s=KEEPALIVE_S)

@@ -21,17 +21,11 @@ from tests.gateway.conftest import (
     eventually,
     read_events,
 )
+from tests.gateway.surface_cases import JSON_CASES
 
 pytestmark = pytest.mark.gateway
 
-CASES: list[tuple[str, dict[str, Any], str]] = [
-    ("/v1/embeddings", {"input": ["hello world", "3 + 4"]}, "data"),
-    ("/v1/responses", {"input": "What is 3 + 4?"}, "output"),
-    ("/v1/rerank", {"query": "three plus four", "documents": ["four", "seven"]}, "results"),
-    ("/v1/score", {"text_1": "three plus four", "text_2": ["seven", "four"]}, "data"),
-    ("/tokenize", {"prompt": "3 + 4"}, "tokens"),
-    ("/detokenize", {"tokens": [55]}, "prompt"),
-]
+CASES = JSON_CASES
 
 
 @pytest.mark.parametrize(("path", "body", "field"), CASES)

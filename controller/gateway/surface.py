@@ -1,0 +1,127 @@
+"""The gateway's HTTP surface against vLLM 0.26's: what is routed, and what is refused why.
+
+Every route of vLLM 0.26's server (read from the real wheel by ``e2e/vllm_routes.py`` into
+``controller/gateway/vllm_routes.json``; ``tests/gateway/test_vllm_routes.py`` checks this
+module against that table) is one of:
+
+- **routed** (:data:`ROUTED`): each route whose request names a ``model`` goes, with the
+  same places, queueing and switching, to the same path on the engine that holds the
+  model's GPU. The model is read from the JSON body's ``model`` field, or, for the audio
+  uploads (``multipart/form-data``), from the form's ``model`` field; ``stream`` the same
+  way. Only the routes marked ``streams`` may answer an event stream (and so may have their
+  answer started early while a switch runs); ``/v1/messages`` speaks Anthropic's dialect,
+  so an error inside its stream is an ``event: error`` as vLLM sends it.
+- **the gateway's own** (:data:`OWN`): ``GET /v1/models`` (the fleet's models) and
+  ``GET /readyz`` (the gateway's readiness), served by the gateway itself.
+- **refused** (:data:`REFUSED`): a 404 in the OpenAI error shape (``code:
+  route_not_routed``) naming the route and the reason: engines' control calls above all
+  (only the node's lease controller may put an engine to sleep), and routes that name no
+  model. Nothing is ever proxied by pattern, so no control call can slip through.
+
+Pure: no I/O, no aiohttp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["OWN", "REFUSED", "ROUTED", "Dialect", "Routed", "routed"]
+
+Dialect = Literal["openai", "anthropic"]
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A route the gateway forwards by model."""
+
+    path: str
+    body: Literal["json", "form"] = "json"
+    """Where ``model`` (and ``stream``) are read: the JSON body, or the multipart form."""
+    streams: bool = False
+    """``stream: true`` makes the answer an event stream."""
+    dialect: Dialect = "openai"
+    """How an error is written inside a started stream."""
+
+
+ROUTED: tuple[Routed, ...] = (
+    # OpenAI-compatible generation.
+    Routed("/v1/chat/completions", streams=True),
+    Routed("/v1/completions", streams=True),
+    Routed("/v1/responses", streams=True),
+    Routed("/v1/chat/completions/batch"),
+    # Anthropic's Messages API.
+    Routed("/v1/messages", streams=True, dialect="anthropic"),
+    Routed("/v1/messages/count_tokens", dialect="anthropic"),
+    # Audio: multipart uploads with a 'model' form field.
+    Routed("/v1/audio/transcriptions", body="form", streams=True),
+    Routed("/v1/audio/translations", body="form", streams=True),
+    # Pooling models: embedders, classifiers, scorers and rerankers.
+    Routed("/v1/embeddings"),
+    Routed("/v2/embed"),
+    Routed("/pooling"),
+    Routed("/classify"),
+    Routed("/score"),
+    Routed("/v1/score"),
+    Routed("/rerank"),
+    Routed("/v1/rerank"),
+    Routed("/v2/rerank"),
+    Routed("/generative_scoring"),
+    # Tokens in and out.
+    Routed("/tokenize"),
+    Routed("/detokenize"),
+    Routed("/v1/chat/completions/render"),
+    Routed("/v1/completions/render"),
+    Routed("/v1/chat/completions/derender"),
+    Routed("/v1/completions/derender"),
+    Routed("/inference/v1/generate", streams=True),
+)
+"""Every model-bearing route of vLLM 0.26, each forwarded to the same path."""
+
+OWN: dict[tuple[str, str], str] = {
+    ("GET", "/v1/models"): "the gateway lists the fleet's models itself, with their state",
+    ("GET", "/readyz"): "the gateway's own readiness",
+}
+"""vLLM's routes the gateway answers itself (method, path) -> what it answers."""
+
+_CONTROL = ("an engine's control call: only rota's lease controller drives engines; the "
+            "gateway never passes one on")
+_ENGINE = ("a question about one engine that names no model; the gateway's own health is "
+           "/healthz and /readyz, the fleet's models are /v1/models")
+_ADMIN = ("changes what one engine serves: an operator's call to that engine, not a "
+          "client's")
+
+REFUSED: dict[tuple[str, str], str] = {
+    **{("POST", path): _CONTROL for path in (
+        "/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache",
+        "/reset_encoder_cache", "/pause", "/resume", "/abort_requests",
+        "/init_weight_transfer_engine", "/start_weight_update", "/start_draft_weight_update",
+        "/update_weights", "/finish_weight_update", "/scale_elastic_ep",
+        "/is_scaling_elastic_ep", "/start_profile", "/stop_profile")},
+    **{("GET", path): _CONTROL for path in ("/is_sleeping", "/is_paused", "/get_world_size")},
+    **{("GET", path): _ENGINE for path in (
+        "/health", "/ready", "/load", "/version", "/server_info", "/tokenizer_info", "/docs",
+        "/ping")},
+    ("POST", "/ping"): _ENGINE,
+    ("POST", "/v1/load_lora_adapter"): _ADMIN,
+    ("POST", "/v1/unload_lora_adapter"): _ADMIN,
+    ("POST", "/invocations"): ("SageMaker's entry point, which picks the API by the body's "
+                               "shape: send the request to the route it stands for "
+                               "(/v1/chat/completions, /v1/embeddings, ...)"),
+    ("GET", "/v1/responses/{response_id}"): (
+        "names no model: a stored response lives in the one engine that made it, which may "
+        "be asleep or on another node; send the conversation again to /v1/responses"),
+    ("POST", "/v1/responses/{response_id}/cancel"): (
+        "names no model: a background response lives in the one engine that made it; "
+        "rota does not track where"),
+    ("WEBSOCKET", "/v1/realtime"): ("a WebSocket session: the gateway proxies HTTP "
+                                    "requests only"),
+}
+"""vLLM's routes the gateway refuses: (method, path) -> why (said in the 404)."""
+
+_BY_PATH = {route.path: route for route in ROUTED}
+
+
+def routed(path: str) -> Routed | None:
+    """The routed route at ``path`` (None: not routed)."""
+    return _BY_PATH.get(path)
