@@ -67,6 +67,10 @@ class ClusterOptions:
     """The apiserver alone can take 60 s on two busy cores."""
     run_scheduler: bool = True
     run_controller_manager: bool = True
+    audit_policy_file: Path | None = None
+    """An audit policy for kube-apiserver (``--audit-policy-file``); None: no audit."""
+    audit_log_path: Path | None = None
+    """Where the audit log goes (JSON lines, never rotated); needs ``audit_policy_file``."""
 
 
 def _gates_flag(gates: Mapping[str, bool]) -> list[str]:
@@ -74,6 +78,17 @@ def _gates_flag(gates: Mapping[str, bool]) -> list[str]:
         return []
     value = ",".join(f"{k}={'true' if v else 'false'}" for k, v in sorted(gates.items()))
     return [f"--feature-gates={value}"]
+
+
+def _audit_flags(options: ClusterOptions) -> list[str]:
+    if options.audit_policy_file is None:
+        return []
+    if options.audit_log_path is None:
+        raise ValueError("an audit policy needs audit_log_path")
+    return [f"--audit-policy-file={options.audit_policy_file}",
+            f"--audit-log-path={options.audit_log_path}", "--audit-log-format=json",
+            "--audit-log-maxsize=0", "--audit-log-mode=batch",
+            "--audit-log-batch-max-wait=1s"]
 
 
 class LocalCluster:
@@ -231,6 +246,7 @@ class LocalCluster:
             argv.append("--enable-admission-plugins="
                         + ",".join(self.options.enable_admission_plugins))
         argv += _gates_flag(self.options.feature_gates)
+        argv += _audit_flags(self.options)
         self._spawn("kube-apiserver", argv, dwp, exe=str(bin_dir / "kube-apiserver"))
         self._wait_http(f"{self.server}/readyz", "kube-apiserver", tls=True, client_cert=True)
 

@@ -1,0 +1,173 @@
+"""What a run found, per phase, from the audit log, ``/metrics`` and ``/proc``.
+
+Formulas (N nodes, T a phase's length in minutes, S the switches done in it):
+
+- requests per minute per node, by component: its requests in the phase / T / N (the
+  gateways' per replica: / T / R);
+- rota per node: (rota-controller + rota-driver + rota-gateway requests) / T / N: the
+  gateways' share spread over the fleet, the figure the issue's idle target bounds;
+- requests per switch: (rota requests while switching - rota's idle rate * T) / S,
+  by component alike: what the switches added over the idle load;
+- watch events and bytes per second by resource: the deltas of the API server's
+  counters / the phase's seconds.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from e2e.scale import apimetrics, audit
+
+if TYPE_CHECKING:
+    from e2e.scale.run import Options
+    from e2e.scale.world import Shape
+
+IDLE_TARGET_PER_NODE_MIN = 15.0
+SWITCH_TARGET = 20.0
+UNATTRIBUTED = ("OpenAPI-Generator", "(none)", "Python-urllib", "python-requests")
+"""Products of clients that did not name themselves (the Python client's default)."""
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    pid: int
+    cpu_s: float
+    rss_bytes: int
+    at: float
+
+    @classmethod
+    def read(cls, pid: int) -> ProcessSample:
+        import time
+
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu = (int(fields[11]) + int(fields[12])) / _TICK
+            rss = 0
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+        except (OSError, IndexError, ValueError):
+            cpu, rss = 0.0, 0
+        return cls(pid=pid, cpu_s=cpu, rss_bytes=rss, at=time.monotonic())
+
+
+@dataclass
+class Phase:
+    name: str
+    start: dt.datetime
+    end: dt.datetime
+    switches: int
+    watch: dict[str, dict[str, Any]]
+    latency: dict[str, apimetrics.Latency]
+    gateways: list[tuple[ProcessSample, ProcessSample]]
+
+    @property
+    def seconds(self) -> float:
+        return (self.end - self.start).total_seconds()
+
+
+def _round(value: float, digits: int = 2) -> float:
+    return round(value, digits)
+
+
+def _phase_figures(phase: Phase, tally: audit.Tally, *, nodes: int, gateways: int
+                   ) -> dict[str, Any]:
+    minutes = phase.seconds / 60.0
+    per_node = {c: _round(n / minutes / max(nodes, 1)) for c, n in
+                sorted(tally.by_component.items()) if c != "rota-gateway"}
+    rota = tally.rota()
+    kinds: Counter[str] = Counter()
+    for (component, verb, resource), n in tally.by_kind.items():
+        if component in audit.ROTA_COMPONENTS:
+            kinds[f"{component} {verb} {resource}"] += n
+    return {
+        "seconds": _round(phase.seconds, 1),
+        "switches": phase.switches,
+        "requests": dict(sorted(tally.by_component.items())),
+        "per_minute_per_node": per_node,
+        "gateway_per_minute_per_replica": _round(
+            tally.by_component["rota-gateway"] / minutes / max(gateways, 1)),
+        "rota_per_minute_per_node": _round(rota / minutes / max(nodes, 1)),
+        "rota_requests_by_kind": dict(kinds.most_common()),
+        "relists": dict(sorted(tally.relists.items())),
+        "watch_per_second": {
+            r: {"events": _round(v["events"] / phase.seconds),
+                "bytes": _round(v["bytes"] / phase.seconds, 0)}
+            for r, v in phase.watch.items()},
+        "latency_p99": {
+            cls: {"requests": lat.requests, "p99_s": lat.p99_s, "slo_s": lat.slo_s,
+                  "met": lat.met} for cls, lat in phase.latency.items()},
+        "gateways": [{
+            "rss_mib": _round(after.rss_bytes / 2**20, 1),
+            "cpu_cores": _round((after.cpu_s - before.cpu_s) / max(after.at - before.at, 1e-9),
+                                3)} for before, after in phase.gateways],
+    }
+
+
+def report(*, options: Options, shape: Shape, phases: list[Phase],
+           requests: list[audit.Request], renewed: dict[str, bool],
+           gpu_errors: int) -> dict[str, Any]:
+    tallies = {p.name: audit.tally(requests, p.start, p.end) for p in phases}
+    figures = {p.name: _phase_figures(p, tallies[p.name], nodes=shape.nodes,
+                                      gateways=options.gateways) for p in phases}
+    idle, switching = figures.get("idle"), figures.get("switching")
+    per_switch: dict[str, float] = {}
+    if idle and switching and switching["switches"]:
+        idle_s, sw_s = idle["seconds"], switching["seconds"]
+        for component in (*audit.ROTA_COMPONENTS, "rota"):
+            def count(fig: dict[str, Any], c: str = component) -> int:
+                return sum(fig["requests"].get(x, 0) for x in
+                           (audit.ROTA_COMPONENTS if c == "rota" else (c,)))
+            added = count(switching) - count(idle) / idle_s * sw_s
+            per_switch[component] = _round(added / switching["switches"])
+    agents: dict[str, set[str]] = {}
+    for t in tallies.values():
+        for component, seen in t.agents.items():
+            agents.setdefault(component, set()).update(seen)
+    unattributed = sum(n for t in tallies.values() for c, n in t.by_component.items()
+                       if c in UNATTRIBUTED)
+    targets = {}
+    if idle:
+        targets["idle_per_node_min"] = {
+            "value": idle["rota_per_minute_per_node"], "target": IDLE_TARGET_PER_NODE_MIN,
+            "met": idle["rota_per_minute_per_node"] <= IDLE_TARGET_PER_NODE_MIN}
+    if "rota" in per_switch:
+        targets["per_switch"] = {"value": per_switch["rota"], "target": SWITCH_TARGET,
+                                 "met": per_switch["rota"] <= SWITCH_TARGET}
+    return {
+        "nodes": shape.nodes, "gpus_per_node": shape.gpus, "engines_per_gpu": shape.engines,
+        "claims": shape.claims, "gateways": options.gateways,
+        "switches_per_gpu_hour": options.switches_per_gpu_hour,
+        "cpus": os.cpu_count(),
+        "phases": figures,
+        "requests_per_switch": per_switch,
+        "targets": targets,
+        "user_agents": {c: sorted(a) for c, a in sorted(agents.items())},
+        "unattributed_requests": unattributed,
+        "controller_leases_renewed": sum(renewed.values()),
+        "controller_leases_not_renewed": sorted(n for n, ok in renewed.items() if not ok),
+        "gpu_step_errors": gpu_errors,
+    }
+
+
+def phase_line(name: str, fig: dict[str, Any]) -> str:
+    per_node = fig["per_minute_per_node"]
+    watch = fig["watch_per_second"]
+    events = sum(v["events"] for v in watch.values())
+    kbytes = sum(v["bytes"] for v in watch.values()) / 1024
+    lat = " ".join(
+        f"{cls} {v['p99_s'] if v['p99_s'] is not None else '-'}s/{v['slo_s']:g}s"
+        for cls, v in fig["latency_p99"].items())
+    gws = ", ".join(f"{g['rss_mib']} MiB {g['cpu_cores'] * 100:.1f}%" for g in fig["gateways"])
+    return (f"{name}: {fig['seconds']:.0f} s, {fig['switches']} switches; rota "
+            f"{fig['rota_per_minute_per_node']} req/min/node (controller "
+            f"{per_node.get('rota-controller', 0)}, driver {per_node.get('rota-driver', 0)}, "
+            f"gateway {fig['gateway_per_minute_per_replica']}/min/replica); kwok "
+            f"{per_node.get('kwok', 0)}/min/node; watch {events:.0f} events/s "
+            f"{kbytes:.0f} KiB/s; p99 {lat}; gateways {gws}")
