@@ -116,7 +116,8 @@ class ActivationFailed(Unavailable):
         self.refused = refused
 
 
-def _retry_after(value: str | None, default: float) -> float:
+def _retry_after(value: str | None, default: float | None) -> float | None:
+    """The controller's Retry-After, else ``default``."""
     try:
         return max(1.0, float(value)) if value else default
     except ValueError:
@@ -152,7 +153,10 @@ class Activator:
 
     def __init__(self, session: aiohttp.ClientSession, token: SecretFile | None, *,
                  timeout_s: float, connect_timeout_s: float, attempts: int,
-                 retry_after: float, metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, retry_after: float | None = None) -> None:
+        """``retry_after``: what a refusal the controller gave no Retry-After for says
+        (None, as the gateway runs it: the dispatcher says when to come back, from the
+        switch costs measured, :meth:`~controller.gateway.dispatch.Dispatcher.retry_after_s`)."""
         self._session = session
         self._token = token
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s,

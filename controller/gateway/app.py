@@ -134,9 +134,8 @@ def _clients(token: SecretFile | None, secrets: SecretReader | None, *, kube_sec
         activator = Activator(session, token, timeout_s=settings.activation_timeout_s,
                               connect_timeout_s=settings.activation_connect_timeout_s,
                               attempts=settings.activation_attempts,
-                              retry_after=settings.retry_after_s, metrics=app[keys.METRICS])
-        engine_keys = EngineKeys(reader, ttl_s=settings.engine_key_ttl_s,
-                                 retry_after=settings.retry_after_s)
+                              metrics=app[keys.METRICS])
+        engine_keys = EngineKeys(reader, ttl_s=settings.engine_key_ttl_s)
         app[keys.DISPATCHER] = Dispatcher(settings, app[keys.STATE], app[keys.PLACES],
                                           activator, session, app[keys.METRICS], engine_keys)
         try:
@@ -202,8 +201,7 @@ def make_app(settings: GatewaySettings, *, routing_source: RoutingSource | None 
                           client_max_size=settings.max_body_bytes)
     state = RoutingState()
     places = ModelPlaces(limit_per_engine=settings.max_concurrency_per_engine,
-                          engines=state.engine_count, queue_size=settings.queue_size,
-                          retry_after=settings.retry_after_s)
+                          engines=state.engine_count, queue_size=settings.queue_size)
     metrics = GatewayMetrics(places.counts)
     token = SecretFile(settings.activation_token_file) if settings.activation_token_file \
         else None

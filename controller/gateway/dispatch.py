@@ -19,7 +19,8 @@
    bounded, and so is every wait, by one deadline per request.
 
 A streamed request that waits gets its answer started early and kept alive with SSE
-comments (:mod:`~controller.gateway.downstream`); every refusal carries Retry-After. Once
+comments (:mod:`~controller.gateway.downstream`); every refusal carries Retry-After
+(:meth:`Dispatcher.retry_after_s`). Once
 that stream has begun, every refusal — the gateway's own, an engine's 503 or unreachable
 engine passed on, even a defect of the gateway's — is its last events, an error event and
 ``[DONE]``, never a second answer.
@@ -28,9 +29,17 @@ Honest waiting: a request held for a switch carries, in its answer's headers, wh
 node's lease controller expected of that switch when the gateway asked (its place in the
 GPU's queue and the expected wait, from the switch costs the controller measured itself:
 :meth:`~controller.gateway.activation.Activator.expect`) and how long it was held
-(``X-Rota-*``, see :mod:`~controller.gateway.downstream`); a 503 for a wait that ran out
-carries the expected rest of the switch as ``Retry-After`` (the switch goes on), and each
-held request's end is logged ("request held for a switch") with those fields. A client
+(``X-Rota-*``, see :mod:`~controller.gateway.downstream`), and each held request's end is
+logged ("request held for a switch") with those fields.
+
+Every 429 and 503 the gateway sends for a model — queue full, no place in time, a wait that
+ran out, a switch that failed or cannot be made now, an engine that refused or cannot be
+reached — says when to come back from what was measured, not a constant: the controller's
+or the engine's own ``Retry-After`` where one came with the refusal, else
+:meth:`Dispatcher.retry_after_s` (the rest of the switch the request, or another request
+for the model, was told to expect; else the model's expected switch cost as its
+controller measured it, when it is not awake; only when nothing was measured,
+``--retry-after-s``). A client
 that disconnects takes its request out of the activation it waits for; the last one to
 leave cancels it (:class:`~controller.gateway.activation.Activator`).
 """
@@ -40,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -102,6 +112,9 @@ class Dispatcher:
         self.session = session
         self.metrics = metrics
         self.engine_keys = engine_keys
+        self._ready_at: dict[str, float] = {}
+        """By model: when (event-loop time) the switch it was last expected to wait for
+        should be done, as the controller told a held request."""
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=settings.upstream_connect_timeout_s,
             sock_connect=settings.upstream_connect_timeout_s,
@@ -127,7 +140,8 @@ class Dispatcher:
             return await self._serve(downstream, gen)
         except GatewayError as err:
             outcome = err.code
-            self._honest(downstream, err)
+            if err.status in (429, 503) and err.retry_after is None:
+                err.retry_after = self.retry_after_s(gen.model, downstream.held)
             if not await downstream.started_early():
                 err.headers.update(downstream.rota_headers())
                 raise
@@ -153,14 +167,25 @@ class Dispatcher:
                 log.info("request held for a switch", extra=extra | {"outcome": outcome} | (
                     downstream.held.log_fields(asyncio.get_running_loop().time())))
 
-    def _honest(self, downstream: Downstream, err: GatewayError) -> None:
-        """A wait for a switch that ran out: come back when the switch is expected done."""
-        held = downstream.held
-        if held is None or err.code != "switch_timeout":
-            return
-        left = held.left_s(asyncio.get_running_loop().time())
+    def retry_after_s(self, model: str, held: Held | None = None) -> float:
+        """Seconds a client refused for ``model`` should wait before asking again, from what
+        was measured (see the module): the rest of the switch ``held`` was told to expect;
+        else the rest of the switch the controller last told any request for ``model``
+        to expect; else, while no engine of ``model`` is awake, its expected switch cost
+        as its controller measured it; else ``--retry-after-s``."""
+        now = asyncio.get_running_loop().time()
+        left = held.left_s(now) if held is not None else None
         if left is not None and left >= 1:
-            err.retry_after = left
+            return left
+        ready_at = self._ready_at.get(model)
+        if ready_at is not None:
+            if ready_at - now >= 1:
+                return ready_at - now
+            del self._ready_at[model]  # that switch is over, or late
+        cost = self.activator.expected_wake_s(model)
+        if cost and not self.state.awake(model):
+            return max(1.0, cost)
+        return float(self.settings.retry_after_s)
 
     async def _serve(self, downstream: Downstream, gen: ModelRequest) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -238,8 +263,7 @@ class Dispatcher:
         """
         if refused.status is None:
             raise Unavailable(f"The engine serving model '{gen.model}' cannot be reached.",
-                              code="upstream_unreachable",
-                              retry_after=self.settings.retry_after_s)
+                              code="upstream_unreachable")
         headers = refused.headers
         hint = headers.get("Retry-After", "")
         if await downstream.started_early():
@@ -247,10 +271,10 @@ class Dispatcher:
                 f"The engine serving model '{gen.model}' refused the request "
                 f"(HTTP {refused.status}): {_engine_message(refused)}",
                 code=f"upstream_{refused.status}",
-                retry_after=int(hint) if hint.isascii() and hint.isdigit()
-                else self.settings.retry_after_s)
+                retry_after=int(hint) if hint.isascii() and hint.isdigit() else None)
         self.metrics.requests.labels(gen.model, f"upstream_{refused.status}").inc()
-        headers.setdefault("Retry-After", str(self.settings.retry_after_s))
+        headers.setdefault("Retry-After", str(max(1, math.ceil(
+            self.retry_after_s(gen.model, downstream.held)))))
         headers.update(downstream.rota_headers())
         return web.Response(status=refused.status, body=refused.body, headers=headers)
 
@@ -259,8 +283,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         now = loop.time()
         if now >= deadline:
-            raise Unavailable(f"Waited too long for model '{model}': {what}.",
-                              code=code, retry_after=self.settings.retry_after_s)
+            raise Unavailable(f"Waited too long for model '{model}': {what}.", code=code)
         await self.state.wait_changed(self.state.model_version(model),
                                       min(until, deadline) - now, model=model)
 
@@ -281,7 +304,7 @@ class Dispatcher:
                 raise ModelNotFound(model)
             if decision.action is Action.UNAVAILABLE:
                 raise Unavailable(f"Model '{model}' cannot be served now: {decision.reason}.",
-                                  code=decision.reason, retry_after=self.settings.retry_after_s)
+                                  code=decision.reason)
             if activated is not None:
                 claim, fence, version = activated
                 seen = self.state.fence_of(claim)
@@ -304,12 +327,11 @@ class Dispatcher:
                 continue
             if not (decision.activation_url and decision.claim):
                 raise Unavailable(f"Model '{model}' has no engine to wake.",
-                                  code="no_serving_engine",
-                                  retry_after=self.settings.retry_after_s)
+                                  code="no_serving_engine")
             downstream.note = f"model '{model}' is being woken"
             expecting = asyncio.create_task(self.activator.expect(
                 decision.activation_url, model, decision.claim), name=f"expect {model}")
-            expecting.add_done_callback(lambda done: _told(downstream, done))
+            expecting.add_done_callback(lambda done: self._told(downstream, model, done))
             try:
                 done = await self.activator.activate(
                     decision.activation_url, model, decision.claim, deadline=deadline,
@@ -332,16 +354,19 @@ class Dispatcher:
             expecting.cancel()
             activated = (done.claim, done.fence, self.state.model_version(model))
 
-
-def _told(downstream: Downstream, expecting: asyncio.Task[Expectation | None]) -> None:
-    """The controller's expectation reached a held request: what its answer will say."""
-    held = downstream.held
-    if expecting.cancelled() or held is None or held.expected_wait_s is not None:
-        return
-    told = expecting.result()
-    if told is not None:
-        held.queue_position = told.queue_position
-        held.expected_wait_s = told.expected_wait_s
+    def _told(self, downstream: Downstream, model: str,
+              expecting: asyncio.Task[Expectation | None]) -> None:
+        """The controller's expectation reached a held request: what its answer will say,
+        and when any refused request for ``model`` should come back."""
+        held = downstream.held
+        if expecting.cancelled() or held is None or held.expected_wait_s is not None:
+            return
+        told = expecting.result()
+        if told is not None:
+            held.queue_position = told.queue_position
+            held.expected_wait_s = told.expected_wait_s
+            if told.expected_wait_s is not None:
+                self._ready_at[model] = held.since + told.expected_wait_s
 
 
 def _engine_message(refused: proxy.Refused) -> str:

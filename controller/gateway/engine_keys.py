@@ -86,11 +86,9 @@ def secret_ref(config: Any) -> tuple[str, str] | None:
 class EngineKeys:
     """The engine API key of each claimant that has one, cached for ``ttl_s``."""
 
-    def __init__(self, reader: SecretReader | None, *, ttl_s: float,
-                 retry_after: float) -> None:
+    def __init__(self, reader: SecretReader | None, *, ttl_s: float) -> None:
         self._reader = reader
         self._ttl_s = ttl_s
-        self._retry_after = retry_after
         self._cache: dict[tuple[str, str, str], tuple[float, str]] = {}
 
     async def key_for(self, namespace: str | None, ref: tuple[str, str] | None) -> str | None:
@@ -114,8 +112,7 @@ class EngineKeys:
     async def _read(self, namespace: str, name: str, key: str) -> str:
         extra = {"namespace": namespace, "secret": name, "key": key}
         problem = Unavailable(f"The engine's API key (Secret {namespace}/{name}, key '{key}') "
-                              "cannot be read.", code="engine_key_unavailable",
-                              retry_after=self._retry_after)
+                              "cannot be read.", code="engine_key_unavailable")
         if self._reader is None:
             raise problem
         try:

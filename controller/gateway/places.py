@@ -8,9 +8,11 @@ served by one. The count of engines is read at every arrival and every release, 
 follow the fleet as engines come and go. Beyond the limit up to ``queue_size`` wait in
 arrival order, and a
 request finding the queue full is refused at once (429). A queued request that does not
-get a place before its deadline is refused with 503. Either way the answer carries
-Retry-After. A place is given back on every exit, a client's disconnect (task
-cancellation) included, and handed straight to the next request in the queue.
+get a place before its deadline is refused with 503. Either way the dispatcher gives the
+answer its Retry-After, from the switch costs measured for the model
+(:meth:`~controller.gateway.dispatch.Dispatcher.retry_after_s`). A place is given back on
+every exit, a client's disconnect (task cancellation) included, and handed straight to the
+next request in the queue.
 
 ``in_flight`` counts the requests sent to an engine and not yet finished; the metrics read
 it at scrape time. These counts are per replica and only shape load: routing correctness
@@ -41,12 +43,11 @@ class ModelGate:
     """The places of one model on this replica."""
 
     def __init__(self, model: str, *, limit_per_engine: int, engines: Callable[[], int],
-                 queue_size: int, retry_after: float) -> None:
+                 queue_size: int) -> None:
         self.model = model
         self.limit_per_engine = limit_per_engine
         self._engines = engines
         self.queue_size = queue_size
-        self.retry_after = retry_after
         self.running = 0
         self.in_flight = 0
         self._queue: deque[asyncio.Future[None]] = deque()
@@ -77,7 +78,7 @@ class ModelGate:
         if len(self._queue) >= self.queue_size:
             raise Overloaded(
                 f"Too many requests for model '{self.model}'; {self.queue_size} are already "
-                "waiting.", code="queue_full", retry_after=self.retry_after)
+                "waiting.", code="queue_full")
         place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.append(place)
         granted = False
@@ -88,7 +89,7 @@ class ModelGate:
         except TimeoutError:
             raise Unavailable(
                 f"Waited too long for a place to serve model '{self.model}'.",
-                code="queue_timeout", retry_after=self.retry_after) from None
+                code="queue_timeout") from None
         finally:
             if not granted:
                 try:
@@ -137,11 +138,10 @@ class ModelPlaces:
     ``engines(model)`` says how many engines serve ``model`` now."""
 
     def __init__(self, *, limit_per_engine: int, engines: Callable[[str], int],
-                 queue_size: int, retry_after: float) -> None:
+                 queue_size: int) -> None:
         self._limit_per_engine = limit_per_engine
         self._engines = engines
         self._queue_size = queue_size
-        self._retry_after = retry_after
         self._gates: dict[str, ModelGate] = {}
 
     def gate(self, model: str) -> ModelGate:
@@ -149,8 +149,7 @@ class ModelPlaces:
         if gate is None:
             gate = self._gates[model] = ModelGate(
                 model, limit_per_engine=self._limit_per_engine,
-                engines=lambda: self._engines(model), queue_size=self._queue_size,
-                retry_after=self._retry_after)
+                engines=lambda: self._engines(model), queue_size=self._queue_size)
         return gate
 
     def counts(self) -> dict[str, GateCounts]:

@@ -624,6 +624,12 @@ class RoutingState:
     def claimants(self, model: str) -> list[Claimant]:
         return list(self._of_model(model))
 
+    def awake(self, model: str) -> bool:
+        """Does an engine of ``model`` hold its GPU now (a request would be forwarded)?"""
+        self._expire()
+        now = self._clock()
+        return any(self._awake(c, now) for c in self._of_model(model))
+
     def engine_count(self, model: str) -> int:
         """How many engines (claimants) serve ``model``, awake or not."""
         return len(self._by_model.get(model, {}))

@@ -80,8 +80,10 @@ class GatewaySettings(BaseModel):
                             "for a place beyond its concurrency limit; more get 429.")
     max_wait_s: float = Field(default=180.0, gt=0, description="Longest a request waits (queue, "
                               "a switch, a held drain) before it gets 503.")
-    retry_after_s: int = Field(default=2, ge=1, description="Retry-After (seconds) on 429 and "
-                               "on 503s that carry no better hint.")
+    retry_after_s: int = Field(default=2, ge=1, description="Retry-After (seconds) on a 429 or "
+                               "503 when nothing was measured: no hint from the controller "
+                               "or the engine, no expected switch, no measured switch cost "
+                               "of a model that sleeps.")
     activation_timeout_s: float = Field(default=180.0, gt=0, description="Timeout of one call "
                                         "to a controller's activation API (it answers when the "
                                         "switch is done).")

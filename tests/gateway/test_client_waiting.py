@@ -16,20 +16,23 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from aiohttp import web
+from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 from openai import AsyncOpenAI
 
 from controller.api.activation import STATE_PATH, ClaimantState, StateAnswer
+from controller.gateway import keys
 from tests.gateway.conftest import (
     DEADLINE,
     DEVICE,
     MODEL_A,
     MODEL_B,
     NODE,
+    Failure,
     Rig,
     RigFactory,
     controller_lease,
+    eventually,
     read_events,
 )
 
@@ -157,3 +160,93 @@ async def test_the_openai_sdk_still_lists_the_models(make_rig: RigFactory) -> No
     assert {m.owned_by for m in models} == {"rota"}
     assert one.id == MODEL_B
     assert (one.model_extra or {})["rota"]["state"] == "asleep"
+
+
+# -- Retry-After on every refusal, from what was measured ----------------------------------
+
+
+def _seconds(resp: ClientResponse) -> int:
+    return int(resp.headers["Retry-After"])
+
+
+async def test_a_full_queue_says_when_the_switch_it_waits_for_is_expected_done(
+        make_rig: RigFactory) -> None:
+    """429 while B is switched in: come back when B's switch is expected done (9 s, as its
+    controller said), not in the fixed 2 s."""
+    rig = await make_rig(max_concurrency_per_engine=1, queue_size=0)
+    await _with_state(rig)
+    rig.controller.hold_switch = asyncio.Event()
+    first = asyncio.ensure_future(rig.chat(MODEL_B))
+    try:
+        await eventually(rig.controller.switching.is_set, "B's switch began")
+        # The controller's expectation reaches the gateway just after the switch began:
+        # ask until a refusal says it (each one is a 429 that changes nothing).
+        said: list[int] = []
+        async with asyncio.timeout(DEADLINE):
+            while not said or said[-1] <= 2:
+                resp = await rig.chat(MODEL_B)
+                assert resp.status == 429
+                assert (await resp.json())["error"]["code"] == "queue_full"
+                said.append(_seconds(resp))
+        assert 7 <= said[-1] <= EXPECTED_WAIT_S
+    finally:
+        rig.controller.hold_switch.set()
+    assert (await first).status == 200
+
+
+async def test_no_place_in_time_says_when_the_switch_is_expected_done(
+        make_rig: RigFactory) -> None:
+    rig = await make_rig(max_concurrency_per_engine=1, queue_size=1, max_wait_s=1.5)
+    await _with_state(rig)
+    rig.controller.hold_switch = asyncio.Event()
+    try:
+        first = asyncio.ensure_future(rig.chat(MODEL_B))
+        await eventually(rig.controller.switching.is_set, "B's switch began")
+        queued = await rig.chat(MODEL_B)
+        assert queued.status == 503
+        # No place before its deadline, or a place (the first request's, given up at its
+        # own deadline just before) and then the switch still running: either way,
+        # 9 s expected when B's switch began, about 1.5 s of it gone.
+        assert (await queued.json())["error"]["code"] in ("queue_timeout", "switch_timeout")
+        assert 6 <= _seconds(queued) <= 8
+        held = await first
+        assert (await held.json())["error"]["code"] == "switch_timeout"
+        assert 6 <= _seconds(held) <= 8
+    finally:
+        rig.controller.hold_switch.set()
+
+
+async def test_an_engine_refusal_without_its_own_hint_says_the_expected_rest(
+        make_rig: RigFactory) -> None:
+    """B's switch "succeeds" but B keeps refusing (503, no Retry-After): the refusal is
+    passed on with the rest of the switch the request was told to expect."""
+    rig = await make_rig(lost_gpu_grace_s=0, stream_keepalive_s=0)
+    await _with_state(rig)
+    await rig.b.faults(wake_ignored=True, refuse_while_asleep=True)
+    resp = await rig.chat(MODEL_B)
+    assert resp.status == 503
+    assert 7 <= _seconds(resp) <= EXPECTED_WAIT_S
+
+
+async def test_the_controller_s_own_retry_after_wins(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    await _with_state(rig)
+    rig.controller.failure = Failure(503, "gpu_oom", retry_after=5)
+    resp = await rig.chat(MODEL_B)
+    assert resp.status == 503
+    assert (await resp.json())["error"]["code"] == "gpu_oom"
+    assert _seconds(resp) == 5
+
+
+async def test_a_model_asleep_is_expected_back_after_its_measured_switch(
+        make_rig: RigFactory) -> None:
+    """With no switch under way, a refusal for a model that sleeps says what its last
+    switch cost (the controller's timings); one for an awake model, whose refusal no switch
+    explains, the configured fallback."""
+    rig = await make_rig()
+    dispatcher = rig.app[keys.DISPATCHER]
+    assert dispatcher.retry_after_s(MODEL_B) == 2, "nothing measured yet"
+    dispatcher.activator.learned(MODEL_B, {"drain": 0.5, "wake_call": 3.5, "probe_ttft": 0.2})
+    dispatcher.activator.learned(MODEL_A, {"wake_call": 6.0})
+    assert dispatcher.retry_after_s(MODEL_B) == pytest.approx(4.2)
+    assert dispatcher.retry_after_s(MODEL_A) == 2  # A is awake

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gateway
 
 def _gate(limit: int = 1, queue_size: int = 2, engines: int = 1) -> ModelGate:
     return ModelGate("m", limit_per_engine=limit, engines=lambda: engines,
-                     queue_size=queue_size, retry_after=2)
+                     queue_size=queue_size)
 
 
 def _far() -> float:
@@ -52,7 +52,7 @@ async def test_a_full_queue_refuses_at_once() -> None:
     await _until_queued(gate, 1)
     with pytest.raises(Overloaded) as refused:
         await gate.acquire(_far())
-    assert refused.value.retry_after == 2
+    assert refused.value.retry_after is None  # the dispatcher says, from what it measured
     gate.release()
     await queued
     gate.release()
@@ -86,8 +86,7 @@ async def test_a_cancelled_waiter_frees_its_place_even_when_handed_one() -> None
 
 
 def test_gates_are_per_model() -> None:
-    places = ModelPlaces(limit_per_engine=2, engines=lambda model: 1, queue_size=0,
-                          retry_after=1)
+    places = ModelPlaces(limit_per_engine=2, engines=lambda model: 1, queue_size=0)
     assert places.gate("a") is places.gate("a")
     assert places.gate("a") is not places.gate("b")
     assert set(places.counts()) == {"a", "b"}
@@ -114,8 +113,7 @@ async def test_a_model_without_engines_still_has_one_engines_places() -> None:
 
 async def test_places_an_added_engine_brings_go_to_the_queue_first() -> None:
     engines = [1]
-    gate = ModelGate("m", limit_per_engine=1, engines=lambda: engines[0], queue_size=4,
-                     retry_after=2)
+    gate = ModelGate("m", limit_per_engine=1, engines=lambda: engines[0], queue_size=4)
     await gate.acquire(_far())
     first = asyncio.create_task(gate.acquire(_far()))
     await _until_queued(gate, 1)
@@ -135,7 +133,7 @@ async def test_places_an_added_engine_brings_go_to_the_queue_first() -> None:
 async def test_the_places_ask_how_many_engines_serve_each_model() -> None:
     counts = {"big": 4, "small": 1}
     places = ModelPlaces(limit_per_engine=8, engines=lambda model: counts.get(model, 0),
-                          queue_size=1, retry_after=2)
+                          queue_size=1)
     assert places.gate("big").limit == 32
     assert places.gate("small").limit == 8
     counts["small"] = 2
