@@ -17,9 +17,18 @@ Two sources, both the admin's:
         org/llama-70b: [prod]
         "team-a/*": [team-a]
       namespaces: [shared]      # like --serving-namespaces
+      progress:                 # model name (or pattern) -> progress by default
+        org/llama-70b: reasoning
+        "team-a/*": none
 
 A model that the file lists is served only from the namespaces listed for it, even when
 another namespace matches ``namespaces``. With neither source set, no model is served.
+
+``progress`` sets, per model, what a streamed chat request shows while it waits for a
+switch when the request does not say (``X-Rota-Progress``): ``reasoning`` (visible progress
+as ``reasoning_content``, :mod:`~controller.gateway.downstream`) or ``none`` (plain SSE
+comments, the default for a model not listed). A model's exact name wins over patterns;
+among patterns, the first listed that matches.
 Pure, apart from :class:`BindingFile`, which reads the file off the event loop.
 """
 
@@ -33,6 +42,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -42,6 +52,10 @@ __all__ = ["BindingError", "BindingFile", "ModelBinding", "parse_binding"]
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9*?\[\]._:/@+-]{1,512}$")
+
+Progress = Literal["reasoning", "none"]
+"""What a streamed chat request waiting for a switch shows: ``reasoning`` chunks, or
+``none`` (SSE comments only)."""
 
 
 class BindingError(ValueError):
@@ -53,6 +67,7 @@ class _File(BaseModel):
 
     models: dict[str, list[str]] = Field(default_factory=dict)
     namespaces: list[str] = Field(default_factory=list)
+    progress: dict[str, Progress] = Field(default_factory=dict)
 
 
 def _matches(value: str, patterns: Iterable[str]) -> bool:
@@ -67,6 +82,16 @@ class ModelBinding:
     """Patterns of namespaces that may serve any model not in :attr:`models`."""
     models: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Model name (or pattern) -> patterns of the only namespaces that may serve it."""
+    progress: dict[str, Progress] = field(default_factory=dict)
+    """Model name (or pattern) -> what its waiting streamed chat requests show by
+    default (see the module)."""
+
+    def progress_of(self, model: str) -> Progress | None:
+        """The progress the binding sets for ``model`` (None: it sets none)."""
+        if model in self.progress:
+            return self.progress[model]
+        return next((shown for name, shown in self.progress.items()
+                     if fnmatch.fnmatchcase(model, name)), None)
 
     def allows(self, model: str, namespace: str) -> bool:
         """May a claimant in ``namespace`` serve ``model``?"""
@@ -93,7 +118,7 @@ class ModelBinding:
         """
         parsed = parse_binding(text)
         return ModelBinding(namespaces=self.namespaces + parsed.namespaces,
-                            models=dict(parsed.models))
+                            models=dict(parsed.models), progress=dict(parsed.progress))
 
 
 def _checked(values: Iterable[str], where: str) -> tuple[str, ...]:
@@ -127,7 +152,9 @@ def parse_binding(text: str) -> ModelBinding:
     models = {name: _checked(spaces, f"models[{name!r}]")
               for name, spaces in parsed.models.items()}
     _checked(models, "models")
-    return ModelBinding(namespaces=_checked(parsed.namespaces, "namespaces"), models=models)
+    _checked(parsed.progress, "progress")
+    return ModelBinding(namespaces=_checked(parsed.namespaces, "namespaces"), models=models,
+                        progress=dict(parsed.progress))
 
 
 class BindingFile:
@@ -155,6 +182,7 @@ class BindingFile:
         if binding != self.current:
             log.info("model binding loaded", extra={
                 "path": str(self.path), "namespaces": list(binding.namespaces),
-                "models": json.dumps({k: list(v) for k, v in binding.models.items()})[:1000]})
+                "models": json.dumps({k: list(v) for k, v in binding.models.items()})[:1000],
+                "progress": json.dumps(binding.progress)[:1000]})
         self.current = binding
         return binding

@@ -127,8 +127,9 @@ class Dispatcher:
             GatewayError: the gateway answers itself (queue full, unknown model, ...) and
                 the answer has not started yet.
         """
-        progress = (gen.stream and gen.path == "/v1/chat/completions"
-                    and request.headers.get(PROGRESS_HEADER, "").strip().lower() == "reasoning")
+        asked = request.headers.get(PROGRESS_HEADER, "").strip().lower()
+        shown = asked or self.state.binding.progress_of(gen.model)
+        progress = gen.stream and gen.path == "/v1/chat/completions" and shown == "reasoning"
         downstream = Downstream(request, gen.request_id, stream=gen.stream,
                                 keepalive_s=self.settings.stream_keepalive_s,
                                 progress_model=gen.model if progress else None,

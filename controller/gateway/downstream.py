@@ -37,12 +37,14 @@ headers, whichever answer that is (the engine's, the early stream's, a refusal):
 The two expectations are absent where the controller gave none (an earlier release, or
 the request waited for a switch another request had asked for).
 
-Progress a person can see (opt-in per request, ``X-Rota-Progress: reasoning``, streamed
-chat only): instead of each SSE comment, the early stream carries a ``chat.completion.chunk``
+Progress a person can see (opt-in per request, ``X-Rota-Progress: reasoning``, or per
+model in the admin's model binding, :mod:`~controller.gateway.binding`; streamed chat
+only): instead of each SSE comment, the early stream carries a ``chat.completion.chunk``
 whose delta is ``reasoning_content`` (what chat UIs show as the model's thinking, as
 llama-swap's loading state does), saying what the request waits for and the expected
-wait; the model's real answer follows in the same stream. Off by default: without the
-header, plain SSE comments, which every client skips.
+wait; the model's real answer follows in the same stream. Off by default: plain SSE
+comments, which every client skips. A request's header wins over its model's default
+(``X-Rota-Progress: none`` turns it off for a model whose binding turns it on).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from controller.gateway.errors import GatewayError, error_body
 __all__ = ["PROGRESS_HEADER", "Downstream", "Held"]
 
 PROGRESS_HEADER = "X-Rota-Progress"
-"""The request header that asks for visible progress (value ``reasoning``)."""
+"""The request header that asks for visible progress (``reasoning``) or not (``none``)."""
 
 log = logging.getLogger(__name__)
 
