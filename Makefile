@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools registry-tools manifests images host venv clean help release chart-readme
+.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools registry-tools kwok manifests images host venv clean help release chart-readme scale
 
 all: test
 
@@ -20,6 +20,8 @@ help:
 	@echo "make images     build or find the cached images (pause, rota, engine simulator)"
 	@echo "make host       install the Debian packages a real node needs (runc, CNI, socat...)"
 	@echo "make chart-tools build or find the cached helm and promtool"
+	@echo "make scale      rota's API load at 20 kwok GPU nodes, idle and switching (not part of"
+	@echo "                make test; SCALE_ARGS='--nodes 100' etc., see python -m e2e.scale -h)"
 	@echo "make manifests  render manifests/*.yaml from the Helm chart (charts/rota)"
 	@echo "make proto      regenerate driver/pb from proto/"
 	@echo "make chart-readme  write charts/rota/README.md from values.yaml and its schema"
@@ -49,6 +51,16 @@ chart-tools:
 
 registry-tools:
 	bash e2e/build-registry.sh
+
+kwok:
+	bash e2e/build-kwok.sh
+
+# The scale harness (docs/scale.md): minutes of two cores at 20 nodes; not run by make test.
+SCALE_ARGS ?= --nodes 20 --idle-s 60 --switch-s 60 --switches-per-gpu-hour 60
+scale: $(STAMP)
+	ROTA_K8S_BIN="$$(bash e2e/build-k8s.sh | tail -n 1)" \
+	ROTA_KWOK_BIN="$$(bash e2e/build-kwok.sh | tail -n 1)" \
+	$(PY) -m e2e.scale $(SCALE_ARGS)
 
 manifests: $(STAMP)
 	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" $(PY) -m e2e.chart render-manifests

@@ -87,7 +87,8 @@ def _audit_flags(options: ClusterOptions) -> list[str]:
         raise ValueError("an audit policy needs audit_log_path")
     return [f"--audit-policy-file={options.audit_policy_file}",
             f"--audit-log-path={options.audit_log_path}", "--audit-log-format=json",
-            "--audit-log-maxsize=0", "--audit-log-mode=batch",
+            # In MB; 0 would be lumberjack's default of 100 MB, rotated.
+            "--audit-log-maxsize=1000000", "--audit-log-mode=batch",
             "--audit-log-batch-max-wait=1s"]
 
 
@@ -210,7 +211,20 @@ class LocalCluster:
         ], dwp)
         self._wait_http(f"{client}/health", "etcd", tls=False)
 
-    def _start_apiserver(self, bin_dir: Path, dwp: bool) -> None:
+    def restart_apiserver(self, *, wait: bool = True) -> None:
+        """Stop kube-apiserver and start it again on the same port with the same flags
+        (etcd keeps the state): what clients see of an API server restart. Call from the
+        thread that started the cluster (see :meth:`ManagedProcess.start`); with ``wait``
+        False, :meth:`wait_apiserver` waits for it to be ready."""
+        self.processes["kube-apiserver"].stop()
+        self._start_apiserver(self._bin_dir or binaries.locate(), True, wait=wait)
+        self._write_state()
+
+    def wait_apiserver(self) -> None:
+        """Until kube-apiserver answers ``/readyz`` (bounded by the start timeout)."""
+        self._wait_http(f"{self.server}/readyz", "kube-apiserver", tls=True, client_cert=True)
+
+    def _start_apiserver(self, bin_dir: Path, dwp: bool, *, wait: bool = True) -> None:
         assert self._pki is not None
         p = self._pki
         port = self.ports["apiserver"]
@@ -248,7 +262,8 @@ class LocalCluster:
         argv += _gates_flag(self.options.feature_gates)
         argv += _audit_flags(self.options)
         self._spawn("kube-apiserver", argv, dwp, exe=str(bin_dir / "kube-apiserver"))
-        self._wait_http(f"{self.server}/readyz", "kube-apiserver", tls=True, client_cert=True)
+        if wait:
+            self.wait_apiserver()
 
     def _start_scheduler(self, bin_dir: Path, dwp: bool) -> None:
         port = self.ports["scheduler"]

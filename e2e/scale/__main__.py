@@ -33,8 +33,14 @@ def parse(argv: list[str] | None = None) -> Options:
                    help="Gateway processes (replicas).")
     p.add_argument("--engine-s", type=float, default=defaults.engine_s,
                    help="How long each engine step of a switch takes (no API call).")
+    p.add_argument("--reconcile-s", type=float, default=defaults.reconcile_s,
+                   help="How long a reconciliation takes besides its Lease read (no API "
+                        "call: engines asked, GPU read).")
     p.add_argument("--settle-s", type=float, default=defaults.settle_s,
                    help="Pause between start-up and the first phase.")
+    p.add_argument("--restart-s", type=float, default=defaults.restart_s,
+                   help="After switching, a phase of this length that begins with an API "
+                        "server restart (relists per component are counted); 0: none.")
     p.add_argument("--seed", type=int, default=defaults.seed, help="Seed of the switches.")
     p.add_argument("--workdir", type=Path, default=None,
                    help="Keep logs and the audit log here (a temporary directory, removed "
@@ -42,8 +48,9 @@ def parse(argv: list[str] | None = None) -> Options:
     a = p.parse_args(argv)
     return Options(nodes=a.nodes, gpus=a.gpus, engines=a.engines, idle_s=a.idle_s,
                    switch_s=a.switch_s, switches_per_gpu_hour=a.switches_per_gpu_hour,
-                   gateways=a.gateways, engine_s=a.engine_s, settle_s=a.settle_s,
-                   seed=a.seed, workdir=a.workdir)
+                   gateways=a.gateways, engine_s=a.engine_s, reconcile_s=a.reconcile_s,
+                   settle_s=a.settle_s,
+                   restart_s=a.restart_s, seed=a.seed, workdir=a.workdir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ class Request:
     user_agent: str
     verb: str
     resource: str
+    namespace: str
     uri: str
     code: int
 
@@ -88,8 +89,22 @@ def read(path: Path) -> Iterator[Request]:
             agent = str(entry.get("userAgent", ""))
             yield Request(at=_timestamp(entry["requestReceivedTimestamp"]),
                           component=component_of(agent), user_agent=agent, verb=verb,
-                          resource=resource, uri=str(entry.get("requestURI", "")),
+                          resource=resource, namespace=str(ref.get("namespace") or ""),
+                          uri=str(entry.get("requestURI", "")),
                           code=int((entry.get("responseStatus") or {}).get("code") or 0))
+
+
+WRITES = frozenset({"create", "update", "patch", "delete"})
+
+
+def writes_rota_state(request: Request, lease_namespace: str) -> bool:
+    """A write only rota's processes make: a Lease in rota's namespace (GPU and controller
+    Leases), a ResourceSlice, a patch of a pod (the engine's state label)."""
+    if request.verb not in WRITES:
+        return False
+    return ((request.resource == "leases" and request.namespace == lease_namespace)
+            or request.resource == "resourceslices"
+            or (request.resource == "pods" and request.verb == "patch"))
 
 
 @dataclass

@@ -20,7 +20,8 @@ limits (one client, one token bucket per process, as each real process has):
 What :class:`GpuEmulation` reproduces of the worker, step by step (no engine and no GPU:
 their calls are not API calls; each takes ``engine_s``):
 
-- reconciliation: one Lease read when the worker opens (then a write raising the fence,
+- reconciliation (``reconcile_s`` besides its API calls: the engines asked whether they
+  sleep, the GPU read): one Lease read when the worker opens (then a write raising the fence,
   and one naming a holder when the Lease names none), at least every ``resync_s``, and
   after every change of the node's claims or pods; the node's own visible-state writes
   come back to it as such changes (:class:`_EchoingKube` marks every GPU of the node
@@ -164,7 +165,7 @@ class GpuEmulation:
 
     def __init__(self, *, gpu: str, port: KubeLeasePort, claimants: list[Claimant],
                  visibility: GpuVisibility, identity: str, leading: asyncio.Event,
-                 engine_s: float, resync_s: float = RESYNC_S,
+                 engine_s: float, reconcile_s: float = 0.0, resync_s: float = RESYNC_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.gpu = gpu
         self.port = port
@@ -173,6 +174,7 @@ class GpuEmulation:
         self.identity = identity
         self.leading = leading
         self.engine_s = engine_s
+        self.reconcile_s = reconcile_s
         self.resync_s = resync_s
         self.clock = clock
         self.lease: GpuLease | None = None
@@ -224,6 +226,7 @@ class GpuEmulation:
         self.dirty = False
         self.next_reconcile = self.clock() + self.resync_s
         lease = await self.port.read()
+        await asyncio.sleep(self.reconcile_s)  # the engines asked, the GPU read
         if first:
             lease = await self.port.write(lease.new_term(self.identity))
             if lease.state != naming.STATE_AWAKE and self.claimants:
@@ -262,10 +265,11 @@ class ControllerEmulation:
     """One node's lease controller (see the module docstring)."""
 
     def __init__(self, node: str, *, kubeconfig: Path, namespace: str,
-                 engine_s: float) -> None:
+                 engine_s: float, reconcile_s: float) -> None:
         self.node = node
         self.namespace = namespace
         self.engine_s = engine_s
+        self.reconcile_s = reconcile_s
         api = load_api_client(str(kubeconfig), agent=CONTROLLER_AGENT)
         self.kube = ControllerKube(api)
         self.identity = f"{node}-controller"
@@ -290,7 +294,7 @@ class ControllerEmulation:
                 gpu=gpu, port=KubeLeasePort(self.kube, self.namespace, self.node, gpu),
                 claimants=on_gpu, visibility=GpuVisibility(self.writer, gpu),
                 identity=self.identity, leading=self.election.acquired,
-                engine_s=self.engine_s)
+                engine_s=self.engine_s, reconcile_s=self.reconcile_s)
 
     async def ready(self) -> None:
         """Until the watches listed, the Lease is held, every GPU reconciled once and the

@@ -9,7 +9,11 @@ Formulas (N nodes, T a phase's length in minutes, S the switches done in it):
 - requests per switch: (rota requests while switching - rota's idle rate * T) / S,
   by component alike: what the switches added over the idle load;
 - watch events and bytes per second by resource: the deltas of the API server's
-  counters / the phase's seconds.
+  counters / the phase's seconds;
+- relists after an API server restart, per process: (lists from scratch, without a
+  resourceVersion or continue token, in the restart phase - those usual in as long,
+  from the switching phase's rate) / processes of that component. A periodic resync
+  (the driver's slices every 30 s) is such a list too, hence the baseline.
 """
 
 from __future__ import annotations
@@ -76,6 +80,25 @@ def _round(value: float, digits: int = 2) -> float:
     return round(value, digits)
 
 
+WATCH_SHOWN = frozenset({"pods", "resourceclaims.resource.k8s.io",
+                         "resourceslices.resource.k8s.io", "leases.coordination.k8s.io",
+                         "nodes", "events.events.k8s.io", "events"})
+"""Shown by name; every other resource (bookmarks of quiet watches, mostly) is summed."""
+
+
+def _watch_rates(phase: Phase) -> dict[str, dict[str, float]]:
+    rates: dict[str, dict[str, float]] = {}
+    other = {"events": 0.0, "bytes": 0.0}
+    for resource, v in phase.watch.items():
+        into = rates.setdefault(resource, {"events": 0.0, "bytes": 0.0}) \
+            if resource in WATCH_SHOWN else other
+        into["events"] += v["events"] / phase.seconds
+        into["bytes"] += v["bytes"] / phase.seconds
+    rates["(other)"] = other
+    return {r: {"events": _round(v["events"]), "bytes": _round(v["bytes"], 0)}
+            for r, v in rates.items()}
+
+
 def _phase_figures(phase: Phase, tally: audit.Tally, *, nodes: int, gateways: int
                    ) -> dict[str, Any]:
     minutes = phase.seconds / 60.0
@@ -96,10 +119,7 @@ def _phase_figures(phase: Phase, tally: audit.Tally, *, nodes: int, gateways: in
         "rota_per_minute_per_node": _round(rota / minutes / max(nodes, 1)),
         "rota_requests_by_kind": dict(kinds.most_common()),
         "relists": dict(sorted(tally.relists.items())),
-        "watch_per_second": {
-            r: {"events": _round(v["events"] / phase.seconds),
-                "bytes": _round(v["bytes"] / phase.seconds, 0)}
-            for r, v in phase.watch.items()},
+        "watch_per_second": _watch_rates(phase),
         "latency_p99": {
             cls: {"requests": lat.requests, "p99_s": lat.p99_s, "slo_s": lat.slo_s,
                   "met": lat.met} for cls, lat in phase.latency.items()},
@@ -112,7 +132,9 @@ def _phase_figures(phase: Phase, tally: audit.Tally, *, nodes: int, gateways: in
 
 def report(*, options: Options, shape: Shape, phases: list[Phase],
            requests: list[audit.Request], renewed: dict[str, bool],
-           gpu_errors: int) -> dict[str, Any]:
+           gpu_errors: int, lease_namespace: str) -> dict[str, Any]:
+    """The figures of a run; agents and writers are over the whole audit log (start-up
+    included), the rest per phase."""
     tallies = {p.name: audit.tally(requests, p.start, p.end) for p in phases}
     figures = {p.name: _phase_figures(p, tallies[p.name], nodes=shape.nodes,
                                       gateways=options.gateways) for p in phases}
@@ -126,12 +148,24 @@ def report(*, options: Options, shape: Shape, phases: list[Phase],
                            (audit.ROTA_COMPONENTS if c == "rota" else (c,)))
             added = count(switching) - count(idle) / idle_s * sw_s
             per_switch[component] = _round(added / switching["switches"])
+    restart: dict[str, Any] = {}
+    if "restart" in figures and switching:
+        processes = {"rota-controller": shape.nodes, "rota-driver": shape.nodes,
+                     "rota-gateway": options.gateways}
+        scale = figures["restart"]["seconds"] / switching["seconds"]
+        for component, processes_of in processes.items():
+            lists = figures["restart"]["relists"].get(component, 0)
+            usual = switching["relists"].get(component, 0) * scale
+            restart[component] = {
+                "lists_from_scratch": lists, "usual_in_as_long": _round(usual, 1),
+                "per_process_over_usual": _round((lists - usual) / max(processes_of, 1))}
     agents: dict[str, set[str]] = {}
-    for t in tallies.values():
-        for component, seen in t.agents.items():
-            agents.setdefault(component, set()).update(seen)
-    unattributed = sum(n for t in tallies.values() for c, n in t.by_component.items()
-                       if c in UNATTRIBUTED)
+    rota_writes: Counter[str] = Counter()
+    for request in requests:
+        agents.setdefault(request.component, set()).add(request.user_agent)
+        if audit.writes_rota_state(request, lease_namespace):
+            rota_writes[request.component] += 1
+    unattributed = sum(1 for r in requests if r.component in UNATTRIBUTED)
     targets = {}
     if idle:
         targets["idle_per_node_min"] = {
@@ -147,9 +181,11 @@ def report(*, options: Options, shape: Shape, phases: list[Phase],
         "cpus": os.cpu_count(),
         "phases": figures,
         "requests_per_switch": per_switch,
+        "relists_after_restart": restart,
         "targets": targets,
         "user_agents": {c: sorted(a) for c, a in sorted(agents.items())},
         "unattributed_requests": unattributed,
+        "rota_state_writes_by_component": dict(sorted(rota_writes.items())),
         "controller_leases_renewed": sum(renewed.values()),
         "controller_leases_not_renewed": sorted(n for n, ok in renewed.items() if not ok),
         "gpu_step_errors": gpu_errors,

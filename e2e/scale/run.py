@@ -49,8 +49,13 @@ class Options:
     gateways: int = 2
     engine_s: float = 0.5
     """How long each engine call of a switch takes (drain and sleep, wake and probe)."""
+    reconcile_s: float = 0.02
+    """How long a reconciliation takes besides its Lease read (engines asked, GPU read)."""
     settle_s: float = 15.0
     """A pause after everything is up, before the first phase (start-up writes finish)."""
+    restart_s: float = 0.0
+    """After switching, a third phase of this length that begins with an API server restart
+    (switching goes on); 0: none."""
     seed: int = 22
     workdir: Path | None = None
     """Kept when given; a temporary directory removed at the end otherwise."""
@@ -94,9 +99,10 @@ def _sample(procs: list[ManagedProcess]) -> list[ProcessSample]:
 
 
 async def _phase(name: str, seconds: float, running: Running, gpus: list[fleet.GpuEmulation],
-                 *, per_gpu_hour: float, rng: random.Random) -> Phase:
+                 *, per_gpu_hour: float, rng: random.Random, restart: bool = False) -> Phase:
+    """One phase; with ``restart`` it begins with an API server restart and its counters
+    (which the restart zeroes) are read from when the API server is ready again."""
     ctx = running.cluster.ssl_context(client_cert=True)
-    before = await asyncio.to_thread(apimetrics.scrape, running.cluster.server, ctx)
     gw_before = _sample(running.gateways)
     switches_before = sum(g.switches for g in gpus)
     start = dt.datetime.now(dt.UTC)
@@ -104,6 +110,11 @@ async def _phase(name: str, seconds: float, running: Running, gpus: list[fleet.G
     driver = asyncio.create_task(fleet.drive_switches(gpus, per_gpu_hour=per_gpu_hour,
                                                       stop=stop, rng=rng),
                                  name=f"switches-{name}")
+    if restart:
+        # On this (the starting) thread, so that the new process dies with this one.
+        running.cluster.restart_apiserver(wait=False)
+        await asyncio.to_thread(running.cluster.wait_apiserver)
+    before = await asyncio.to_thread(apimetrics.scrape, running.cluster.server, ctx)
     await asyncio.sleep(seconds)
     stop.set()
     await driver
@@ -129,7 +140,8 @@ async def _measure(options: Options, running: Running, workdir: Path) -> dict[st
                for n in nodes]
     controllers = [fleet.ControllerEmulation(n, kubeconfig=running.kubeconfig,
                                              namespace=world.LEASE_NAMESPACE,
-                                             engine_s=options.engine_s) for n in nodes]
+                                             engine_s=options.engine_s,
+                                             reconcile_s=options.reconcile_s) for n in nodes]
     rng = random.Random(options.seed)
     async with asyncio.TaskGroup() as tasks:
         try:
@@ -163,6 +175,10 @@ async def _measure(options: Options, running: Running, workdir: Path) -> dict[st
                 await _phase("switching", options.switch_s, running, gpus,
                              per_gpu_hour=options.switches_per_gpu_hour, rng=rng),
             ]
+            if options.restart_s > 0:
+                phases.append(await _phase("restart", options.restart_s, running, gpus,
+                                           per_gpu_hour=options.switches_per_gpu_hour,
+                                           rng=rng, restart=True))
             renewed = await asyncio.to_thread(_renewed_leases, api, nodes, phases[0].start)
         finally:
             stop.set()
@@ -172,7 +188,7 @@ async def _measure(options: Options, running: Running, workdir: Path) -> dict[st
     await asyncio.sleep(2.0)  # the audit backend writes in batches of up to 1 s
     requests = list(audit.read(running.cluster.workdir / "audit.log"))
     return report(options=options, shape=shape, phases=phases, requests=requests,
-                  renewed=renewed, gpu_errors=errors)
+                  renewed=renewed, gpu_errors=errors, lease_namespace=world.LEASE_NAMESPACE)
 
 
 def _renewed_leases(api: client.ApiClient, nodes: list[str], since: dt.datetime

@@ -1,0 +1,1 @@
+"""Tests of the scale harness (e2e/scale)."""
