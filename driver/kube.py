@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kubernetes import client, config, watch
+from kubernetes import client, config
 
 from driver import kube_client
 from driver.errors import KubeConflictError, KubeError, KubeNotFoundError
+from driver.listwatch import ListWatch
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,13 @@ def _translate(exc: client.ApiException, what: str) -> KubeError:
     if exc.status == 409:
         return KubeConflictError(detail, status=409)
     return KubeError(detail, status=exc.status)
+
+
+def _as_slice(item: Obj) -> Obj:
+    """Items of a list carry no apiVersion and kind; give them back, so that they compare
+    equal to single-object reads."""
+    return {"apiVersion": f"{RESOURCE_GROUP}/{RESOURCE_VERSION}", "kind": "ResourceSlice",
+            **item}
 
 
 class Kube:
@@ -126,10 +133,7 @@ class Kube:
             "list resourceslices", self._objects.list_cluster_custom_object,
             RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices",
             field_selector=f"spec.driver={driver},spec.nodeName={node}")
-        # Items of a list carry no apiVersion/kind; give them back so they compare equal
-        # to single-object reads.
-        return [{"apiVersion": f"{RESOURCE_GROUP}/{RESOURCE_VERSION}", "kind": "ResourceSlice",
-                 **item} for item in result.get("items", [])]
+        return [_as_slice(item) for item in result.get("items", [])]
 
     async def create_slice(self, body: Obj) -> Obj:
         return dict(await self._call(
@@ -161,38 +165,13 @@ class Kube:
         except KubeNotFoundError:
             return
 
-    def watch_slices(self, *, driver: str, node: str, on_event: Callable[[str, Obj], None],
-                     stop: threading.Event) -> threading.Thread:
-        """Watch our slices in a daemon thread; ``on_event(type, object)`` per event.
-
-        ``on_event`` runs in the watch thread: hand work to the loop with
-        ``loop.call_soon_threadsafe``. The watch re-opens after each server timeout and
-        backs off (bounded) after errors until ``stop`` is set.
-        """
-
-        def run() -> None:
-            backoff = 0.2
-            while not stop.is_set():
-                w = watch.Watch()
-                try:
-                    for event in w.stream(
-                        self._objects.list_cluster_custom_object,
-                        RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices",
-                        field_selector=f"spec.driver={driver},spec.nodeName={node}",
-                        timeout_seconds=30, _request_timeout=40,
-                    ):
-                        if stop.is_set():
-                            break
-                        on_event(str(event["type"]), dict(event["object"]))
-                        backoff = 0.2
-                except Exception as exc:
-                    log.warning("slice watch failed; reopening",
-                                extra={"error": str(exc)[:_BODY_LIMIT], "backoff_s": backoff})
-                    stop.wait(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                finally:
-                    w.stop()
-
-        thread = threading.Thread(target=run, name="slice-watch", daemon=True)
-        thread.start()
-        return thread
+    def slice_watch(self, *, driver: str, node: str, loop: asyncio.AbstractEventLoop,
+                    on_replace: Callable[[list[Obj]], None],
+                    on_event: Callable[[str, Obj], None],
+                    relist_s: float | None = None) -> ListWatch:
+        """A list-watch (not started) of the slices of ``driver`` on ``node``."""
+        return ListWatch("resourceslices", self._objects.list_cluster_custom_object,
+                         RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices", loop=loop,
+                         on_replace=on_replace, on_event=on_event,
+                         field_selector=f"spec.driver={driver},spec.nodeName={node}",
+                         api_timeout_s=self.timeout_s, relist_s=relist_s, cut=_as_slice)

@@ -2,8 +2,11 @@
 
 Slices are reconciled, not published once: the kubelet deletes a node's slices when it
 restarts, and a driver's slices when the driver has been gone for 30 s; an admin may
-delete them by hand. A watch on our slices wakes the loop, and a periodic resync catches
-anything a watch missed.
+delete them by hand. A list-watch of our slices (:class:`driver.listwatch.ListWatch`)
+keeps a view of them and wakes the loop; a reconciliation compares the desired slices with
+that view, so a node whose slices are intact costs the API server nothing but the watch.
+A write that loses a race (409) re-reads by a list; the watch lists again every
+``relist_s`` (and after a 410), which catches anything it missed.
 
 Writes happen only when something differs, so a restarted driver that finds its slices
 intact writes nothing. The pool generation goes up only when the content changes.
@@ -19,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +31,7 @@ from driver.claims import PublishedDevice
 from driver.devices import GpuDevice
 from driver.errors import KubeConflictError, KubeError
 from driver.kube import Kube
+from driver.listwatch import Obj
 from driver.quantity import parse_quantity
 from driver.slices import (
     GATE_DEVICE_TAINTS,
@@ -70,7 +73,7 @@ class SlicePublisher:
 
     def __init__(self, *, kube: Kube, node_name: str, gpus: list[GpuDevice],
                  mode: SharingMode, engines: int, resync_s: float = 30.0,
-                 driver: str = DRIVER_NAME) -> None:
+                 relist_s: float = 600.0, driver: str = DRIVER_NAME) -> None:
         self.kube = kube
         self.node_name = node_name
         self.gpus = gpus
@@ -78,7 +81,11 @@ class SlicePublisher:
         self.mode = mode
         self.engines = engines
         self.resync_s = resync_s
+        self.relist_s = relist_s
         self.driver = driver
+        self._view: dict[str, Obj] | None = None
+        """Our slices by name, as the watch (and this publisher's own writes) left them;
+        None until the watch has listed."""
         self.synced = asyncio.Event()
         self._node_uid: str | None = None
         self._taints: dict[str, list[dict[str, Any]]] = {}
@@ -122,11 +129,13 @@ class SlicePublisher:
             node = await self.kube.get_node(self.node_name)
             self._node_uid = str(node["metadata"]["uid"])
         writes = 0
+        fresh = False
         for _ in range(_MAX_PASSES):
             try:
-                made, fell_back = await self._pass()
+                made, fell_back = await self._pass(fresh=fresh)
             except KubeConflictError as exc:
                 log.info("slice write lost a race; re-reading", extra={"error": str(exc)})
+                fresh = True
                 continue
             writes += made
             if not fell_back:
@@ -136,9 +145,24 @@ class SlicePublisher:
         self.synced.set()
         return writes
 
-    async def _pass(self) -> tuple[int, bool]:
-        observed = {s["metadata"]["name"]: s for s in
-                    await self.kube.list_slices(driver=self.driver, node=self.node_name)}
+    async def _observed(self, *, fresh: bool) -> dict[str, Obj]:
+        """Our slices: the watch's view, or a list when there is none yet or ``fresh``."""
+        if self._view is not None and not fresh:
+            return dict(self._view)
+        return {s["metadata"]["name"]: s for s in
+                await self.kube.list_slices(driver=self.driver, node=self.node_name)}
+
+    def _wrote(self, name: str, returned: Obj | None) -> None:
+        """What a write returned is the newest version: the view has it before the event."""
+        if self._view is None:
+            return
+        if returned is None:
+            self._view.pop(name, None)
+        else:
+            self._view[name] = returned
+
+    async def _pass(self, *, fresh: bool = False) -> tuple[int, bool]:
+        observed = await self._observed(fresh=fresh)
         ours = {n: s for n, s in observed.items()
                 if s["spec"].get("pool", {}).get("name") == self.node_name}
         generation = max((int(s["spec"]["pool"].get("generation", 0)) for s in ours.values()),
@@ -157,6 +181,7 @@ class SlicePublisher:
                                              resource_version=stale["metadata"].get(
                                                  "resourceVersion"))
                 metrics.SLICE_WRITES.labels("delete").inc()
+                self._wrote(name, None)
                 writes += 1
         for body in desired:
             name = body["metadata"]["name"]
@@ -168,6 +193,7 @@ class SlicePublisher:
             else:
                 returned = await self.kube.create_slice(body)
                 metrics.SLICE_WRITES.labels("create").inc()
+            self._wrote(name, returned)
             writes += 1
             if self._fall_back_if_dropped(body, returned):
                 return writes, True
@@ -206,16 +232,25 @@ class SlicePublisher:
     # -- the loop ------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Reconcile on every watch event and at least every ``resync_s``."""
-        loop = asyncio.get_running_loop()
+        """Reconcile on every change the watch sees and at least every ``resync_s``."""
         changed = self._changed
-        halt = threading.Event()
 
-        def on_event(kind: str, obj: dict[str, Any]) -> None:
-            loop.call_soon_threadsafe(changed.set)
+        def replace(items: list[Obj]) -> None:
+            self._view = {o["metadata"]["name"]: o for o in items}
+            changed.set()
 
-        watcher = self.kube.watch_slices(driver=self.driver, node=self.node_name,
-                                         on_event=on_event, stop=halt)
+        def event(kind: str, obj: Obj) -> None:
+            if self._view is not None:
+                if kind == "DELETED":
+                    self._view.pop(obj["metadata"]["name"], None)
+                else:
+                    self._view[obj["metadata"]["name"]] = obj
+            changed.set()
+
+        watch = self.kube.slice_watch(driver=self.driver, node=self.node_name,
+                                      loop=asyncio.get_running_loop(), on_replace=replace,
+                                      on_event=event, relist_s=self.relist_s)
+        watch.start()
         backoff = Backoff(first_s=0.2, max_s=10.0)
         try:
             while not stop.is_set():
@@ -230,5 +265,5 @@ class SlicePublisher:
                                                                       "backoff_s": timeout})
                 await wait_any(changed, stop, timeout_s=timeout)
         finally:
-            halt.set()
-            await asyncio.to_thread(watcher.join, 1)
+            watch.stop()
+            self._view = None

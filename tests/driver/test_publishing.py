@@ -3,13 +3,16 @@ untouched by a restart that finds them intact, re-versioned only when content ch
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from typing import Any
 
 import pytest
 from kubernetes import client
 
 from driver.devices import discover
 from driver.kube import Kube
+from driver.metrics import REGISTRY
 from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml
 from driver.publisher import SlicePublisher
@@ -17,9 +20,12 @@ from driver.slices import SharingMode
 from e2e.cluster import LocalCluster, create_node
 from e2e.harness import GpuNode
 from e2e.objects import GROUP, VERSION, node_slices
-from e2e.waiting import eventually
+from e2e.waiting import eventually, eventually_async
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
+
+DEADLINE_S = 30.0
+RESYNCS = 20
 
 
 def test_the_gpu_is_published_as_a_shared_device(gpu_node: GpuNode,
@@ -94,3 +100,57 @@ async def test_an_unhealthy_gpu_is_tainted_and_the_taint_lifted(
     finally:
         client.CoreV1Api(kube_api).delete_node(node)
 
+
+
+class _CountingKube(Kube):
+    """The real facade, counting the lists of slices it sends."""
+
+    lists = 0
+
+    async def list_slices(self, *, driver: str, node: str) -> list[dict[str, Any]]:
+        self.lists += 1
+        return await super().list_slices(driver=driver, node=node)
+
+
+async def test_resyncs_of_intact_slices_ask_the_api_server_nothing(
+        cluster: LocalCluster, kube_api: client.ApiClient) -> None:
+    """The publisher compares with its watch's view: resyncs that find the slices intact
+    list nothing (on the old code every resync listed, and every re-opened watch did too),
+    and a slice deleted by hand still comes back."""
+    backend = FakeNvml.from_path(fixture_path("h200"))
+    backend.init()
+    node = f"idle-{uuid.uuid4().hex[:6]}"
+    create_node(kube_api, node)
+    kube = _CountingKube(kube_api)
+    publisher = SlicePublisher(kube=kube, node_name=node, gpus=discover(backend),
+                               mode=SharingMode.SHARED, engines=8, resync_s=0.05)
+    stop = asyncio.Event()
+    task = asyncio.create_task(publisher.run(stop))
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            await publisher.synced.wait()
+        syncs = _syncs()
+        async def resynced() -> bool:
+            return _syncs() >= syncs + RESYNCS
+
+        await eventually_async(resynced, timeout=DEADLINE_S, what="idle resyncs")
+        assert kube.lists <= 1, f"{kube.lists} lists for {RESYNCS} idle resyncs"
+
+        (published,) = node_slices(kube_api, node)
+        client.CustomObjectsApi(kube_api).delete_cluster_custom_object(
+            GROUP, VERSION, "resourceslices", published["metadata"]["name"])
+
+        async def recreated() -> bool:
+            slices = node_slices(kube_api, node)
+            return len(slices) == 1 and slices[0]["metadata"]["uid"] != published[
+                "metadata"]["uid"]
+
+        await eventually_async(recreated, timeout=DEADLINE_S, what="slice recreated")
+    finally:
+        stop.set()
+        await task
+        client.CoreV1Api(kube_api).delete_node(node)
+
+
+def _syncs() -> float:
+    return REGISTRY.get_sample_value("rota_driver_slice_syncs_total") or 0.0
