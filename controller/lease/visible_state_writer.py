@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -41,12 +42,17 @@ __all__ = ["VisibleStateKube", "VisibleStateWriter"]
 
 log = logging.getLogger(__name__)
 
+_WRITTEN_CLAIMS = 1024
+"""Claims whose last written version is remembered (a node's claims, with room)."""
+
 class VisibleStateKube(Kube):
     """The three writes, through the shared facade (threads, timeouts, error mapping)."""
 
     def __init__(self, api: client.ApiClient, *, timeout_s: float = 10.0) -> None:
         super().__init__(api, timeout_s=timeout_s)
         self._events = client.EventsV1Api(api)
+        self._written: dict[tuple[str, str], dict[str, Any]] = {}
+        """Claims as this controller's last status write returned them (oldest first)."""
 
     async def create_event(self, body: dict[str, Any]) -> None:
         meta = body["metadata"]
@@ -67,25 +73,36 @@ class VisibleStateKube(Kube):
     async def set_claim_devices(self, namespace: str, name: str,
                                 entries: list[dict[str, Any]]) -> None:
         """Put rota's ``status.devices[]`` entries (and keep every other driver's), with a
-        compare-and-swap on the resourceVersion, retried once on a conflict."""
+        compare-and-swap on the resourceVersion, retried once on a conflict.
+
+        The claim as the last write returned it is the base of the next write (one request
+        per change); a claim not written before, or one another writer changed since (a
+        409), is read first."""
+        key = (namespace, name)
+        known = self._written.pop(key, None)
         for attempt in range(2):
-            claim = await self._call(
+            claim = known if known is not None else dict(await self._call(
                 f"get resourceclaim {namespace}/{name}",
-                self._objects.get_namespaced_custom_object, RESOURCE_GROUP, RESOURCE_VERSION,
-                namespace, "resourceclaims", name)
+                self._objects.get_namespaced_custom_object, RESOURCE_GROUP,
+                RESOURCE_VERSION, namespace, "resourceclaims", name))
+            known = None
             status = dict(claim.get("status") or {})
             status["devices"] = merged_devices(status.get("devices") or [], entries)
             claim["status"] = status
             try:
-                await self._call(
+                resp = await self._call(
                     f"update resourceclaim status {namespace}/{name}",
                     self._objects.replace_namespaced_custom_object_status, RESOURCE_GROUP,
                     RESOURCE_VERSION, namespace, "resourceclaims", name, claim,
                     field_manager=FIELD_MANAGER, _preload_content=False)
-                return
             except KubeConflictError:
                 if attempt:
                     raise
+                continue
+            self._written[key] = dict(json.loads(resp.data))
+            while len(self._written) > _WRITTEN_CLAIMS:
+                self._written.pop(next(iter(self._written)))
+            return
 
 
 @dataclass
