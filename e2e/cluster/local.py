@@ -134,11 +134,16 @@ class LocalCluster:
     def api_port(self) -> int:
         return self.ports["apiserver"]
 
-    def api_client(self) -> Any:
-        """A new admin client of the kubernetes package (close it after use)."""
+    def api_client(self, *, server: str | None = None) -> Any:
+        """A new admin client of the kubernetes package (close it after use). ``server``
+        (``https://127.0.0.1:<port>``) reaches the API server through something in front of
+        it, a relay or a counting proxy, with the same credentials and CA."""
         from kubernetes import config
 
-        return config.new_client_from_config(config_file=str(self.kubeconfig))
+        api = config.new_client_from_config(config_file=str(self.kubeconfig))
+        if server is not None:
+            api.configuration.host = server
+        return api
 
     def allocate_node_index(self) -> int:
         """A small number unique among this cluster's real nodes (their addresses)."""
