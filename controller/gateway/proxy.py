@@ -116,6 +116,10 @@ def _has_text(event: bytes) -> bool:
                 return True
         if isinstance(obj, dict) and obj.get("type") == "response.output_text.delta":
             return True  # the Responses API's stream
+        delta = obj.get("delta") if isinstance(obj, dict) else None
+        if obj.get("type") == "content_block_delta" and isinstance(delta, dict) and (
+                delta.get("text") or delta.get("thinking")):
+            return True  # Anthropic's Messages stream (/v1/messages)
     return False
 
 

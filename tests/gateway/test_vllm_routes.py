@@ -238,6 +238,10 @@ async def test_a_streamed_message_waits_for_its_switch_and_arrives_whole(
     assert (kinds[0], kinds[-1]) == ("message_start", "message_stop")
     assert "".join(e["delta"]["text"] for kind, e in events
                    if kind == "content_block_delta") == "7"
+    # Its first text delta is its first token, as a chat chunk's content is.
+    metrics = await (await rig.gateway.get("/metrics")).text()
+    assert (f'rota_gateway_first_token_duration_seconds_count{{model_name="{MODEL_B}"}} 1.0'
+            in metrics)
 
 
 async def test_a_refusal_inside_a_started_message_stream_is_anthropic_s_error_event(
