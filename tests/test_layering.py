@@ -150,3 +150,37 @@ def test_only_the_named_modules_import_the_kubernetes_client() -> None:
              for path in (ROOT / folder).rglob("*.py")
              if any(name.split(".")[0] == "kubernetes" for name in _imports(path))}
     assert found == KUBERNETES_IMPORTERS
+
+
+def _exception_classes(package: str) -> list[type[BaseException]]:
+    """The exception classes defined in ``package``'s modules (private ones included)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    root = importlib.import_module(package)
+    found: list[type[BaseException]] = []
+    for info in pkgutil.walk_packages(root.__path__, f"{package}."):
+        module = importlib.import_module(info.name)
+        found += [cls for _, cls in inspect.getmembers(module, inspect.isclass)
+                  if issubclass(cls, BaseException) and cls.__module__ == info.name]
+    return found
+
+
+@pytest.mark.parametrize(("package", "root_name", "exempt"), [
+    ("controller.lease", "controller.lease.errors.LeaseControllerError", set()),
+    # The fake NVML backend stands for a CUDA allocation failing inside an engine, not
+    # for an error of the driver; a list-watch's 410 never leaves its thread.
+    ("driver", "driver.errors.RotaDriverError",
+     {"driver.nvml.fake.GpuMemoryExhausted", "driver.listwatch._Gone"}),
+])
+def test_each_process_has_one_error_root(package: str, root_name: str, exempt: set[str]
+                                         ) -> None:
+    import importlib
+
+    module, _, name = root_name.rpartition(".")
+    root = getattr(importlib.import_module(module), name)
+    strays = sorted(f"{cls.__module__}.{cls.__qualname__}" for cls in _exception_classes(package)
+                    if not issubclass(cls, root)
+                    and f"{cls.__module__}.{cls.__qualname__}" not in exempt)
+    assert strays == [], f"errors of {package} outside {root_name}"

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from controller.claimants import Claimant
+from controller.lease.errors import LeaseControllerError
 from driver.pb.rota.v1 import inspect_pb2 as pb
 from driver.quantity import format_bytes
 from driver.rpc.services import unary_client
@@ -64,7 +65,7 @@ def _with(claimants: Sequence[Claimant], claimant: Claimant) -> list[Claimant]:
     return [*claimants, claimant]
 
 
-class DeviceError(RuntimeError):
+class DeviceError(LeaseControllerError):
     """The inspection API did not answer."""
 
 

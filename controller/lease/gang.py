@@ -43,6 +43,7 @@ from controller.lease import metrics
 from controller.lease.admission import StartSwitch, StartTicket
 from controller.lease.engines.base import EngineAdapter
 from controller.lease.engines.errors import EngineUnreachable
+from controller.lease.errors import LeaseControllerError
 from controller.lease.switch import (
     Fenced,
     LeasePort,
@@ -399,7 +400,7 @@ class GangSwitch:
         return GangResult(True, final, timings=timings, holders=tuple(holders))
 
 
-class _SleepsUnknown(Exception):
+class _SleepsUnknown(LeaseControllerError):
     def __init__(self, first: SleepUnknown, claimants: tuple[Claimant, ...]) -> None:
         super().__init__(str(first))
         self.first = first

@@ -33,7 +33,9 @@ from controller.lease.cache import NodeCache
 from controller.lease.device import DeviceReader, GpuSnapshot
 from controller.lease.election import Election
 from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
+from controller.lease.engines.no_address import NoAddressEngine
 from controller.lease.engines.registry import make_adapter
+from controller.lease.errors import LeaseControllerError
 from controller.lease.gpu import Activation, GpuWorker, KubeLeasePort, Policy
 from controller.lease.gpu_locks import GpuLocks, domains
 from controller.lease.kube import ControllerKube
@@ -57,7 +59,7 @@ class StartAnswer:
     retry_after_s: float = 0.0
 
 
-class UnknownModel(LookupError):
+class UnknownModel(LeaseControllerError, LookupError):
     """No serving claimant on this node has that model (or claim)."""
 
 
@@ -94,12 +96,14 @@ class NodeController:
         return self.cache.claimants()
 
     def engine(self, claimant: Claimant) -> EngineAdapter:
-        if claimant.endpoint is None:
-            raise Fenced(f"{claimant.ref} has no pod IP")
-        endpoint = EngineEndpoint(base_url=claimant.endpoint, model=claimant.model,
+        # 0.0.0.0: no address yet; a NoAddressEngine never sends anything there.
+        endpoint = EngineEndpoint(base_url=claimant.endpoint or f"http://0.0.0.0:{claimant.port}",
+                                  model=claimant.model,
                                   claim=claimant.ref,
                                   pod=f"{claimant.namespace}/{claimant.pod_name}",
                                   token=self.engine_token)
+        if claimant.endpoint is None:
+            return NoAddressEngine(endpoint)
         return make_adapter(claimant.config, endpoint, self.session, self.engine_timeouts)
 
     def _guard(self) -> None:

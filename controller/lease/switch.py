@@ -55,6 +55,7 @@ from controller.lease.engines.errors import (
     EngineRejected,
     EngineUnreachable,
 )
+from controller.lease.errors import LeaseControllerError
 from controller.lease.settings import StepTimeouts
 from driver.aio import Backoff
 
@@ -79,7 +80,7 @@ def gang_of(claimant: Claimant) -> str:
     return ",".join(claimant.gpus) if claimant.spans_gpus else ""
 
 
-class Fenced(RuntimeError):
+class Fenced(LeaseControllerError):
     """Another writer changed the GPU Lease, or this instance lost the node: stop now."""
 
 
@@ -131,13 +132,13 @@ class SwitchResult:
         return self.lease.holder
 
 
-class SwitchFailed(Exception):
+class SwitchFailed(LeaseControllerError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
 
-class SleepUnknown(Exception):
+class SleepUnknown(LeaseControllerError):
     """A sleep whose outcome is not known; the engine is unsettled."""
 
     def __init__(self, claimant: Claimant, cause: BaseException) -> None:

@@ -47,6 +47,8 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
+from controller.lease.errors import LeaseControllerError
+
 if TYPE_CHECKING:
     from controller.lease.engines.base import UnfinishedWake
 
@@ -129,7 +131,7 @@ def error_message(body: str) -> str:
     return body
 
 
-class EngineError(Exception):
+class EngineError(LeaseControllerError):
     """Base of every error an engine adapter raises on purpose.
 
     Attributes:

@@ -48,6 +48,7 @@ from controller.lease.engines.base import EngineEndpoint, Timeouts
 from controller.lease.engines.errors import ProbeFailed, error_message, truncate
 from controller.lease.engines.sse import SseParser
 from controller.lease.engines.transport import api_key_path
+from controller.lease.errors import LeaseControllerError
 from driver.opaque import (
     DEFAULT_PROBE_ANSWER,
     DEFAULT_PROBE_MAX_TOKENS,
@@ -337,5 +338,5 @@ async def run_probe(
     return result
 
 
-class _HttpError(Exception):
+class _HttpError(LeaseControllerError):
     """The probe got a non-200 answer."""
