@@ -50,6 +50,7 @@ from controller.lease.gang import (
     needs_gang,
 )
 from controller.lease.gpu_locks import GpuLocks
+from controller.lease.in_flight import until_idle
 from controller.lease.kube import ControllerKube
 from controller.lease.reconcile import Seen, classify, plan
 from controller.lease.switch import Fenced, Switcher, SwitchResult
@@ -1054,22 +1055,20 @@ class GpuWorker:
     async def _coalesce(self, holder: Claimant, stop: asyncio.Event) -> bool:
         """Let the holder finish what it is serving (up to the window) before its
         admission closes; True when the controller is stopping."""
-        deadline = self.clock() + self.policy.coalesce_window_s
-        delay = 0.01
-        engine = self.engine(holder)
-        while self.clock() < deadline:
-            try:
-                if not await engine.in_flight():
-                    return False
-            except EngineError as exc:  # the drain step will find out what is going on
-                log.info("holder's load unknown; not waiting for it",
-                         extra={"device": self.gpu, "error": str(exc)})
-                return False
-            if await wait_any(stop, timeout_s=min(delay, max(0.0, deadline - self.clock()))):
-                return True
-            delay = min(delay * 2, 0.25)
-        log.info("coalescing window over; switching with work in flight",
-                 extra={"device": self.gpu, "holder": holder.ref})
+        if self.policy.coalesce_window_s <= 0:
+            return False
+        try:
+            busy = await until_idle(self.engine(holder), clock=self.clock, stop=stop,
+                                    deadline=self.clock() + self.policy.coalesce_window_s)
+        except EngineError as exc:  # the drain step will find out what is going on
+            log.info("holder's load unknown; not waiting for it",
+                     extra={"device": self.gpu, "error": str(exc)})
+            return False
+        if stop.is_set():
+            return True
+        if busy:
+            log.info("coalescing window over; switching with work in flight",
+                     extra={"device": self.gpu, "holder": holder.ref})
         return False
 
     async def _lease_now(self) -> GpuLease:

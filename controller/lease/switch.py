@@ -56,6 +56,7 @@ from controller.lease.engines.errors import (
     EngineUnreachable,
 )
 from controller.lease.errors import LeaseControllerError
+from controller.lease.in_flight import until_idle
 from controller.lease.settings import StepTimeouts
 from driver.aio import Backoff
 
@@ -207,16 +208,9 @@ class Switcher:
         """Wait (bounded) until ``claimant`` has no work; reads only, so leadership is
         the only check (the sleep that follows is fenced)."""
         self.ports.guard()
-        engine = self.ports.engine(claimant)
         start = self.ports.clock()
-        deadline = start + self.limits.timeouts.drain_s
-        delay = 0.01
-        while True:
-            busy = await engine.in_flight()
-            if not busy or self.ports.clock() >= deadline:
-                break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
+        busy = await until_idle(self.ports.engine(claimant), clock=self.ports.clock,
+                                deadline=start + self.limits.timeouts.drain_s)
         elapsed = self.ports.clock() - start
         timings["drain"] = elapsed
         metrics.DRAIN.labels(claimant.model).observe(elapsed)
