@@ -35,9 +35,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 from aiohttp import web
-from kubernetes import client, config
+from kubernetes import client
 
-from e2e.cluster import LocalCluster
+from e2e.cluster import LocalCluster, pki
 from e2e.cluster.local import free_port
 from e2e.harness import GpuNode, engine_node
 from e2e.objects import claim, create_claim
@@ -102,10 +102,9 @@ class CountingProxy:
         return self.cluster.workdir / "pki"
 
     def write_kubeconfig(self, path: Path) -> Path:
-        text = self.cluster.kubeconfig.read_text().replace(
-            self.cluster.server, f"https://127.0.0.1:{self.port}")
-        path.write_text(text)
-        path.chmod(0o600)
+        """The cluster's admin kubeconfig, reaching the API server through this proxy."""
+        pki.write_kubeconfig(path, server=f"https://127.0.0.1:{self.port}",
+                             pki=self.cluster.pki)
         return path
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
@@ -266,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = LocalCluster()
     try:
         with cluster:
-            api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+            api = cluster.api_client()
             try:
                 with engine_node(cluster, api, prefix="bench") as (node, namespace):
                     async def run() -> list[dict[str, Any]]:

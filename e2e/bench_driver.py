@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 import grpc
-from kubernetes import client, config
+from kubernetes import client
 
 from driver.devices import discover
 from driver.kube import Kube
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result: dict[str, Any] = {}
     with LocalCluster() as cluster:
-        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        api = cluster.api_client()
         node = GpuNode(cluster=cluster, api=api, name=f"bench-{uuid.uuid4().hex[:6]}")
         try:
             namespace = f"bench-{uuid.uuid4().hex[:6]}"

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from kubernetes import client, config
+from kubernetes import client
 
 from e2e.cluster import LocalCluster
 from e2e.harness import engine_node
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = LocalCluster()
     try:
         with cluster:
-            api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+            api = cluster.api_client()
             try:
                 result = run(cluster, api, load=load)
             finally:

@@ -318,9 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = LocalCluster()
     try:
         cluster.start()
-        from kubernetes import config
-
-        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        api = cluster.api_client()
         namespace = f"campaign-{uuid.uuid4().hex[:8]}"
         client.CoreV1Api(api).create_namespace({"metadata": {"name": namespace}})
         with tempfile.TemporaryDirectory(prefix="rota-campaign-") as root:

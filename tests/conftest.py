@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kubernetes import client, config
+from kubernetes import client
 
 from e2e.cluster import LocalCluster
 from e2e.objects import MANIFESTS, apply_manifest, create_namespace
@@ -42,7 +42,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="session")
 def kube_api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    api = cluster.api_client()
     try:
         yield api
     finally:

@@ -7,8 +7,6 @@ import asyncio
 import sys
 from pathlib import Path
 
-from kubernetes import config
-
 from driver.logs import configure
 from e2e.chaos.campaign import CampaignOptions, run_campaign
 from e2e.chaos.rig import RigOptions
@@ -53,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         rig=RigOptions(nodes=args.nodes, engines_per_gpu=args.engines_per_gpu,
                        awake=args.awake))
     with LocalCluster() as cluster:
-        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        api = cluster.api_client()
         try:
             tally = asyncio.run(run_campaign(cluster, api, options))
         finally:

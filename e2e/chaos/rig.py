@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 from kubernetes import client
 
 from e2e.chaos.proxy import FlakyRelay
-from e2e.cluster import LocalCluster
+from e2e.cluster import LocalCluster, pki
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
 from e2e.harness import GpuNode
@@ -79,10 +78,8 @@ class NodeRig:
 
 
 def _relay_kubeconfig(cluster: LocalCluster, relay: FlakyRelay, path: Path) -> Path:
-    config = yaml.safe_load(cluster.kubeconfig.read_text())
-    for entry in config["clusters"]:
-        entry["cluster"]["server"] = f"https://127.0.0.1:{relay.port}"
-    path.write_text(yaml.safe_dump(config))
+    """The cluster's admin kubeconfig, reaching the API server through ``relay``."""
+    pki.write_kubeconfig(path, server=f"https://127.0.0.1:{relay.port}", pki=cluster.pki)
     return path
 
 

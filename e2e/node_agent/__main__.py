@@ -8,14 +8,15 @@ import signal
 import sys
 from pathlib import Path
 
-from kubernetes import config
-
+from driver.kube import ClientAgent, load_api_client
 from driver.logs import configure
 from e2e.node_agent.agent import NodeAgent
 
 
 async def _run(args: argparse.Namespace) -> None:
-    api = config.new_client_from_config(config_file=args.kubeconfig)
+    # The kubelet's stand-in names itself, so audit logs and request counts tell its load
+    # from rota's components'.
+    api = load_api_client(args.kubeconfig, agent=ClientAgent(component="rota-e2e-node-agent"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

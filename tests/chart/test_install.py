@@ -33,6 +33,7 @@ from e2e.cluster import LocalCluster
 from e2e.cluster.nodes import create_node, node_body
 from e2e.harness import GpuNode
 from e2e.objects import claim
+from e2e.rota_node import client_with_token
 from e2e.scenario import deploy
 from e2e.waiting import eventually
 from tests.engines_on_cluster import MODEL_A, MODEL_B
@@ -99,12 +100,7 @@ class Release:
         return str(answer.status.token)
 
     def as_token(self, token: str) -> client.ApiClient:
-        cfg = client.Configuration()
-        cfg.host = self.cluster.server
-        cfg.ssl_ca_cert = str(self.cluster.workdir / "pki" / "ca.crt")
-        cfg.api_key = {"authorization": token}
-        cfg.api_key_prefix = {"authorization": "Bearer"}
-        return client.ApiClient(cfg)
+        return client_with_token(self.cluster, token)
 
 
 @pytest.fixture(scope="module")

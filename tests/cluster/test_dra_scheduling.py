@@ -167,14 +167,12 @@ def test_claim_template_generates_a_claim_and_the_pod_is_scheduled(
 @pytest.fixture(scope="module")
 def gate_off_api() -> Iterator[client.ApiClient]:
     """A second control plane (etcd + apiserver only) with DRAConsumableCapacity off."""
-    from kubernetes import config
-
     options = ClusterOptions(feature_gates={"DRAConsumableCapacity": False},
                              run_scheduler=False, run_controller_manager=False)
     local = LocalCluster(options=options)
     try:
         local.start()
-        api = config.new_client_from_config(config_file=str(local.kubeconfig))
+        api = local.api_client()
         yield api
         api.close()
     finally:

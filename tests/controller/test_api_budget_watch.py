@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from kubernetes import client, config
+from kubernetes import client
 
 from driver.aio import Backoff
 from driver.listwatch import ListWatch, Obj
@@ -25,16 +23,11 @@ DEADLINE_S = 30.0
 
 
 @pytest.fixture
-async def relayed_api(cluster: LocalCluster, tmp_path: Path
+async def relayed_api(cluster: LocalCluster
                       ) -> AsyncIterator[tuple[client.ApiClient, FlakyRelay]]:
     relay = FlakyRelay("127.0.0.1", cluster.api_port)
     await relay.start()
-    kubeconfig = yaml.safe_load(cluster.kubeconfig.read_text())
-    for entry in kubeconfig["clusters"]:
-        entry["cluster"]["server"] = f"https://127.0.0.1:{relay.port}"
-    path = tmp_path / "relay.kubeconfig"
-    path.write_text(yaml.safe_dump(kubeconfig))
-    api = config.new_client_from_config(config_file=str(path))
+    api = cluster.api_client(server=f"https://127.0.0.1:{relay.port}")
     try:
         yield api, relay
     finally:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kubernetes import client, config
+from kubernetes import client
 
 from controller.lease.cache import NodeCache
 from e2e.cluster import LocalCluster
@@ -41,7 +41,7 @@ def scoped_api(cluster: LocalCluster, kube_api: client.ApiClient, namespace: str
                     "name": user},
         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}
     rbac.create_cluster_role_binding(binding)
-    api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    api = cluster.api_client()
     api.set_default_header("Impersonate-User", user)
     try:
         yield api

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from kubernetes import client, config
+from kubernetes import client
 
 from controller.api import naming
 from e2e.cluster import ClusterOptions, LocalCluster
@@ -32,7 +32,7 @@ def gate_off_cluster() -> Iterator[tuple[LocalCluster, client.ApiClient]]:
     local = LocalCluster(options=ClusterOptions(feature_gates={"DRAConsumableCapacity": False}))
     try:
         local.start()
-        api = config.new_client_from_config(config_file=str(local.kubeconfig))
+        api = local.api_client()
         apply_manifest(api, MANIFESTS / "deviceclass.yaml")
         yield local, api
         api.close()

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from kubernetes import client, config
+from kubernetes import client
 
 from e2e.cluster import ClusterOptions, LocalCluster
 from e2e.harness import GpuNode
@@ -24,7 +24,7 @@ def gate_off() -> Iterator[tuple[LocalCluster, client.ApiClient]]:
         run_controller_manager=False))
     try:
         local.start()
-        api = config.new_client_from_config(config_file=str(local.kubeconfig))
+        api = local.api_client()
         yield local, api
         api.close()
     finally:
