@@ -23,6 +23,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.scale.world import USER_AGENT
+
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY", "DELETECOLLECTION"})
 SLO_S = {"mutating": 1.0, "read-resource": 1.0, "read-namespace": 5.0, "read-cluster": 30.0}
 
@@ -32,8 +34,9 @@ Samples = dict[str, dict[Labels, float]]
 
 def scrape(server: str, context: ssl.SSLContext, timeout_s: float = 30.0) -> Samples:
     """Every sample of ``/metrics``: metric sample name -> labels -> value."""
-    with urllib.request.urlopen(f"{server}/metrics", timeout=timeout_s,
-                                context=context) as resp:
+    request = urllib.request.Request(f"{server}/metrics",
+                                     headers={"User-Agent": USER_AGENT})
+    with urllib.request.urlopen(request, timeout=timeout_s, context=context) as resp:
         text = resp.read().decode()
     samples: Samples = defaultdict(dict)
     for family in text_string_to_metric_families(text):

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 
 IDLE_TARGET_PER_NODE_MIN = 15.0
 SWITCH_TARGET = 20.0
-UNATTRIBUTED = ("OpenAPI-Generator", "(none)", "Python-urllib", "python-requests")
-"""Products of clients that did not name themselves (the Python client's default)."""
+UNATTRIBUTED = ("OpenAPI-Generator", "(none)")
+"""Products of Kubernetes clients that did not name themselves (the Python client's
+default). The harness's own readiness probes and scrapes go out as urllib's."""
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -70,6 +71,10 @@ class Phase:
     watch: dict[str, dict[str, Any]]
     latency: dict[str, apimetrics.Latency]
     gateways: list[tuple[ProcessSample, ProcessSample]]
+    harness: tuple[ProcessSample, ProcessSample]
+    """The harness's own process (every emulated driver and controller)."""
+    loop_lag_s: float
+    """The longest the harness's event loop was late in the phase."""
 
     @property
     def seconds(self) -> float:
@@ -78,6 +83,10 @@ class Phase:
 
 def _round(value: float, digits: int = 2) -> float:
     return round(value, digits)
+
+
+def _cores(before: ProcessSample, after: ProcessSample) -> float:
+    return _round((after.cpu_s - before.cpu_s) / max(after.at - before.at, 1e-9), 3)
 
 
 WATCH_SHOWN = frozenset({"pods", "resourceclaims.resource.k8s.io",
@@ -123,16 +132,17 @@ def _phase_figures(phase: Phase, tally: audit.Tally, *, nodes: int, gateways: in
         "latency_p99": {
             cls: {"requests": lat.requests, "p99_s": lat.p99_s, "slo_s": lat.slo_s,
                   "met": lat.met} for cls, lat in phase.latency.items()},
+        "harness": {"cpu_cores": _cores(*phase.harness),
+                    "loop_lag_max_s": _round(phase.loop_lag_s, 3)},
         "gateways": [{
             "rss_mib": _round(after.rss_bytes / 2**20, 1),
-            "cpu_cores": _round((after.cpu_s - before.cpu_s) / max(after.at - before.at, 1e-9),
-                                3)} for before, after in phase.gateways],
+            "cpu_cores": _cores(before, after)} for before, after in phase.gateways],
     }
 
 
 def report(*, options: Options, shape: Shape, phases: list[Phase],
            requests: list[audit.Request], renewed: dict[str, bool],
-           gpu_errors: int, lease_namespace: str) -> dict[str, Any]:
+           gpu_errors: int, lease_losses: int, lease_namespace: str) -> dict[str, Any]:
     """The figures of a run; agents and writers are over the whole audit log (start-up
     included), the rest per phase."""
     tallies = {p.name: audit.tally(requests, p.start, p.end) for p in phases}
@@ -189,6 +199,7 @@ def report(*, options: Options, shape: Shape, phases: list[Phase],
         "controller_leases_renewed": sum(renewed.values()),
         "controller_leases_not_renewed": sorted(n for n, ok in renewed.items() if not ok),
         "gpu_step_errors": gpu_errors,
+        "controller_lease_losses": lease_losses,
     }
 
 
@@ -206,4 +217,6 @@ def phase_line(name: str, fig: dict[str, Any]) -> str:
             f"{per_node.get('rota-controller', 0)}, driver {per_node.get('rota-driver', 0)}, "
             f"gateway {fig['gateway_per_minute_per_replica']}/min/replica); kwok "
             f"{per_node.get('kwok', 0)}/min/node; watch {events:.0f} events/s "
-            f"{kbytes:.0f} KiB/s; p99 {lat}; gateways {gws}")
+            f"{kbytes:.0f} KiB/s; p99 {lat}; gateways {gws}; harness "
+            f"{fig['harness']['cpu_cores'] * 100:.0f}% CPU, loop late by "
+            f"{fig['harness']['loop_lag_max_s']} s at most")

@@ -14,6 +14,7 @@ import asyncio
 import datetime as dt
 import functools
 import logging
+import os
 import random
 import shutil
 import sys
@@ -36,6 +37,9 @@ from e2e.scale.report import Phase, ProcessSample, report
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 1800.0
+THREADS_PER_NODE = 12
+"""Two processes per node, each with asyncio's default pool on two cores (cpu + 4)."""
+LAG_TICK_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,17 @@ def _sample(procs: list[ManagedProcess]) -> list[ProcessSample]:
     return [ProcessSample.read(p.pid) for p in procs]
 
 
+async def _loop_lag(stop: asyncio.Event) -> float:
+    """The longest this process's event loop was late for a timer until ``stop``: when it
+    is seconds, the emulated processes themselves lag (the harness is saturated)."""
+    worst = 0.0
+    while not stop.is_set():
+        asked = time.monotonic()
+        await asyncio.sleep(LAG_TICK_S)
+        worst = max(worst, time.monotonic() - asked - LAG_TICK_S)
+    return worst
+
+
 async def _phase(name: str, seconds: float, running: Running, gpus: list[fleet.GpuEmulation],
                  *, per_gpu_hour: float, rng: random.Random, restart: bool = False) -> Phase:
     """One phase; with ``restart`` it begins with an API server restart and its counters
@@ -110,6 +125,8 @@ async def _phase(name: str, seconds: float, running: Running, gpus: list[fleet.G
     driver = asyncio.create_task(fleet.drive_switches(gpus, per_gpu_hour=per_gpu_hour,
                                                       stop=stop, rng=rng),
                                  name=f"switches-{name}")
+    lag = asyncio.create_task(_loop_lag(stop), name=f"loop-lag-{name}")
+    harness_before = ProcessSample.read(os.getpid())
     if restart:
         # On this (the starting) thread, so that the new process dies with this one.
         running.cluster.restart_apiserver(wait=False)
@@ -119,8 +136,9 @@ async def _phase(name: str, seconds: float, running: Running, gpus: list[fleet.G
     stop.set()
     await driver
     end = dt.datetime.now(dt.UTC)
+    harness = (harness_before, ProcessSample.read(os.getpid()))
     after = await asyncio.to_thread(apimetrics.scrape, running.cluster.server, ctx)
-    return Phase(name=name, start=start, end=end,
+    return Phase(name=name, start=start, end=end, loop_lag_s=await lag, harness=harness,
                  switches=sum(g.switches for g in gpus) - switches_before,
                  watch=apimetrics.watch_events(before, after),
                  latency=apimetrics.latency_p99(before, after),
@@ -130,7 +148,9 @@ async def _phase(name: str, seconds: float, running: Running, gpus: list[fleet.G
 async def _measure(options: Options, running: Running, workdir: Path) -> dict[str, Any]:
     shape = world.Shape(options.nodes, options.gpus, options.engines)
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(ThreadPoolExecutor(max_workers=min(256, 16 + 2 * shape.nodes)))
+    # Each real process has threads of its own for its API calls; here they share one
+    # pool, made large enough that no emulated process waits for another's thread.
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=16 + THREADS_PER_NODE * shape.nodes))
     api = _harness_client(running.cluster)
     nodes = await asyncio.to_thread(world.create_nodes, api, shape)
     await asyncio.to_thread(world.prepare_cluster, api)
@@ -185,10 +205,12 @@ async def _measure(options: Options, running: Running, workdir: Path) -> dict[st
             for gw in running.gateways:
                 gw.stop()
     errors = sum(g.errors for c in controllers for g in c.gpus.values())
+    losses = sum(max(0, c.election.term - 1) for c in controllers)
     await asyncio.sleep(2.0)  # the audit backend writes in batches of up to 1 s
     requests = list(audit.read(running.cluster.workdir / "audit.log"))
     return report(options=options, shape=shape, phases=phases, requests=requests,
-                  renewed=renewed, gpu_errors=errors, lease_namespace=world.LEASE_NAMESPACE)
+                  renewed=renewed, gpu_errors=errors, lease_losses=losses,
+                  lease_namespace=world.LEASE_NAMESPACE)
 
 
 def _renewed_leases(api: client.ApiClient, nodes: list[str], since: dt.datetime
