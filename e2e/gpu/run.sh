@@ -10,13 +10,20 @@
 #                            pytest on those engines, then the next scenarios while time is
 #                            left; the engines stay up (own sessions) for the next stage
 #   e2e/gpu/run.sh more      the scenarios not run yet, on the running engines
+#   e2e/gpu/run.sh policy    (after piece0, or after a call that only copied the first
+#                            piece into $WORK/chunks) add the second piece, install the
+#                            bundle, start three engines of model-small and replay a trace
+#                            window through the lease controller's GPU worker, first-come
+#                            then rota (python -m e2e.gpu.policy_run; ROTA_POLICY_ARGS: more
+#                            arguments, e.g. --trace); results in $OUT/policy.json
 #   e2e/gpu/run.sh stop      stop every engine of the state
 #   e2e/gpu/run.sh status    the state, the GPU, the engines' health
 #
 # Inputs (ignored paths of the checkout, carried by the caller): .vllm/bundle/ (the pieces
 # wheels.tar.xz.part-00 / -01, SHA256SUMS, WHOLE.sha256 built by the bundle script),
 # .vllm/models/{model-14b,model-small} (config + tokenizer), optionally .vllm/whl/ (wheels
-# for rota itself, e.g. protobuf, installed only when rota's imports fail).
+# for rota itself, e.g. protobuf or the kubernetes client and its dependencies, installed
+# only when rota's imports fail).
 # Outputs: $OUT/<stage>.log (everything printed), $OUT/<run>.json (the results, rewritten
 # after every step; the bench stage has two runs, bench and bench2), $OUT/<run>-nvml.json
 # (the NVML timeline), $OUT/<stage>-engines.log (the engines' own logs, cut), $OUT/prep.json
@@ -28,7 +35,7 @@
 # vLLM), ROTA_GPU_STATE (/tmp/rota-gpu: engines' state and logs), ROTA_GPU_INPUT (.vllm of
 # the checkout), PY (python3).
 set -uo pipefail
-STAGE=${1:?usage: e2e/gpu/run.sh piece0|bench|more|stop|status}
+STAGE=${1:?usage: e2e/gpu/run.sh piece0|bench|more|policy|stop|status}
 [ "$STAGE" = "install+bench" ] && STAGE=bench
 BEGAN=$(date +%s)
 BUDGET=${ROTA_GPU_BUDGET_S:-570}
@@ -82,7 +89,8 @@ rota_path() {  # PYTHONPATH of rota's own processes: extra wheels, the checkout,
 }
 
 ensure_rota_imports() {
-  if PYTHONPATH=$(rota_path) "$PY" -c "import e2e.gpu.bench" 2>"$STATE/import.err"; then
+  # policy_run imports the lease controller's GPU worker, and with it the kubernetes client
+  if PYTHONPATH=$(rota_path) "$PY" -c "import e2e.gpu.bench, e2e.gpu.policy_run" 2>"$STATE/import.err"; then
     return 0
   fi
   say "rota does not import: $(tail -n 1 "$STATE/import.err")"
@@ -91,7 +99,7 @@ ensure_rota_imports() {
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$ROTA_SITE" "$INPUT"/whl/*.whl || die "pip could not install .vllm/whl"
   fi
-  PYTHONPATH=$(rota_path) "$PY" -c "import e2e.gpu.bench" \
+  PYTHONPATH=$(rota_path) "$PY" -c "import e2e.gpu.bench, e2e.gpu.policy_run" \
     || die "rota still does not import (carry the missing wheels in .vllm/whl)"
 }
 
@@ -222,6 +230,23 @@ EOF
     engine_logs more
     exit $rc
     ;;
+  policy)
+    environment
+    copy_piece wheels.tar.xz.part-01
+    install_bundle
+    ensure_rota_imports
+    budget=$(( $(left) - 25 ))
+    say "policy comparison through the lease controller, $budget s"
+    # shellcheck disable=SC2086
+    timeout -k 15 $(( budget + 10 )) env PYTHONPATH="$(rota_path)" ROTA_VLLM_PYTHONPATH="$SITE" \
+      "$PY" -m e2e.gpu.policy_run --launcher vllm --out "$OUT" --state-dir "$STATE" \
+      --models "$INPUT/models" --deadline-s "$budget" --vllm-python "$(command -v "$PY")" \
+      ${ROTA_POLICY_ARGS:-}
+    rc=$?
+    say "policy comparison exited with status $rc"
+    engine_logs policy
+    exit $rc
+    ;;
   stop)
     PYTHONPATH="$(rota_path)" "$PY" -m e2e.gpu.engines stop "$STATE"
     ;;
@@ -229,5 +254,5 @@ EOF
     environment
     PYTHONPATH="$(rota_path)" "$PY" -m e2e.gpu.engines status "$STATE"
     ;;
-  *) die "unknown stage $STAGE (piece0, bench, more, stop, status)" ;;
+  *) die "unknown stage $STAGE (piece0, bench, more, policy, stop, status)" ;;
 esac
