@@ -28,12 +28,14 @@ from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeout
 from controller.lease.engines.registry import make_adapter
 from controller.lease.gpu import GpuWorker, Policy
 from controller.lease.gpu_locks import GpuLocks, domains
+from controller.lease.metrics import SwitchMetrics
 from controller.lease.settings import StepTimeouts
-from controller.lease.switch import Limits, Ports, Switcher
+from controller.lease.switch import Limits, Ports, Switcher, SwitchObserver
 from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.engine_simulator import Settings, create_app
 from e2e.engine_simulator.engine import Engine as SimEngine
 from e2e.engine_simulator.keys import ENGINE_KEY
+from e2e.engine_simulator.loopback import SimulatorServer
 from e2e.engine_simulator.settings import Faults, FaultsPatch
 from e2e.ports import MemoryLeasePort
 from e2e.waiting import eventually_async
@@ -83,7 +85,7 @@ async def start_sim(**overrides: Any) -> LoopbackSim:
                               "shutdown_grace_seconds": 0.0, "dev_mode": True}
     settings = Settings.model_validate(values | overrides)
     app = create_app(settings, exit_process=lambda code: None)
-    server = TestServer(app, host="127.0.0.1", port=0)
+    server = SimulatorServer(app, host="127.0.0.1", port=0)
     await server.start_server()
     return LoopbackSim(server, app[ENGINE_KEY], settings)
 
@@ -245,8 +247,8 @@ def _watched(engine: Engine, watch: OneAwakeWatch) -> None:
 
 async def gang_node(factory: SimFactory, session: aiohttp.ClientSession,
                     specs: Sequence[tuple[str, Sequence[str], int]], *, gpus: int,
-                    awake: Sequence[str] = (), timeouts: StepTimeouts | None = None
-                    ) -> GangNode:
+                    awake: Sequence[str] = (), timeouts: StepTimeouts | None = None,
+                    observer: SwitchObserver | None = None) -> GangNode:
     """Simulators for ``specs`` (name, GPUs, awake GiB across all its GPUs; each starts
     asleep unless named in ``awake``, whose Leases then name it), and the node's workers,
     opened and running."""
@@ -259,7 +261,7 @@ async def gang_node(factory: SimFactory, session: aiohttp.ClientSession,
     names = tuple(f"gpu-{i}" for i in range(gpus))
     leases = {g: MemoryLeasePort(GpuLease(name=naming.gpu_lease_name(NODE, g), node=NODE,
                                           device=g)) for g in names}
-    node = node_of(engines, session, leases, timeouts=timeouts)
+    node = node_of(engines, session, leases, timeouts=timeouts, observer=observer)
     for engine in engines:  # simulators start awake, as vLLM does
         if engine.claimant.claim_name not in awake:
             await node.adapter(engine.claimant).sleep(1)
@@ -282,14 +284,16 @@ def _domain(joined: dict[str, tuple[str, ...]], gpu: str) -> tuple[str, ...]:
 
 
 def node_of(engines: list[Engine], session: aiohttp.ClientSession,
-            leases: dict[str, MemoryLeasePort], *, timeouts: StepTimeouts | None = None
-            ) -> GangNode:
-    """A controller instance's workers for ``engines`` on ``leases`` (not yet running)."""
+            leases: dict[str, MemoryLeasePort], *, timeouts: StepTimeouts | None = None,
+            observer: SwitchObserver | None = None) -> GangNode:
+    """A controller instance's workers for ``engines`` on ``leases`` (not yet running);
+    ``observer`` is told of every switch's measurements (default: the Prometheus series)."""
     names = tuple(leases)
     watch = OneAwakeWatch(engines, names)
     device = GangDevice(engines)
-    engine_timeouts = Timeouts(sleep_s=10.0, wake_level1_s=10.0, wake_level2_s=10.0,
-                               probe_total_s=10.0)
+    engine_timeouts = (timeouts.engine_calls() if timeouts is not None
+                       else Timeouts(sleep_s=10.0, wake_level1_s=10.0, wake_level2_s=10.0,
+                                     probe_total_s=10.0))
     by_uid = {e.claimant.claim_uid: e for e in engines}
 
     def adapter(claimant: Claimant) -> EngineAdapter:
@@ -302,7 +306,8 @@ def node_of(engines: list[Engine], session: aiohttp.ClientSession,
     workers: dict[str, GpuWorker] = {}
     for gpu in names:
         switcher = Switcher(
-            ports=Ports(lease=leases[gpu], device=device, engine=adapter, guard=lambda: None),
+            ports=Ports(lease=leases[gpu], device=device, engine=adapter, guard=lambda: None,
+                        observer=observer or SwitchMetrics()),
             limits=Limits(tolerance_bytes=TOLERANCE, unknown_limit_bytes=TOLERANCE,
                           timeouts=timeouts or StepTimeouts(), restore_wait_s=0.5),
             identity="controller-a")

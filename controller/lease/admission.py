@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from controller.api import naming
 from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.lease import metrics
 from controller.lease.switch import (
     Fenced,
     SleepUnknown,
@@ -144,29 +143,29 @@ class StartSwitch:
             raise
         except SleepUnknown as exc:
             ticket.refuse()
-            metrics.STARTS.labels("refused").inc()
+            sw.ports.observer.started("refused")
             return await sw.unsettled(lease, exc, timings)
         except Exception as exc:
             ticket.refuse()
-            metrics.STARTS.labels("refused").inc()
+            sw.ports.observer.started("refused")
             return await sw.restore(lease, holder, exc, timings, claimants)
         granted_at = sw.ports.clock()
         timings["admit"] = granted_at - begin
         try:
             started = await self.until_up(newcomer, ticket, fence, timings)
             timings["start"] = sw.ports.clock() - granted_at
-            metrics.START.labels(newcomer.model).observe(timings["start"])
+            sw.ports.observer.start_took(newcomer.model, timings["start"])
             await sw.probe(started, fence, timings)
             await sw.sleep(started, fence, timings)  # the first sleep, before any user
         except Fenced:
             raise
         except SleepUnknown as exc:
-            metrics.STARTS.labels("failed").inc()
+            sw.ports.observer.started("failed")
             return await sw.unsettled(lease, exc, timings)
         except Exception as exc:
-            metrics.STARTS.labels("failed").inc()
+            sw.ports.observer.started("failed")
             return await self._failed(lease, holder, newcomer, claimants, exc, timings)
-        metrics.STARTS.labels("ok").inc()
+        sw.ports.observer.started("ok")
         stay = newcomer if holder is None or wanted() else holder
         stay = self.claimant_of(stay.claim_uid) or stay
         try:

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from controller.api import naming
 from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant, gpu_order
-from controller.lease import metrics
 from controller.lease.admission import StartSwitch, StartTicket
 from controller.lease.engines.base import EngineAdapter
 from controller.lease.engines.errors import EngineUnreachable
@@ -120,7 +119,7 @@ class GangSwitcher(Switcher):
             self.limits.timeouts.lease_s, timings)
         for gpu, lease in zip(gpus, current, strict=True):
             if lease.fence != self.fences[gpu]:
-                metrics.FENCED.inc()
+                self.ports.observer.fenced()
                 raise Fenced(f"fence {self.fences[gpu]} is stale: the GPU Lease {lease.name} "
                              f"carries {lease.fence} (written by "
                              f"{lease.controller or 'unknown'})")
@@ -188,8 +187,7 @@ class GangSwitch:
                     holders: Sequence[Claimant], restored: Sequence[Claimant] = (),
                     unsettled: tuple[Claimant, ...] = (), timings: dict[str, float]
                     ) -> GangResult:
-        metrics.SWITCHES.labels("failed").inc()
-        metrics.FAILURES.labels(metrics.failure_reason(reason)).inc()
+        self.sw.ports.observer.switched(reason)
         final = await self._close(opened, awake=restored, state_without=naming.LeaseState.FAILED,
                                   last_error=f"{reason}: {message}", timings=timings)
         log.error("gang switch failed", extra={
@@ -314,11 +312,11 @@ class GangSwitch:
         except Exception as exc:
             return await self._back_out(opened, holders, target, exc, claimants, timings)
         timings["handoff_to_first_token"] = first_token_at - handoff_start
-        metrics.HANDOFF.labels(target.model).observe(timings["handoff_to_first_token"])
+        sw.ports.observer.handed_off(target.model, timings["handoff_to_first_token"])
         final = await self._close(opened, awake=[target], state_without=naming.LeaseState.IDLE,
                                   last_error="", timings=timings)
         timings["total"] = sw.ports.clock() - begin
-        metrics.SWITCHES.labels("ok").inc()
+        sw.ports.observer.switched(None)
         log.info("gang switch done", extra={
             "device": ",".join(final), "holder": target.ref, "model": target.model,
             "timings": {k: round(v, 4) for k, v in timings.items()}})
@@ -348,12 +346,12 @@ class GangSwitch:
             raise
         except _SleepsUnknown as exc:
             ticket.refuse()
-            metrics.STARTS.labels("refused").inc()
+            sw.ports.observer.started("refused")
             return await self._fail(opened, exc.first.reason, str(exc.first), holders=holders,
                                     unsettled=exc.claimants, timings=timings)
         except Exception as exc:
             ticket.refuse()
-            metrics.STARTS.labels("refused").inc()
+            sw.ports.observer.started("refused")
             return await self._restore(opened, holders, exc, others, timings)
         try:
             started = await starter.until_up(newcomer, ticket, 0, timings)
@@ -362,13 +360,13 @@ class GangSwitch:
         except Fenced:
             raise
         except SleepUnknown as exc:
-            metrics.STARTS.labels("failed").inc()
+            sw.ports.observer.started("failed")
             return await self._fail(opened, exc.reason, str(exc), holders=holders,
                                     unsettled=(exc.claimant,), timings=timings)
         except Exception as exc:
-            metrics.STARTS.labels("failed").inc()
+            sw.ports.observer.started("failed")
             return await self._back_out(opened, holders, newcomer, exc, others, timings)
-        metrics.STARTS.labels("ok").inc()
+        sw.ports.observer.started("ok")
         if not holders or wanted():
             return await self._wake_one(opened, started, others, holders, timings)
         restored, notes = await self._wake_back(holders, [*others, started], timings)

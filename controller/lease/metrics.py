@@ -105,6 +105,47 @@ POLICY_DECISIONS = Counter(
 INFO = Gauge("rota_controller_info", "1, labelled with the lease controller's version.",
              ["version"], registry=REGISTRY)
 
+
+class SwitchMetrics:
+    """The switch's measurements as Prometheus series: the lease controller's
+    :class:`~controller.lease.switch.SwitchObserver` (tests inject one that records)."""
+
+    def step(self, name: str, seconds: float) -> None:
+        STEP.labels(name).observe(seconds)
+
+    def fenced(self) -> None:
+        FENCED.inc()
+
+    def drained(self, model: str, seconds: float) -> None:
+        DRAIN.labels(model).observe(seconds)
+
+    def slept(self, model: str, level: int, first: bool, seconds: float) -> None:
+        SLEEP.labels(model, str(level), str(first).lower()).observe(seconds)
+
+    def woke(self, model: str, level: int, seconds: float) -> None:
+        WAKE.labels(model, str(level)).observe(seconds)
+
+    def recovered(self, model: str, seconds: float) -> None:
+        RECOVERY.labels(model).observe(seconds)
+
+    def handed_off(self, model: str, seconds: float) -> None:
+        HANDOFF.labels(model).observe(seconds)
+
+    def switched(self, reason: str | None) -> None:
+        """A switch ended: ``reason`` None when it succeeded, else why it failed."""
+        if reason is None:
+            SWITCHES.labels("ok").inc()
+            return
+        SWITCHES.labels("failed").inc()
+        FAILURES.labels(failure_reason(reason)).inc()
+
+    def started(self, outcome: str) -> None:
+        """A start-up admission ended: ``ok``, ``refused`` or ``failed``."""
+        STARTS.labels(outcome).inc()
+
+    def start_took(self, model: str, seconds: float) -> None:
+        START.labels(model).observe(seconds)
+
 for _reason in SWITCH_FAILURE_REASONS:
     FAILURES.labels(_reason)
 for _outcome in SWITCH_OUTCOMES:

@@ -32,7 +32,7 @@ from controller.lease.admission import StartLimits, StartSwitch
 from controller.lease.cache import NodeCache
 from controller.lease.device import DeviceReader, GpuSnapshot
 from controller.lease.election import Election
-from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
+from controller.lease.engines.base import EngineAdapter, EngineEndpoint
 from controller.lease.engines.no_address import NoAddressEngine
 from controller.lease.engines.registry import make_adapter
 from controller.lease.errors import LeaseControllerError
@@ -78,9 +78,7 @@ class NodeController:
         self.engine_token = engine_token
         self.clock = clock
         self.visible = visible
-        self.engine_timeouts = Timeouts(
-            sleep_s=settings.timeouts.sleep_s, wake_level1_s=settings.timeouts.wake_s,
-            wake_level2_s=settings.timeouts.wake_s, probe_total_s=settings.timeouts.probe_s)
+        self.engine_timeouts = settings.timeouts.engine_calls()
         self.workers: dict[str, GpuWorker] = {}
         self.locks = GpuLocks()
         self._domains: dict[str, tuple[str, ...]] = {}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 
+from controller.lease.engines.base import Timeouts
 from controller.lease.policy import ModelPolicy, PolicyMode
 from driver.settings import parse_settings
 
@@ -36,6 +37,11 @@ class StepTimeouts(BaseModel):
     lease_s: float = Field(default=10.0, gt=0)
     start_s: float = Field(default=900.0, gt=0)
     """From a start slot's grant until the engine answers /health (a cold start)."""
+
+    def engine_calls(self) -> Timeouts:
+        """The engine adapter's bounds for the same steps (a sleep, a wake, the probe)."""
+        return Timeouts(sleep_s=self.sleep_s, wake_level1_s=self.wake_s,
+                        wake_level2_s=self.wake_s, probe_total_s=self.probe_s)
 
 
 class PriorityCeilings(RootModel[dict[str, int]]):

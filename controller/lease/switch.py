@@ -85,6 +85,22 @@ class Fenced(LeaseControllerError):
     """Another writer changed the GPU Lease, or this instance lost the node: stop now."""
 
 
+class SwitchObserver(Protocol):
+    """What a switch measures, told as it happens (:class:`metrics.SwitchMetrics` turns
+    it into the controller's series; a test can record it)."""
+
+    def step(self, name: str, seconds: float) -> None: ...
+    def fenced(self) -> None: ...
+    def drained(self, model: str, seconds: float) -> None: ...
+    def slept(self, model: str, level: int, first: bool, seconds: float) -> None: ...
+    def woke(self, model: str, level: int, seconds: float) -> None: ...
+    def recovered(self, model: str, seconds: float) -> None: ...
+    def handed_off(self, model: str, seconds: float) -> None: ...
+    def switched(self, reason: str | None) -> None: ...
+    def started(self, outcome: str) -> None: ...
+    def start_took(self, model: str, seconds: float) -> None: ...
+
+
 class LeasePort(Protocol):
     async def read(self) -> GpuLease:
         """The API server's copy of the GPU Lease, read now."""
@@ -105,6 +121,8 @@ class Ports:
     guard: Callable[[], None]
     """Raises :class:`Fenced` when this instance may no longer act (leadership lost)."""
     clock: Callable[[], float] = time.monotonic
+    observer: SwitchObserver = field(default_factory=metrics.SwitchMetrics)
+    """Told of every measurement (Prometheus series by default)."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +200,7 @@ class Switcher:
         finally:
             elapsed = self.ports.clock() - start
             timings[name] = timings.get(name, 0.0) + elapsed
-            metrics.STEP.labels(name).observe(elapsed)
+            self.ports.observer.step(name, elapsed)
 
     async def fenced_engine(self, claimant: Claimant, fence: int, timings: dict[str, float]
                       ) -> EngineAdapter:
@@ -192,7 +210,7 @@ class Switcher:
         current = await self._step("fence", self.ports.lease.read(),
                                    self.limits.timeouts.lease_s, timings)
         if current.fence != fence:
-            metrics.FENCED.inc()
+            self.ports.observer.fenced()
             raise Fenced(f"fence {fence} is stale: the GPU Lease {current.name} carries "
                          f"{current.fence} (written by {current.controller or 'unknown'})")
         self.ports.guard()
@@ -213,7 +231,7 @@ class Switcher:
                                 deadline=start + self.limits.timeouts.drain_s)
         elapsed = self.ports.clock() - start
         timings["drain"] = elapsed
-        metrics.DRAIN.labels(claimant.model).observe(elapsed)
+        self.ports.observer.drained(claimant.model, elapsed)
         if busy:
             log.warning("drain timed out; sleeping with mode=wait lets the rest finish",
                         extra={"claim": claimant.ref, "in_flight": busy})
@@ -272,8 +290,7 @@ class Switcher:
         was the engine's first, which is slow (pinned host buffers are allocated)."""
         first = claimant.claim_uid not in self._slept_before
         self._slept_before.add(claimant.claim_uid)
-        metrics.SLEEP.labels(claimant.model, str(claimant.sleep_level),
-                             str(first).lower()).observe(sleep_s)
+        self.ports.observer.slept(claimant.model, claimant.sleep_level, first, sleep_s)
         return first
 
     async def snapshot(self, gpu: str, timings: dict[str, float]) -> GpuSnapshot:
@@ -308,7 +325,7 @@ class Switcher:
                                    t.wake_s, timings)
         wake_s = outcome.wake_s
         timings["wake_call"] = wake_s
-        metrics.WAKE.labels(target.model, str(target.sleep_level)).observe(wake_s)
+        self.ports.observer.woke(target.model, target.sleep_level, wake_s)
         confirmed, first_token = await asyncio.gather(
             self._step("wake_confirm", engine.confirm_awake(), t.confirm_s, timings),
             self.probe(target, fence, timings, wake_s=wake_s), return_exceptions=True)
@@ -332,7 +349,7 @@ class Switcher:
         ttft = float(result.ttft_s or 0.0)
         timings["probe_ttft"] = ttft
         timings["recovery_to_first_token"] = wake_s + ttft
-        metrics.RECOVERY.labels(target.model).observe(wake_s + ttft)
+        self.ports.observer.recovered(target.model, wake_s + ttft)
         return probe_start + ttft
 
     # -- the protocol --------------------------------------------------------------------
@@ -379,10 +396,10 @@ class Switcher:
             return await self._back_out(lease, holder, target, claimants, exc, timings)
         handoff = first_token_at - handoff_start
         timings["handoff_to_first_token"] = handoff
-        metrics.HANDOFF.labels(target.model).observe(handoff)
+        self.ports.observer.handed_off(target.model, handoff)
         lease = await self.write(self.serving(lease, target), timings)
         timings["total"] = self.ports.clock() - begin
-        metrics.SWITCHES.labels("ok").inc()
+        self.ports.observer.switched(None)
         log.info("switch done", extra={"device": lease.device, "fence": fence,
                                        "holder": target.ref,
                                        "timings": {k: round(v, 4) for k, v in timings.items()}})
@@ -399,8 +416,7 @@ class Switcher:
     async def fail(self, lease: GpuLease, reason: str, message: str, *,
                     restored: Claimant | None, timings: dict[str, float],
                     unsettled: tuple[Claimant, ...] = ()) -> SwitchResult:
-        metrics.SWITCHES.labels("failed").inc()
-        metrics.FAILURES.labels(metrics.failure_reason(reason)).inc()
+        self.ports.observer.switched(reason)
         if restored is not None:
             lease = self.serving(lease, restored, last_error=f"{reason}: {message}")
         else:

@@ -22,6 +22,7 @@ from controller.lease.engines.base import EngineEndpoint
 from e2e.engine_simulator import Settings, create_app
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.keys import ENGINE_KEY
+from e2e.engine_simulator.loopback import SimulatorServer
 from e2e.engine_simulator.settings import Faults, FaultsPatch
 
 ENGINE_SIM_MODEL = "sim/adapter-model"
@@ -87,7 +88,7 @@ async def engine_sim_factory() -> AsyncIterator[EngineSimFactory]:
         settings = Settings.model_validate(values | overrides)
         exits: list[int] = []
         app = create_app(settings, exit_process=exits.append)
-        server = TestServer(app, host="127.0.0.1", port=0)
+        server = SimulatorServer(app, host="127.0.0.1", port=0)
         await server.start_server()
         sim = EngineSim(server, app[ENGINE_KEY], settings, exits)
         started.append(sim)

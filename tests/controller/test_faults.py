@@ -1,5 +1,7 @@
-"""Faults injected into the simulated engines during switches: the switch fails with a
-distinct reason, one engine at most is ever awake, and the node returns to serving."""
+"""Faults on a real node that need its processes: an engine that crashes and is restarted,
+a vanished pod, the activation API's own input and credentials. The faults of the switch
+itself (a failed switch keeps one owner, a hung wake) run on the in-memory node:
+tests/controller/test_faults_in_memory.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 from kubernetes import client
 
 from e2e.harness import GpuNode
-from e2e.scenario import AwakeMonitor, Engine, activate, ask_seven, set_faults, sim_state
+from e2e.scenario import Engine, activate, ask_seven, set_faults
 from e2e.waiting import eventually_async
 from tests.engines_on_cluster import MODEL_A, MODEL_B
 
@@ -43,54 +45,6 @@ async def _recovers(session: aiohttp.ClientSession, url: str) -> None:
             return status == 200 and await ask_seven(session, body["endpoint"], model) == "7"
 
         await eventually_async(serves, timeout=60, what=f"{spec.model} serving again")
-
-
-@pytest.mark.parametrize(("engine", "fault", "reason"), [
-    ("b", "wake_fails", "gpu_oom"),
-    ("a", "sleep_lies", "memory_not_returned"),
-    ("a", "sleep_ignored", "lied"),
-    ("b", "wake_ignored", "lied"),
-])
-async def test_a_failed_switch_keeps_one_owner_and_says_why(
-        serving: tuple[GpuNode, list[Engine], aiohttp.ClientSession], engine: str,
-        fault: str, reason: str) -> None:
-    node, (a, b), session = serving
-    url = node.controller_url()
-    await set_faults(session, a if engine == "a" else b, **{fault: True})
-    with AwakeMonitor(node.dirs.inspect_socket, [a, b]) as monitor:
-        status, body = await activate(session, url, MODEL_B.model)
-        assert status == 503, body
-        assert body["error"]["type"] == reason, body
-        # The old holder serves again; the target is asleep.
-        status, back = await activate(session, url, MODEL_A.model)
-        assert status == 200, back
-        assert back["switched"] is False
-        assert await ask_seven(session, a.url, MODEL_A.model) == "7"
-        assert (await sim_state(session, b))["sleeping"] is True
-    assert monitor.violations == []
-    await set_faults(session, a if engine == "a" else b, **{fault: False})
-    await _recovers(session, url)
-
-
-async def test_a_hung_wake_keeps_every_other_engine_asleep_until_it_lands(
-        serving: tuple[GpuNode, list[Engine], aiohttp.ClientSession]) -> None:
-    node, (a, b), session = serving
-    url = node.controller_url()
-    await set_faults(session, b, wake_hangs=True)
-    with AwakeMonitor(node.dirs.inspect_socket, [a, b]) as monitor:
-        status, body = await activate(session, url, MODEL_B.model)
-        assert status == 503, body
-        # A wake without an answer may still complete: its outcome is unknown.
-        assert body["error"]["type"] == "state_unknown", body
-        # B's wake may still land (an engine does not stop a wake whose caller left):
-        # waking A now could leave two engines awake.
-        status, body = await activate(session, url, MODEL_A.model)
-        assert status == 503, body
-        assert body["error"]["type"] == "state_unknown", body
-        assert (await sim_state(session, a))["sleeping"] is True
-        await set_faults(session, b, wake_hangs=False)
-        await _recovers(session, url)
-    assert monitor.violations == []
 
 
 async def test_an_engine_that_crashes_on_sleep_is_restarted_and_serves_again(
