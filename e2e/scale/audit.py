@@ -115,6 +115,7 @@ class Tally:
     by_kind: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     """(component, verb, resource) -> requests."""
     relists: Counter[str] = field(default_factory=Counter)
+    """``"<component> <resource>"`` -> lists from scratch."""
     agents: dict[str, set[str]] = field(default_factory=dict)
     """component -> every full User-Agent it sent."""
 
@@ -122,7 +123,7 @@ class Tally:
         self.by_component[request.component] += 1
         self.by_kind[(request.component, request.verb, request.resource)] += 1
         if request.relist:
-            self.relists[request.component] += 1
+            self.relists[f"{request.component} {request.resource}"] += 1
         self.agents.setdefault(request.component, set()).add(request.user_agent)
 
     def rota(self, components: Iterable[str] = ROTA_COMPONENTS) -> int:

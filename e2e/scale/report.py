@@ -10,10 +10,11 @@ Formulas (N nodes, T a phase's length in minutes, S the switches done in it):
   by component alike: what the switches added over the idle load;
 - watch events and bytes per second by resource: the deltas of the API server's
   counters / the phase's seconds;
-- relists after an API server restart, per process: (lists from scratch, without a
-  resourceVersion or continue token, in the restart phase - those usual in as long,
-  from the switching phase's rate) / processes of that component. A periodic resync
-  (the driver's slices every 30 s) is such a list too, hence the baseline.
+- relists after an API server restart, per process and resource: (lists from scratch,
+  without a resourceVersion or continue token, in the restart phase - those usual in as
+  long, from the switching phase's rate) / processes of that component. A periodic list
+  (the driver's ledger GC lists its node's pods every minute) is such a list too, hence
+  the baseline.
 """
 
 from __future__ import annotations
@@ -163,10 +164,14 @@ def report(*, options: Options, shape: Shape, phases: list[Phase],
         processes = {"rota-controller": shape.nodes, "rota-driver": shape.nodes,
                      "rota-gateway": options.gateways}
         scale = figures["restart"]["seconds"] / switching["seconds"]
-        for component, processes_of in processes.items():
-            lists = figures["restart"]["relists"].get(component, 0)
-            usual = switching["relists"].get(component, 0) * scale
-            restart[component] = {
+        kinds = {*figures["restart"]["relists"], *switching["relists"]}
+        for kind in sorted(kinds):
+            processes_of = processes.get(kind.split(" ", 1)[0])
+            if processes_of is None:
+                continue
+            lists = figures["restart"]["relists"].get(kind, 0)
+            usual = switching["relists"].get(kind, 0) * scale
+            restart[kind] = {
                 "lists_from_scratch": lists, "usual_in_as_long": _round(usual, 1),
                 "per_process_over_usual": _round((lists - usual) / max(processes_of, 1))}
     agents: dict[str, set[str]] = {}
