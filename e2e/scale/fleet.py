@@ -199,10 +199,14 @@ class GpuEmulation:
         return rng.choice([c for c in self.claimants if c.ref != holder] or self.claimants)
 
     async def run(self, stop: asyncio.Event) -> None:
-        if not await wait_any(self.leading, stop) or stop.is_set():
-            return
         first = True
         while not stop.is_set():
+            if not self.leading.is_set():
+                # Not leading (yet, or any more): the worker is closed; a new term
+                # reconciles first.
+                if not await wait_any(self.leading, stop) or stop.is_set():
+                    return
+                first = True
             due = self.dirty or self.clock() >= self.next_reconcile
             if not (due or self.queue):
                 await wait_any(self.wakeup, stop,
