@@ -23,11 +23,12 @@ from typing import Any
 import aiohttp
 from kubernetes import client
 
-from controller.api import naming
+from controller.api.activation import STATE_PATH, LastSwitch, StateAnswer
 from driver.logs import configure
 from e2e.cluster import LocalCluster, binaries
 from e2e.cluster.realnode import RealNode
 from e2e.deploy import deploy
+from e2e.objects import read_gpu_lease
 from e2e.rota_node import RotaOnNodes, build_rota_images
 from e2e.scenario import stream_chat
 from e2e.waiting import eventually
@@ -42,21 +43,19 @@ def say(text: str = "") -> None:
 
 
 def _lease(api: client.ApiClient) -> dict[str, Any]:
-    lease = client.CoordinationV1Api(api).read_namespaced_lease(
-        naming.gpu_lease_name(NODE, "gpu-0"), "rota-system")
-    annotations = lease.metadata.annotations or {}
-    return {"holder": lease.spec.holder_identity or "-", "fence": lease.spec.lease_transitions,
-            "model": annotations.get(naming.HOLDER_MODEL, "-")}
+    lease = read_gpu_lease(api, NODE, "gpu-0")
+    return {"holder": lease.holder or "-", "fence": lease.fence,
+            "model": lease.holder_model or "-"}
 
 
 async def _last_switch(session: aiohttp.ClientSession, controller: str, token: str
-                       ) -> dict[str, Any]:
-    async with session.get(f"{controller}/v1/state",
+                       ) -> LastSwitch | None:
+    async with session.get(f"{controller}{STATE_PATH}",
                            headers={"Authorization": f"Bearer {token}"},
                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
-        state = await resp.json()
-    lease = state["leases"].get("gpu-0", {})
-    return dict(lease.get("last_switch") or {})
+        state = StateAnswer.model_validate(await resp.json())
+    lease = state.leases.get("gpu-0")
+    return lease.last_switch if lease is not None else None
 
 
 async def _conversation(api: client.ApiClient, gateway: str, controller: str, token: str,
@@ -74,7 +73,7 @@ async def _conversation(api: client.ApiClient, gateway: str, controller: str, to
                 f"  total {total * 1e3:7.1f} ms  awake: {after['model']}")
             if switched:
                 last = await _last_switch(session, controller, token)
-                t = last.get("timings", {})
+                t = last.timings if last is not None else {}
                 say(f"      switch {before['model']} -> {after['model']}: "
                     f"handoff to first token {t.get('handoff_to_first_token', 0) * 1e3:.0f} ms"
                     f" (sleep {t.get('sleep', 0) * 1e3:.0f} ms, wake call "

@@ -24,10 +24,10 @@ from typing import Any
 import yaml
 from kubernetes import client, dynamic
 
-from e2e.objects import MANIFESTS
+from e2e.objects import MANIFESTS, ROTA_NAMESPACE
 from e2e.waiting import eventually
 
-NAMESPACE = "rota-system"
+NAMESPACE = ROTA_NAMESPACE
 EXAMPLES = MANIFESTS / "examples"
 FIELD_MANAGER = "rota-e2e"
 DRIVER, CONTROLLER, GATEWAY = "rota-driver", "rota-controller", "rota-gateway"

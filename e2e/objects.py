@@ -9,10 +9,15 @@ from typing import Any
 import yaml
 from kubernetes import client
 
+from controller.api import naming
+from controller.api.gpu_lease import GpuLease
+
 GROUP, VERSION = "resource.k8s.io", "v1"
 DRIVER = "gpu.rota.dev"
 DEVICE_CLASS = "gpu.rota.dev"
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
+ROTA_NAMESPACE = "rota-system"
+"""Where rota runs and keeps its Leases (the lease controller's default namespace)."""
 
 
 def engine_config(*, model: str, awake: str, sleep_level: int = 1, port: int = 8000,
@@ -96,6 +101,23 @@ def node_slices(api: client.ApiClient, node: str) -> list[dict[str, Any]]:
         GROUP, VERSION, "resourceslices",
         field_selector=f"spec.driver={DRIVER},spec.nodeName={node}")
     return list(result["items"])
+
+
+def read_gpu_lease(api: client.ApiClient, node: str, device: str, *,
+                   namespace: str = ROTA_NAMESPACE, timeout_s: float = 10.0) -> GpuLease:
+    """The GPU Lease of ``node``'s ``device``, read by the contract (:class:`GpuLease`)."""
+    lease = client.CoordinationV1Api(api).read_namespaced_lease(
+        naming.gpu_lease_name(node, device), namespace, _request_timeout=timeout_s)
+    return GpuLease.from_object(api.sanitize_for_serialization(lease))
+
+
+def node_gpu_leases(api: client.ApiClient, node: str, *, namespace: str = ROTA_NAMESPACE,
+                    timeout_s: float = 10.0) -> list[GpuLease]:
+    """Every GPU Lease of ``node``, read by the contract."""
+    leases = client.CoordinationV1Api(api).list_namespaced_lease(
+        namespace, label_selector=naming.gpu_lease_selector(node), _request_timeout=timeout_s)
+    return [GpuLease.from_object(api.sanitize_for_serialization(lease))
+            for lease in leases.items]
 
 
 def create_namespace(api: client.ApiClient, name: str, *, labels: Mapping[str, str] | None = None,

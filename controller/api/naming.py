@@ -122,6 +122,11 @@ def label_value(value: str) -> str:
     return _bounded(value, _MAX_LABEL)
 
 
+def gpu_lease_selector(node: str) -> str:
+    """The label selector of ``node``'s GPU Leases."""
+    return f"{LABEL_KIND}={KIND_GPU},{LABEL_NODE}={label_value(node)}"
+
+
 def claim_ref(namespace: str, name: str) -> str:
     """The holderIdentity of a claimant."""
     return f"{namespace}/{name}"

@@ -21,6 +21,7 @@ from e2e.chaos.observe import LeaseObserver, Transition
 from e2e.chaos.rig import NodeRig, Rig, RigOptions, namespace_for
 from e2e.chaos.tally import Tally
 from e2e.cluster import LocalCluster
+from e2e.objects import ROTA_NAMESPACE, read_gpu_lease
 from e2e.scenario import AwakeMonitor, sim_state
 from e2e.stats import summary_ms
 
@@ -110,22 +111,20 @@ class _Faults:
 async def _owner_problem(rig: Rig, node: NodeRig, session: aiohttp.ClientSession) -> str | None:
     """None when the node's GPU has one owner: the Lease's holder is the only awake engine,
     or nobody is awake and the Lease says idle."""
-    name = naming.gpu_lease_name(node.node.name, "gpu-0")
     try:
-        lease = await asyncio.to_thread(client.CoordinationV1Api(rig.api).read_namespaced_lease,
-                                        name, "rota-system", _request_timeout=5)
+        lease = await asyncio.to_thread(read_gpu_lease, rig.api, node.node.name, "gpu-0",
+                                        timeout_s=5)
         states = [await sim_state(session, e) for e in node.engines]
     except (client.ApiException, aiohttp.ClientError, TimeoutError) as exc:
         return f"{node.node.name}: an engine or the Lease cannot be read: {exc!r}"[:300]
-    state = (lease.metadata.annotations or {}).get(naming.STATE, "")
-    holder = lease.spec.holder_identity or ""
-    awake = [f"{e.namespace}/{e.spec.name}" for e, s in zip(node.engines, states, strict=True)
-             if not s.get("sleeping")]
-    if state == naming.STATE_AWAKE and awake == [holder]:
+    awake = [naming.claim_ref(e.namespace, e.spec.name)
+             for e, s in zip(node.engines, states, strict=True) if not s.get("sleeping")]
+    if lease.state == naming.LeaseState.AWAKE and awake == [lease.holder]:
         return None
-    if state == naming.STATE_IDLE and not awake and not holder:
+    if lease.state == naming.LeaseState.IDLE and not awake and not lease.holder:
         return None
-    return f"{node.node.name}: lease {state} holder {holder or '-'}; awake {awake}"
+    return (f"{node.node.name}: lease {lease.state} holder {lease.holder or '-'}; "
+            f"awake {awake}")
 
 
 async def _settle(rig: Rig, session: aiohttp.ClientSession, deadline_s: float) -> list[str]:
@@ -150,7 +149,7 @@ async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
 
     with namespace_for(api) as namespace:
         rig = Rig(cluster, api, namespace, options.rig)
-        observer = LeaseObserver(api, "rota-system", on_transition)
+        observer = LeaseObserver(api, ROTA_NAMESPACE, on_transition)
         try:
             for index in range(options.rig.nodes):
                 node = await rig.add_node(index)

@@ -25,6 +25,7 @@ from kubernetes import client
 from controller.api import naming
 from driver.aio import Backoff
 from e2e.chaos.rig import NodeRig, Rig
+from e2e.objects import ROTA_NAMESPACE, node_gpu_leases
 from e2e.scenario import Engine, set_faults
 
 __all__ = ["CATALOGUE", "Fault", "Injected"]
@@ -138,13 +139,13 @@ async def _lease_moved(rig: Rig, node: NodeRig, rng: random.Random,
 
     def move() -> int:
         moved = 0
+        # A foreign writer: it raises the fencing number alone, on the object as read.
         leases = coordination.list_namespaced_lease(
-            "rota-system", label_selector=f"{naming.LABEL_KIND}={naming.KIND_GPU},"
-            f"{naming.LABEL_NODE}={naming.label_value(node.node.name)}")
+            ROTA_NAMESPACE, label_selector=naming.gpu_lease_selector(node.node.name))
         for lease in leases.items:
             lease.spec.lease_transitions = (lease.spec.lease_transitions or 0) + 1
             with contextlib.suppress(client.ApiException):
-                coordination.replace_namespaced_lease(lease.metadata.name, "rota-system",
+                coordination.replace_namespaced_lease(lease.metadata.name, ROTA_NAMESPACE,
                                                       lease)
                 moved += 1
         return moved
@@ -157,15 +158,9 @@ async def _engine_restart(rig: Rig, node: NodeRig, rng: random.Random,
     """An engine's container restarts while its GPU is switching: the new start must wait
     its turn like any other (it is crashed once the node's GPU Lease says ``switching``,
     or after 2 s)."""
-    coordination = client.CoordinationV1Api(rig.api)
-    selector = (f"{naming.LABEL_KIND}={naming.KIND_GPU},"
-                f"{naming.LABEL_NODE}={naming.label_value(node.node.name)}")
-
     def switching() -> bool:
-        leases = coordination.list_namespaced_lease("rota-system", label_selector=selector,
-                                                    _request_timeout=5)
-        return any((lease.metadata.annotations or {}).get(naming.STATE)
-                   == naming.STATE_SWITCHING for lease in leases.items)
+        return any(lease.state == naming.LeaseState.SWITCHING
+                   for lease in node_gpu_leases(rig.api, node.node.name, timeout_s=5))
 
     for pause in Backoff(first_s=0.02, max_s=0.1, attempts=25).delays():
         with contextlib.suppress(client.ApiException):

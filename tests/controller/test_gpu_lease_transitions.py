@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from controller.api import naming
-from controller.api.gpu_lease import GpuLease
+from controller.api.gpu_lease import GpuLease, lease_body
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,3 +86,13 @@ def test_the_state_read_is_typed_and_an_unknown_one_is_switching() -> None:
     assert _read(None).state is naming.LeaseState.IDLE
     # A newer writer's state: read as a switch under way (reconcile first; no traffic).
     assert _read("hibernating").state is naming.LeaseState.SWITCHING
+
+
+@pytest.mark.parametrize("node", ["n", "node-" + "x" * 80])
+def test_the_node_selector_picks_the_leases_the_body_labels(node: str) -> None:
+    body = lease_body(GpuLease(name=naming.gpu_lease_name(node, "gpu-0"), node=node,
+                               device="gpu-0"), "rota-system", labels_node=node,
+                      labels_device="gpu-0")
+    wanted = dict(term.split("=", 1) for term in naming.gpu_lease_selector(node).split(","))
+    assert wanted.items() <= body["metadata"]["labels"].items()
+    assert wanted[naming.LABEL_KIND] == naming.KIND_GPU

@@ -67,8 +67,7 @@ async def _handoffs_on_one_gpu(node: GpuNode, api: client.ApiClient,
                 assert await ask_seven(session, body["endpoint"], target.model) == "7"
                 await asyncio.to_thread(monitor.wait_next)
     leases = coordination.list_namespaced_lease(
-        "rota-system", label_selector=f"{naming.LABEL_NODE}={naming.label_value(node.name)},"
-                                      f"{naming.LABEL_KIND}={naming.KIND_GPU}")
+        "rota-system", label_selector=naming.gpu_lease_selector(node.name))
     assert [lease.metadata.name for lease in leases.items] == [
         naming.gpu_lease_name(node.name, "gpu-0")], "one GPU Lease for the one physical GPU"
     assert monitor.violations == []
