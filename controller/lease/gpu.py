@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 
 HOLDERS = metrics.SeriesSet(metrics.HOLDER)
 USAGE_DECAY_S = 300.0
+ANSWERED_GRACE_S = 1.0
+"""How long the callers an activation answered count as the holder's work while its
+engine's metrics show none (their requests are on their way)."""
 """The fair share looks at roughly the last five minutes of who was awake."""
 
 
@@ -194,6 +197,8 @@ class GpuWorker:
         self.clock = clock
         self.identity = identity
         self.lease: GpuLease | None = None
+        self._answered: tuple[str, int, float] | None = None
+        """The claim uid an activation last answered ok, how many callers, and when."""
         self.reconciliations = 0
         """Reconciliations begun (each has its Lease in hand)."""
         self.last_switch: dict[str, object] = {}
@@ -414,11 +419,28 @@ class GpuWorker:
                                               reason=reason, message=message))
         self._queue.clear()
 
-    @staticmethod
-    def _resolve(waiting: _Waiting, activation: Activation) -> None:
+    def _resolve(self, waiting: _Waiting, activation: Activation) -> None:
+        answered = 0
         for future in waiting.futures:
             if not future.done():
                 future.set_result(activation)
+                answered += 1
+        if activation.ok and answered:
+            self._answered = (activation.claimant.claim_uid, answered, self.clock())
+
+    def _in_flight_seen(self, holder: Claimant, measured: int) -> int:
+        """The holder's work in flight: what its engine reports, or, until the engine shows
+        work or :data:`ANSWERED_GRACE_S` has passed, the callers an activation just
+        answered for it. Their requests are on their way: an engine's metrics count them
+        only once they arrive, and a policy that read the holder as idle meanwhile would
+        put it to sleep under the requests it was woken for."""
+        if self._answered is None or self._answered[0] != holder.claim_uid:
+            return measured
+        _, callers, at = self._answered
+        if measured > 0 or self.clock() - at > ANSWERED_GRACE_S:
+            self._answered = None
+            return measured
+        return callers
 
     def _on_gpu(self) -> list[Claimant]:
         """Claimants of this GPU whose engine may run (their pod has an address)."""
@@ -865,7 +887,8 @@ class GpuWorker:
         in_flight = 0
         if holder is not None:
             try:
-                in_flight = await self.engine(holder).in_flight() or 0
+                in_flight = self._in_flight_seen(holder,
+                                                 await self.engine(holder).in_flight() or 0)
             except EngineError as exc:  # the drain step will find out what is going on
                 log.info("holder's load unknown; counted as idle",
                          extra={"device": self.gpu, "error": str(exc)})
@@ -1092,7 +1115,7 @@ class GpuWorker:
         if holder is None or holder.gpu != self.gpu:
             return  # an engine that spans GPUs is timed by the worker of its first GPU
         try:
-            busy = await self.engine(holder).in_flight()
+            busy = self._in_flight_seen(holder, await self.engine(holder).in_flight() or 0)
         except EngineError as exc:
             log.info("holder's load unknown; not putting it to sleep",
                      extra={"device": self.gpu, "error": str(exc)})

@@ -137,6 +137,7 @@ async def test_a_busy_holder_keeps_its_quantum_and_a_higher_priority_preempts() 
     assert node.switcher.switches == [("ns/a", "ns/c")]
     node.engines["ns/c"].busy = 0
     node.worker._dirty = False
+    node.clock.now += 2.0  # c's caller never sent its request: c is idle
     await node.worker._serve_next(stop)
     assert (await task_b).ok
     assert node.switcher.switches[-1] == ("ns/c", "ns/b")
@@ -244,3 +245,28 @@ async def test_in_first_come_mode_a_busy_holder_gives_way_at_once() -> None:
     assert (await task_b).ok
     assert node.switcher.switches[-1] == ("ns/c", "ns/b")
     assert _count("first_come") == before + 2
+
+
+async def test_a_holder_just_woken_for_its_callers_is_not_idle_before_their_requests_arrive(
+        ) -> None:
+    """Woken for a caller, the holder's engine shows no work until the caller's request
+    arrives; meanwhile another model asks. On the old code ``holder_idle`` put the holder
+    to sleep at once, under the request it was woken for (measured on real vLLM: a quarter
+    to a third of wakes wasted); the answered callers count as its work for a moment."""
+    a, b, c = _claimant("a"), _claimant("b"), _claimant("c")
+    node = _Node([a, b, c], Policy(), holder=a)
+    stop = asyncio.Event()
+    stop.set()
+    task_b = node.ask(b)
+    await _settle()
+    await node.worker._serve_next(stop)
+    assert (await task_b).ok
+    task_c = node.ask(c)
+    await _settle()
+    await node.worker._serve_next(stop)
+    assert node.switcher.switches == [("ns/a", "ns/b")], "b was put to sleep at once"
+    assert not task_c.done()
+    node.clock.now += 2.0  # no request ever came: b is idle after all
+    await node.worker._serve_next(stop)
+    assert (await task_c).ok
+    assert node.switcher.switches == [("ns/a", "ns/b"), ("ns/b", "ns/c")]
