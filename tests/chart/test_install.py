@@ -179,15 +179,14 @@ def _expected(release: Release) -> dict[str, dict[str, set[Rule]]]:
               (core, "pods", "list", ""),
               *((rs, "resourceslices", v, "") for v in ("list", "watch", "create", "update",
                                                          "delete"))}
-    controller = {(rs, "resourceclaims", "get", ""), (rs, "resourceclaims", "list", ""),
-                  (rs, "resourceclaims", "watch", ""),
+    controller = {(rs, "resourceclaims", "get", ""),
                   (rs, "resourceslices", "list", ""), (rs, "resourceslices", "watch", ""),
                   (rs, "resourceclaims/status", "update", ""),
                   (rs, "resourceclaims/driver", "associated-node:update", "gpu.rota.dev"),
                   (core, "pods", "list", ""), (core, "pods", "watch", ""),
                   (core, "pods", "patch", ""),
                   (ev, "events", "create", ""), (ev, "events", "patch", "")}
-    leases_rw = {(coord, "leases", v, "") for v in ("get", "create", "update")}
+    leases_rw = {(coord, "leases", v, "") for v in ("get", "list", "watch", "create", "update")}
     gateway = {(rs, "resourceclaims", "list", ""), (rs, "resourceclaims", "watch", "")}
     leases_ro = {(coord, "leases", v, "") for v in ("list", "watch")}
     pods_ro = {(core, "pods", v, "") for v in ("list", "watch")}
@@ -233,7 +232,10 @@ CAN_I: list[tuple[str, str, str, str, str, bool]] = [
     ("controller", "delete", "coordination.k8s.io", "leases", "@", False),
     ("controller", "list", "", "pods", "", True),
     ("controller", "watch", "", "pods", "", True),  # with spec.nodeName=<node>: its cache
-    ("controller", "watch", "resource.k8s.io", "resourceclaims", "", True),
+    # Claims come from its node's pods, one GET each: never a cluster-wide watch.
+    ("controller", "watch", "resource.k8s.io", "resourceclaims", "", False),
+    ("controller", "list", "resource.k8s.io", "resourceclaims", "", False),
+    ("controller", "watch", "coordination.k8s.io", "leases", "@", True),
     ("controller", "watch", "resource.k8s.io", "resourceslices", "", True),
     ("controller", "update", "resource.k8s.io", "resourceslices", "", False),
     ("controller", "patch", "", "pods", "+", True),
