@@ -76,7 +76,8 @@ ROUTED: tuple[Routed, ...] = (
     Routed("/v1/completions/derender"),
     Routed("/inference/v1/generate", streams=True),
 )
-"""Every model-bearing route of vLLM 0.26, each forwarded to the same path."""
+"""Every model-bearing route of vLLM 0.26, each forwarded to the same path (the engine
+guard lets exactly these through: :data:`controller.api.engine_guard.CLIENT_PATHS`)."""
 
 OWN: dict[tuple[str, str], str] = {
     ("GET", "/v1/models"): "the gateway lists the fleet's models itself, with their state",

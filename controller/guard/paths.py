@@ -1,7 +1,8 @@
 """Which requests the engine guard lets through, and with which credential. Pure.
 
-- ``client``: the OpenAI surface the gateway forwards (``/v1*``, ``/tokenize``,
-  ``/detokenize``): the engine's API key, when one is configured;
+- ``client``: the surface the gateway forwards (``/v1*`` and every path of
+  :data:`controller.api.engine_guard.CLIENT_PATHS`: pooling, scoring, reranking, tokens,
+  ...): the engine's API key, when one is configured;
 - ``control``: rota's control calls: rota's control token;
 - ``health``: ``GET /health``, open (kubelet probes; vLLM answers 503 once dead);
 - ``hidden``: everything else (vLLM's ``/pause``, ``/resume``, ``/abort_requests``,
@@ -11,6 +12,8 @@
 from __future__ import annotations
 
 import enum
+
+from controller.api.engine_guard import CLIENT_PATHS
 
 __all__ = ["CONTROL_CALLS", "Access", "classify"]
 
@@ -30,7 +33,6 @@ CONTROL_CALLS: frozenset[tuple[str, str]] = frozenset({
 """What rota's engine adapters call (vLLM's development routes they need, and metrics)."""
 _CONTROL_PREFIX = "/v1/omni/"
 """vLLM-Omni's stage-aware sleep and wakeup: control calls, though under ``/v1``."""
-_CLIENT_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 def classify(method: str, path: str) -> Access:
@@ -41,6 +43,6 @@ def classify(method: str, path: str) -> Access:
         return Access.CONTROL
     if path == "/health" and method in ("GET", "HEAD"):
         return Access.HEALTH
-    if path == "/v1" or path.startswith("/v1/") or path in _CLIENT_PATHS:
+    if path == "/v1" or path.startswith("/v1/") or path in CLIENT_PATHS:
         return Access.CLIENT
     return Access.HIDDEN
