@@ -27,7 +27,7 @@ from controller.api import naming
 from controller.api.controller_lease import ControllerLease
 from controller.api.gpu_lease import GpuLease
 from controller.claimants import DRIVER
-from controller.gateway.endpoints import normalize_base_url
+from controller.urls import normalize_base_url
 
 __all__ = ["activation_url", "controller_lease_of", "gpu_lease_of", "slim_claim", "slim_pod"]
 

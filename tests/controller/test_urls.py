@@ -7,7 +7,7 @@ from yarl import URL
 
 from controller.claimants import claimants_from
 from controller.lease.engines.base import EngineEndpoint
-from controller.urls import advertised_url, http_url
+from controller.urls import advertised_url, http_url, normalize_base_url
 
 
 @pytest.mark.parametrize(("host", "url"), [
@@ -50,3 +50,16 @@ def test_the_controller_advertises_its_pod_ip_in_either_family(
     """The chart gives the controller its pod IP (status.podIP), whatever the family;
     the URL brackets an IPv6 one, so no install setting says which family it is."""
     assert advertised_url(listen, 8090, host=host) == url
+
+
+@pytest.mark.parametrize(("advertised", "usable"), [
+    ("http://10.0.0.9:8090/", "http://10.0.0.9:8090"),
+    ("http://fd00::9:8090", "http://[fd00::9]:8090"),  # what http://$(POD_IP):8090 gives
+    ("http://[fd00::9]:8090", "http://[fd00::9]:8090"),
+    ("https://ctl.example:8443/base", "https://ctl.example:8443/base"),
+    ("ftp://10.0.0.9:21", None), ("10.0.0.9:8090", None), ("http://:8090", None),
+    ("http://fd00::zz:8090", None), ("http://10.0.0.9:99999", None),
+])
+def test_an_advertised_activation_url_is_made_usable(advertised: str, usable: str | None
+                                                     ) -> None:
+    assert normalize_base_url(advertised) == usable
