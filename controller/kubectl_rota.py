@@ -8,7 +8,7 @@
   Secret, or ``--token-file``) it also asks each node's controller (``GET /v1/state``) for
   the last switch with its timings and the queue, when it can reach it.
 - ``kubectl rota switch <model>``: asks the node's activation API to make the model awake,
-  through the gateway's contract (:mod:`controller.lease.activation_api`), and prints the answer.
+  through the gateway's contract (:mod:`controller.api.activation`), and prints the answer.
 
 Installed as the ``kubectl-rota`` entry point: kubectl finds it on ``PATH``. The pure
 functions below build everything from Lease, claim and answer objects; ``main`` only reads
@@ -43,10 +43,7 @@ from urllib.parse import quote, urlsplit
 from pydantic import ValidationError
 
 from controller.api import naming
-from controller.api.controller_lease import ControllerLease
-from controller.api.gpu_lease import GpuLease, micro_time
-from controller.claimants import claimants_from
-from controller.lease.activation_api import (
+from controller.api.activation import (
     PATH,
     STATE_PATH,
     TOKEN_HEADER,
@@ -54,13 +51,16 @@ from controller.lease.activation_api import (
     ActivateRequest,
     ErrorBody,
 )
+from controller.api.controller_lease import ControllerLease
+from controller.api.gpu_lease import GpuLease, micro_time
+from controller.claimants import claimants_from
 
 __all__ = ["Answer", "ControllerInfo", "Direct", "GpuRow", "SwitchOutcome", "ThroughApiServer",
            "Unreachable", "api_server_refusal", "controllers_from", "find_claimant",
            "interpret_activation", "main", "proxy_path", "render_status", "render_switch",
            "status_rows"]
 
-DEFAULT_NAMESPACE = "rota-system"
+DEFAULT_NAMESPACE = naming.DEFAULT_NAMESPACE
 DEFAULT_SECRET = "rota-activation-token"
 
 

@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from controller.api import naming
 from driver.errors import ConfigError
 from driver.settings import build_parser as settings_parser
 from driver.settings import parse_settings
@@ -43,7 +44,7 @@ class GatewaySettings(BaseModel):
                       description="Port to listen on; 0 picks a free one.")
     kubeconfig: str | None = Field(default=None, description="kubeconfig file; the pod's "
                                    "service account when unset.")
-    controller_namespace: str = Field(default="rota-system", min_length=1,
+    controller_namespace: str = Field(default=naming.DEFAULT_NAMESPACE, min_length=1,
                                       description="Namespace of the lease controllers' "
                                                   "Leases (GPU and controller Leases).")
     activation_token_file: Path | None = Field(

@@ -131,8 +131,7 @@ class NodeCache:
             self._lease_watch = watch(
                 "leases", self._leases,
                 client.CoordinationV1Api(self.api).list_namespaced_lease, self.lease_namespace,
-                label_selector=(f"{naming.LABEL_KIND}={naming.KIND_GPU},"
-                                f"{naming.LABEL_NODE}={naming.label_value(self.node)}"))
+                label_selector=naming.gpu_lease_selector(self.node))
             self._watches.append(self._lease_watch)
         for w in self._watches:
             w.start()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 
+from controller.api import naming
 from controller.lease.engines.base import Timeouts
 from controller.lease.policy import ModelPolicy, PolicyMode
 from driver.settings import parse_settings
@@ -53,8 +54,8 @@ class LeaseSettings(BaseModel):
 
     node_name: str = Field(min_length=1, description="The node whose GPUs this instance "
                                                      "manages. Env NODE_NAME works too.")
-    namespace: str = Field(default="rota-system", description="Namespace of the Leases. Env "
-                                                              "POD_NAMESPACE works too.")
+    namespace: str = Field(default=naming.DEFAULT_NAMESPACE,
+                           description="Namespace of the Leases. Env POD_NAMESPACE works too.")
     identity: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
                           description="This instance's name in the controller Lease.")
     kubeconfig: str | None = Field(default=None, description="kubeconfig; in-cluster when "

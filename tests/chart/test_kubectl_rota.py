@@ -16,6 +16,7 @@ import pytest
 from kubernetes import client
 
 from controller.api import naming
+from controller.api.activation import TOKEN_HEADER, ActivateAnswer
 from controller.api.controller_lease import ControllerLease
 from controller.api.gpu_lease import GpuLease, lease_body
 from controller.kubectl_rota import (
@@ -26,7 +27,6 @@ from controller.kubectl_rota import (
     render_switch,
     status_rows,
 )
-from controller.lease.activation_api import TOKEN_HEADER, ActivateAnswer
 from e2e.cluster import LocalCluster
 from e2e.cluster.nodes import create_node
 from e2e.harness import GpuNode

@@ -19,12 +19,12 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from controller.api import naming
+from controller.api.activation import PATH, STATE_PATH, ErrorBody
 from controller.api.gpu_lease import GpuLease
 from controller.credentials import ApiKeys
 from controller.gateway.activation import ActivationFailed, Activator
 from controller.gateway.metrics import GatewayMetrics
 from controller.lease.activation import make_app
-from controller.lease.activation_api import PATH, STATE_PATH, ErrorBody
 from controller.lease.gpu import Activation, GpuWorker, Policy
 from controller.lease.node import NodeController
 from controller.lease.switch import Fenced
