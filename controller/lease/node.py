@@ -82,6 +82,8 @@ class NodeController:
         self.workers: dict[str, GpuWorker] = {}
         self.locks = GpuLocks()
         self._domains: dict[str, tuple[str, ...]] = {}
+        self._followed: dict[str, tuple[Claimant, ...]] = {}
+        """The claimants of each GPU as its worker was last told of them."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._workers_stop = asyncio.Event()
         self._leading = False
@@ -170,8 +172,11 @@ class NodeController:
     def _domain_of(self, gpu: str) -> tuple[str, ...]:
         return self._domains.get(gpu, (gpu,))
 
-    def _follow_claimants(self) -> None:
-        """A worker for every GPU with claimants; every worker reconciles after a change."""
+    def _follow_claimants(self, *, every_gpu: bool = False) -> None:
+        """A worker for every GPU with claimants; a worker reconciles when the claimants of
+        its GPU changed (``every_gpu``: all of them, as a new term begins). A change the
+        controller's own writes echo back (a pod's state label) changes no claimant and
+        costs no reconciliation."""
         claimants = self.claimants()
         self._domains = domains(claimants)
         for gpu in sorted({g for c in claimants for g in c.gpus}, key=gpu_order):
@@ -179,8 +184,11 @@ class NodeController:
         if self.visible is not None:
             self.visible.forget(pod_uids={c.pod_uid for c in claimants if c.pod_uid},
                                 claim_uids={c.claim_uid for c in claimants})
-        for worker in self.workers.values():
-            worker.mark_dirty()
+        for gpu, worker in self.workers.items():
+            on_gpu = tuple(c for c in claimants if gpu in c.gpus)
+            if every_gpu or self._followed.get(gpu) != on_gpu:
+                self._followed[gpu] = on_gpu
+                worker.mark_dirty()
 
     # -- activation ----------------------------------------------------------------------------
 
@@ -247,7 +255,7 @@ class NodeController:
                 if not await wait_any(self.election.acquired, stop) or stop.is_set():
                     continue
                 metrics.LEADER.set(1)
-                self._follow_claimants()
+                self._follow_claimants(every_gpu=True)
                 self._leading = True
                 for worker in self.workers.values():
                     worker.open()

@@ -10,7 +10,8 @@ limits (one client, one token bucket per process, as each real process has):
   as prepared (:class:`LedgerSimulator`, in memory: no kubelet prepares anything here);
 - lease controller (``rota-controller``): :class:`controller.lease.election.Election`
   renews the node's controller Lease; :class:`controller.lease.cache.NodeCache` keeps its
-  watches (claims, the node's pods, the node's slices); per GPU a :class:`GpuEmulation`
+  watches (the node's pods, the claims they name, the node's slices and GPU Leases); per
+  GPU a :class:`GpuEmulation`
   stands in for :class:`controller.lease.gpu.GpuWorker` and its
   :class:`controller.lease.switch.Switcher`: it reads and writes the GPU Lease through
   the real :class:`controller.lease.gpu.KubeLeasePort` and queues the visible state
@@ -21,13 +22,13 @@ What :class:`GpuEmulation` reproduces of the worker, step by step (no engine and
 their calls are not API calls; each takes ``engine_s``):
 
 - reconciliation (``reconcile_s`` besides its API calls: the engines asked whether they
-  sleep, the GPU read): one Lease read when the worker opens (then a write raising the fence,
-  and one naming a holder when the Lease names none), at least every ``resync_s``, and
-  after every change of the node's claims or pods; the node's own visible-state writes
-  come back to it as such changes (:class:`_EchoingKube` marks every GPU of the node
-  dirty after each, as :meth:`controller.lease.node.NodeController._follow_claimants`
-  does on each cache change), so the reconciliation rounds a switch causes emerge from
-  timing as they do in the real controller;
+  sleep, the GPU read): when the worker opens (a Lease read, then a write raising the
+  fence, and one naming a holder when the Lease names none) and at least every
+  ``resync_s``; the Lease is read from the API server only when the node's Lease watch has
+  seen another version than the worker last wrote or read, as
+  :meth:`controller.lease.gpu.GpuWorker.reconcile` does. The node's own visible-state
+  writes that come back through its pod watch change no claimant, and so cause no
+  reconciliation (:meth:`controller.lease.node.NodeController._follow_claimants`);
 - a switch: both engine pods labelled ``switching``; the Lease written ``switching`` under
   a new fence (compare-and-swap); a fencing read before the holder's sleep and one before
   the target's wake; the Lease written naming the target; the ``SwitchedOut`` and
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import logging
 import random
 import time
@@ -47,8 +49,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-from kubernetes import client
 
 from controller.api import naming
 from controller.api.gpu_lease import GpuLease
@@ -142,32 +142,16 @@ class DriverEmulation:
                 tasks.create_task(self.collector.run(stop), name=f"ledger-gc-{self.node}")
 
 
-class _EchoingKube(VisibleStateKube):
-    """The visible-state writes, each followed by ``on_write``: the node's controller
-    sees its own label and condition writes come back through its watches."""
-
-    def __init__(self, api: client.ApiClient, on_write: Callable[[], None]) -> None:
-        super().__init__(api)
-        self._on_write = on_write
-
-    async def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        await super().patch_pod(namespace, name, patch)
-        self._on_write()
-
-    async def set_claim_devices(self, namespace: str, name: str,
-                                entries: list[dict[str, Any]]) -> None:
-        await super().set_claim_devices(namespace, name, entries)
-        self._on_write()
-
-
 class GpuEmulation:
     """The API calls of one GPU worker (see the module docstring)."""
 
     def __init__(self, *, gpu: str, port: KubeLeasePort, claimants: list[Claimant],
                  visibility: GpuVisibility, identity: str, leading: asyncio.Event,
                  engine_s: float, reconcile_s: float = 0.0, resync_s: float = RESYNC_S,
+                 lease_seen: Callable[[], str | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.gpu = gpu
+        self.lease_seen = lease_seen
         self.port = port
         self.claimants = claimants
         self.visibility = visibility
@@ -229,7 +213,9 @@ class GpuEmulation:
     async def reconcile(self, *, first: bool = False) -> None:
         self.dirty = False
         self.next_reconcile = self.clock() + self.resync_s
-        lease = await self.port.read()
+        known = self.lease
+        lease = (known if known is not None and known.resource_version
+                 and self.lease_seen() == known.resource_version else await self.port.read())
         await asyncio.sleep(self.reconcile_s)  # the engines asked, the GPU read
         if first:
             lease = await self.port.write(lease.new_term(self.identity))
@@ -280,22 +266,22 @@ class ControllerEmulation:
         self.election = Election(kube=self.kube, namespace=namespace, node=node,
                                  identity=self.identity, duration_s=ELECTION_LEASE_S,
                                  activation_url="http://127.0.0.1:9/")
-        self.cache = NodeCache(api, node=node)
-        self.writer = VisibleStateWriter(_EchoingKube(api, self._touched),
-                                         instance=self.election.instance)
+        self.cache = NodeCache(api, node=node, lease_namespace=namespace)
+        self.writer = VisibleStateWriter(VisibleStateKube(api), instance=self.election.instance)
         self.gpus: dict[str, GpuEmulation] = {}
 
-    def _touched(self) -> None:
-        for gpu in self.gpus.values():
-            gpu.mark_dirty()
+    def _lease_seen(self, name: str) -> str | None:
+        lease = self.cache.lease(name)
+        return None if lease is None else (lease.get("metadata") or {}).get("resourceVersion")
 
     def follow(self, claimants: Sequence[Claimant]) -> None:
         by_gpu: dict[str, list[Claimant]] = {}
         for c in claimants:
             by_gpu.setdefault(c.gpu, []).append(c)
         for gpu, on_gpu in sorted(by_gpu.items()):
+            port = KubeLeasePort(self.kube, self.namespace, self.node, gpu)
             self.gpus[gpu] = GpuEmulation(
-                gpu=gpu, port=KubeLeasePort(self.kube, self.namespace, self.node, gpu),
+                gpu=gpu, port=port, lease_seen=functools.partial(self._lease_seen, port.name),
                 claimants=on_gpu, visibility=GpuVisibility(self.writer, gpu),
                 identity=self.identity, leading=self.election.acquired,
                 engine_s=self.engine_s, reconcile_s=self.reconcile_s)
