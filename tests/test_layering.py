@@ -169,6 +169,7 @@ def _exception_classes(package: str) -> list[type[BaseException]]:
 
 @pytest.mark.parametrize(("package", "root_name", "exempt"), [
     ("controller.lease", "controller.lease.errors.LeaseControllerError", set()),
+    ("controller.gateway", "controller.gateway.errors.RotaGatewayError", set()),
     # The fake NVML backend stands for a CUDA allocation failing inside an engine, not
     # for an error of the driver; a list-watch's 410 never leaves its thread.
     ("driver", "driver.errors.RotaDriverError",

@@ -31,6 +31,7 @@ from controller.gateway.activation import Activator
 from controller.gateway.binding import BindingError, BindingFile, ModelBinding
 from controller.gateway.dispatch import Dispatcher
 from controller.gateway.engine_keys import EngineKeys, KubeSecretReader, SecretReader
+from controller.gateway.errors import RotaGatewayError
 from controller.gateway.kube_source import KubeSource
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.places import ModelPlaces
@@ -49,7 +50,7 @@ _SOURCE_BACKOFF_S = 1.0
 _SOURCE_BACKOFF_MAX_S = 30.0
 
 
-class StartupError(RuntimeError):
+class StartupError(RotaGatewayError, RuntimeError):
     """The gateway cannot start (a secret or binding file cannot be read)."""
 
 

@@ -47,6 +47,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from controller.gateway.errors import RotaGatewayError
+
 __all__ = ["BindingError", "BindingFile", "ModelBinding", "parse_binding"]
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ Progress = Literal["reasoning", "none"]
 ``none`` (SSE comments only)."""
 
 
-class BindingError(ValueError):
+class BindingError(RotaGatewayError, ValueError):
     """The binding file cannot be read or does not describe a binding."""
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "ModelNotFound",
     "NotFound",
     "Overloaded",
+    "RotaGatewayError",
     "Unauthorized",
     "Unavailable",
     "error_body",
@@ -29,7 +30,13 @@ __all__ = [
 _MAX_MESSAGE = 512
 
 
-class GatewayError(Exception):
+class RotaGatewayError(Exception):
+    """Base of every error the gateway raises on purpose (one root per process): the
+    answers it gives itself (:class:`GatewayError`), a binding file it cannot read, a
+    start it cannot make, a form it cannot parse."""
+
+
+class GatewayError(RotaGatewayError):
     """A request the gateway answers itself, with an OpenAI-style error body."""
 
     status = 500

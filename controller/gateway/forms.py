@@ -13,13 +13,15 @@ import email.parser
 import email.utils
 from collections.abc import Collection
 
+from controller.gateway.errors import RotaGatewayError
+
 __all__ = ["FormError", "form_fields"]
 
 _HEADERS = email.parser.HeaderParser()
 _MAX_BOUNDARY = 70  # RFC 2046
 
 
-class FormError(ValueError):
+class FormError(RotaGatewayError, ValueError):
     """The body is not a readable ``multipart/form-data`` form."""
 
 
