@@ -18,9 +18,9 @@ def test_bench_gateway_runs_and_reports(cluster: LocalCluster, kube_api: client.
     load = bench_gateway.Load(requests=3, streams=4, rounds=1, max_tokens=8,
                               tokens_per_second=200.0, ttft_s=0.01)
     result = bench_gateway.run(cluster, kube_api, load=load, namespace=namespace)
-    assert {"load", "streams_1", "streams_4", "targets_met"} <= result.keys()
+    assert {"load", "streams_1", "streams_4", "streams_4_steady", "targets_met"} <= result.keys()
     assert isinstance(result["targets_met"], bool)
-    for key, requests in (("streams_1", 3), ("streams_4", 4)):
+    for key, requests in (("streams_1", 3), ("streams_4", 4), ("streams_4_steady", 8)):
         phase = result[key]
         for side in ("direct", "gateway"):
             stats = phase[side]
@@ -29,6 +29,8 @@ def test_bench_gateway_runs_and_reports(cluster: LocalCluster, kube_api: client.
             assert 10.0 <= stats["ttft_p50_ms"] <= stats["ttft_p99_ms"] < 30_000
             assert stats["chunks_per_s"] > 0
         assert phase["ttft_p50_ratio"] > 0
+        assert phase["ttft_p99_ratio"] > 0
+        assert isinstance(phase["ttft_p99_added_ms"], float)
         assert phase["chunks_ratio"] > 0
     # The gateway's own first-token histogram was read (its name is the benchmark's too).
     assert result["gateway_metric_ttft_mean_ms"] > 0
