@@ -87,7 +87,12 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
         runner: web.AppRunner | None = None
         gate: web.AppRunner | None = None
         try:
-            election = Election(kube=kube, namespace=settings.namespace,
+            # The election renews through a client of its own, so its token bucket never
+            # queues a renewal behind a start's or a relist's requests (a renewal later
+            # than 2/3 of the Lease's duration gives the node up).
+            election_kube = ControllerKube(load_api_client(settings.kubeconfig),
+                                           timeout_s=settings.timeouts.lease_s)
+            election = Election(kube=election_kube, namespace=settings.namespace,
                                 node=settings.node_name, identity=settings.identity,
                                 duration_s=settings.election_lease_s, activation_url="")
             visible = None

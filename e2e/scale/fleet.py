@@ -263,7 +263,10 @@ class ControllerEmulation:
         api = load_api_client(str(kubeconfig), agent=CONTROLLER_AGENT)
         self.kube = ControllerKube(api)
         self.identity = f"{node}-controller"
-        self.election = Election(kube=self.kube, namespace=namespace, node=node,
+        # The real controller's election has a client (and token bucket) of its own.
+        election_kube = ControllerKube(load_api_client(str(kubeconfig),
+                                                       agent=CONTROLLER_AGENT))
+        self.election = Election(kube=election_kube, namespace=namespace, node=node,
                                  identity=self.identity, duration_s=ELECTION_LEASE_S,
                                  activation_url="http://127.0.0.1:9/")
         self.cache = NodeCache(api, node=node, lease_namespace=namespace)
