@@ -258,10 +258,15 @@ class Dispatcher:
         """The engine's refusal, passed on as it is when nothing was sent yet.
 
         Raises:
-            Unavailable: the engine could not be reached; or the answer has begun as an
+            Unavailable: the engine gave its GPU up before it answered (``lost_gpu``, on
+                every attempt); the engine could not be reached; or the answer has begun as an
                 event stream, so the refusal (its words, ``upstream_<status>``, its
                 Retry-After) can only be that stream's last event.
         """
+        if refused.reason == "lost_gpu":
+            raise Unavailable(f"The engine serving model '{gen.model}' gave its GPU to "
+                              "another model before it answered; try again.",
+                              code="lost_gpu")
         if refused.status is None:
             raise Unavailable(f"The engine serving model '{gen.model}' cannot be reached.",
                               code="upstream_unreachable")

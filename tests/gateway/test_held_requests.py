@@ -97,3 +97,26 @@ async def test_an_activation_answer_is_not_a_licence_to_forward(make_rig: RigFac
     async with asyncio.timeout(DEADLINE):
         assert await request == "7"
     assert rig.b.engine.generations_started == 1
+
+
+async def test_an_engine_that_lost_its_gpu_on_every_attempt_is_not_called_unreachable(
+        make_rig: RigFactory) -> None:
+    """The engine was reached every time but gave its GPU up before it answered (a busy
+    GPU switching back and forth); the refusal says so (on the old code: 503
+    ``upstream_unreachable``, 'the engine cannot be reached', which sends an operator to
+    the network)."""
+    rig = await make_rig(sim_a=HOLDS, stream_keepalive_s=0, upstream_attempts=1)
+    async with rig.a.client.post("/sleep?level=1&mode=wait") as resp:
+        assert resp.status == 200
+    rig.controller.holder = None
+    request = asyncio.create_task(rig.chat(MODEL_A))
+    await eventually(lambda: rig.a.engine.waiting == 1, "the engine holding the request")
+    rig.controller.fence += 1
+    rig.apply("lease", "MODIFIED", rig.controller.lease_now())
+    async with asyncio.timeout(DEADLINE):
+        resp = await request
+    assert resp.status == 503, await resp.text()
+    error = (await resp.json())["error"]
+    assert error["code"] == "lost_gpu"
+    assert "cannot be reached" not in error["message"]
+    assert resp.headers.get("Retry-After")
