@@ -173,13 +173,14 @@ class NodeCache:
     def pod(self, uid: str) -> Obj | None:
         return self._pods.items.get(uid)
 
-    def lease(self, name: str) -> Obj | None:
-        """The node's GPU Lease ``name`` as the watch last saw it; None when there is no
-        Lease watch, it has not listed yet, or it has no such Lease."""
+    def lease_version(self, name: str) -> str | None:
+        """The resourceVersion of the node's GPU Lease ``name`` as the watch last saw it;
+        None when there is no Lease watch, it has not listed yet, or it has no such Lease."""
         if self._lease_watch is None or not self._lease_watch.listed.is_set():
             return None
-        return next((o for o in self._leases.items.values()
-                     if (o.get("metadata") or {}).get("name") == name), None)
+        meta = next((o.get("metadata") or {} for o in self._leases.items.values()
+                     if (o.get("metadata") or {}).get("name") == name), {})
+        return meta.get("resourceVersion")
 
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait (bounded) until ``predicate()`` holds after a change; its last value."""

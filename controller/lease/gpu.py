@@ -94,6 +94,14 @@ class Activation:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def confirmed(known: GpuLease | None, seen: str | None) -> GpuLease | None:
+    """``known`` (the Lease as a worker last wrote or read it) when a watch has seen that
+    very version since (``seen``), so nobody wrote after it; None when it must be read."""
+    if known is not None and known.resource_version and seen == known.resource_version:
+        return known
+    return None
+
+
 class KubeLeasePort:
     """The GPU Lease of one physical GPU, read and written with compare-and-swap."""
 
@@ -1099,11 +1107,8 @@ class GpuWorker:
         watch has seen that very version since (nobody wrote after it; no GET), else read
         from the API server. Fencing does not rest on this: every write is a
         compare-and-swap."""
-        known = self.lease
-        if (known is not None and known.resource_version and self.lease_seen is not None
-                and self.lease_seen() == known.resource_version):
-            return known
-        return await self.lease_port.read()
+        seen = self.lease_seen() if self.lease_seen is not None else None
+        return confirmed(self.lease, seen) or await self.lease_port.read()
 
     async def _idle_check(self) -> None:
         lease = self.lease = await self._lease_now()

@@ -149,8 +149,8 @@ class NodeController:
                 gpu=gpu, lease_port=lease_port, switcher=switcher, claimants=self.claimants,
                 engine=self.engine, clock=self.clock, identity=s.identity, starter=starter,
                 locks=self.locks, domain=functools.partial(self._domain_of, gpu),
-                sibling=self._worker, lease_seen=functools.partial(self._lease_seen,
-                                                                   lease_port.name),
+                sibling=self._worker,
+                lease_seen=functools.partial(self.cache.lease_version, lease_port.name),
                 visibility=GpuVisibility(self.visible, gpu) if self.visible else None,
                 policy=Policy(min_residency_s=s.min_residency_s, idle_sleep_s=s.idle_sleep_s,
                               coalesce_window_s=s.coalesce_window_s, resync_s=s.resync_s,
@@ -164,10 +164,6 @@ class NodeController:
             if self._leading:
                 worker.open()
         return worker
-
-    def _lease_seen(self, name: str) -> str | None:
-        lease = self.cache.lease(name)
-        return None if lease is None else (lease.get("metadata") or {}).get("resourceVersion")
 
     def _domain_of(self, gpu: str) -> tuple[str, ...]:
         return self._domains.get(gpu, (gpu,))

@@ -55,7 +55,7 @@ from controller.api.gpu_lease import GpuLease
 from controller.claimants import DRIVER, Claimant
 from controller.lease.cache import NodeCache
 from controller.lease.election import Election
-from controller.lease.gpu import KubeLeasePort
+from controller.lease.gpu import KubeLeasePort, confirmed
 from controller.lease.kube import ControllerKube
 from controller.lease.settings import LeaseSettings
 from controller.lease.switch import Fenced, Switcher, SwitchResult
@@ -213,9 +213,7 @@ class GpuEmulation:
     async def reconcile(self, *, first: bool = False) -> None:
         self.dirty = False
         self.next_reconcile = self.clock() + self.resync_s
-        known = self.lease
-        lease = (known if known is not None and known.resource_version
-                 and self.lease_seen() == known.resource_version else await self.port.read())
+        lease = confirmed(self.lease, self.lease_seen()) or await self.port.read()
         await asyncio.sleep(self.reconcile_s)  # the engines asked, the GPU read
         if first:
             lease = await self.port.write(lease.new_term(self.identity))
@@ -273,10 +271,6 @@ class ControllerEmulation:
         self.writer = VisibleStateWriter(VisibleStateKube(api), instance=self.election.instance)
         self.gpus: dict[str, GpuEmulation] = {}
 
-    def _lease_seen(self, name: str) -> str | None:
-        lease = self.cache.lease(name)
-        return None if lease is None else (lease.get("metadata") or {}).get("resourceVersion")
-
     def follow(self, claimants: Sequence[Claimant]) -> None:
         by_gpu: dict[str, list[Claimant]] = {}
         for c in claimants:
@@ -284,7 +278,8 @@ class ControllerEmulation:
         for gpu, on_gpu in sorted(by_gpu.items()):
             port = KubeLeasePort(self.kube, self.namespace, self.node, gpu)
             self.gpus[gpu] = GpuEmulation(
-                gpu=gpu, port=port, lease_seen=functools.partial(self._lease_seen, port.name),
+                gpu=gpu, port=port,
+                lease_seen=functools.partial(self.cache.lease_version, port.name),
                 claimants=on_gpu, visibility=GpuVisibility(self.writer, gpu),
                 identity=self.identity, leading=self.election.acquired,
                 engine_s=self.engine_s, reconcile_s=self.reconcile_s)
