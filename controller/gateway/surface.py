@@ -4,7 +4,8 @@ Every route of vLLM 0.26's server (read from the real wheel by ``e2e/vllm_routes
 ``controller/gateway/vllm_routes.json``; ``tests/gateway/test_vllm_routes.py`` checks this
 module against that table) is one of:
 
-- **routed** (:data:`ROUTED`): each route whose request names a ``model`` goes, with the
+- **routed** (:data:`ROUTED`, defined with the engine guard in
+  :mod:`controller.api.client_routes`): each route whose request names a ``model`` goes, with the
   same places, queueing and switching, to the same path on the engine that holds the
   model's GPU. The model is read from the JSON body's ``model`` field, or, for the audio
   uploads (``multipart/form-data``), from the form's ``model`` field; ``stream`` the same
@@ -23,61 +24,9 @@ Pure: no I/O, no aiohttp.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from controller.api.client_routes import ROUTED, Dialect, Routed
 
 __all__ = ["OWN", "REFUSED", "ROUTED", "Dialect", "Routed", "routed"]
-
-Dialect = Literal["openai", "anthropic"]
-
-
-@dataclass(frozen=True)
-class Routed:
-    """A route the gateway forwards by model."""
-
-    path: str
-    body: Literal["json", "form"] = "json"
-    """Where ``model`` (and ``stream``) are read: the JSON body, or the multipart form."""
-    streams: bool = False
-    """``stream: true`` makes the answer an event stream."""
-    dialect: Dialect = "openai"
-    """How an error is written inside a started stream."""
-
-
-ROUTED: tuple[Routed, ...] = (
-    # OpenAI-compatible generation.
-    Routed("/v1/chat/completions", streams=True),
-    Routed("/v1/completions", streams=True),
-    Routed("/v1/responses", streams=True),
-    Routed("/v1/chat/completions/batch"),
-    # Anthropic's Messages API.
-    Routed("/v1/messages", streams=True, dialect="anthropic"),
-    Routed("/v1/messages/count_tokens", dialect="anthropic"),
-    # Audio: multipart uploads with a 'model' form field.
-    Routed("/v1/audio/transcriptions", body="form", streams=True),
-    Routed("/v1/audio/translations", body="form", streams=True),
-    # Pooling models: embedders, classifiers, scorers and rerankers.
-    Routed("/v1/embeddings"),
-    Routed("/v2/embed"),
-    Routed("/pooling"),
-    Routed("/classify"),
-    Routed("/score"),
-    Routed("/v1/score"),
-    Routed("/rerank"),
-    Routed("/v1/rerank"),
-    Routed("/v2/rerank"),
-    Routed("/generative_scoring"),
-    # Tokens in and out.
-    Routed("/tokenize"),
-    Routed("/detokenize"),
-    Routed("/v1/chat/completions/render"),
-    Routed("/v1/completions/render"),
-    Routed("/v1/chat/completions/derender"),
-    Routed("/v1/completions/derender"),
-    Routed("/inference/v1/generate", streams=True),
-)
-"""Every model-bearing route of vLLM 0.26, each forwarded to the same path (the engine
-guard lets exactly these through: :data:`controller.api.engine_guard.CLIENT_PATHS`)."""
 
 OWN: dict[tuple[str, str], str] = {
     ("GET", "/v1/models"): "the gateway lists the fleet's models itself, with their state",

@@ -1,7 +1,7 @@
 """Which requests the engine guard lets through, and with which credential. Pure.
 
 - ``client``: the surface the gateway forwards (``/v1*`` and every path of
-  :data:`controller.api.engine_guard.CLIENT_PATHS`: pooling, scoring, reranking, tokens,
+  :data:`controller.api.client_routes.CLIENT_PATHS`: pooling, scoring, reranking, tokens,
   ...): the engine's API key, when one is configured;
 - ``control``: rota's control calls: rota's control token;
 - ``health``: ``GET /health``, open (kubelet probes; vLLM answers 503 once dead);
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 
-from controller.api.engine_guard import CLIENT_PATHS
+from controller.api.client_routes import CLIENT_PATHS
 
 __all__ = ["CONTROL_CALLS", "Access", "classify"]
 
