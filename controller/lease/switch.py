@@ -266,12 +266,16 @@ class Switcher:
         try:
             outcome = await self._step("sleep", engine.sleep(level, confirm=False),
                                        self.limits.timeouts.sleep_s + SLEEP_MARGIN_S, timings)
-            confirm = self._step("sleep_confirm", engine.confirm_asleep(level),
+
+            async def confirm() -> None:
+                # made inside, so that a cancellation before it starts creates no call
+                await self._step("sleep_confirm", engine.confirm_asleep(level),
                                  self.limits.timeouts.confirm_s, timings)
+
             if beside is None:
-                await confirm
+                await confirm()
             else:
-                confirmed, read = await asyncio.gather(confirm, beside(),
+                confirmed, read = await asyncio.gather(confirm(), beside(),
                                                        return_exceptions=True)
                 if isinstance(confirmed, BaseException):
                     raise confirmed
@@ -326,9 +330,14 @@ class Switcher:
         wake_s = outcome.wake_s
         timings["wake_call"] = wake_s
         self.ports.observer.woke(target.model, target.sleep_level, wake_s)
+
+        async def confirm() -> None:
+            # made inside, so that a cancellation before it starts creates no call
+            await self._step("wake_confirm", engine.confirm_awake(), t.confirm_s, timings)
+
         confirmed, first_token = await asyncio.gather(
-            self._step("wake_confirm", engine.confirm_awake(), t.confirm_s, timings),
-            self.probe(target, fence, timings, wake_s=wake_s), return_exceptions=True)
+            confirm(), self.probe(target, fence, timings, wake_s=wake_s),
+            return_exceptions=True)
         if isinstance(confirmed, BaseException):
             raise confirmed
         if isinstance(first_token, BaseException):
