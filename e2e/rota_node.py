@@ -114,14 +114,16 @@ QUICK_ENGINE_ARGS = ("--first-sleep-seconds", "0.3", "--later-sleep-seconds", "0
 
 
 def gated_engine_docs(name: str, *, model: str, resident: str, awake: str,
-                      sleep_level: int = 1) -> list[dict[str, Any]]:
+                      sleep_level: int = 1, args: Sequence[str] = ()
+                      ) -> list[dict[str, Any]]:
     """:func:`engine_docs` for an engine started through rota's start gate, with quick
-    timings, Ready only once the simulator itself answers (the gate holds its start)."""
+    timings (``args``: more simulator arguments, which win over them), Ready only once
+    the simulator itself answers (the gate holds its start)."""
     claim, pod = engine_docs(name, model=model, resident=resident, awake=awake)
     claim["spec"]["devices"]["config"][0]["opaque"]["parameters"]["sleepLevel"] = sleep_level
     container = pod["spec"]["containers"][0]
     container["command"] = ["rota-engine-gate", "--", "python", "-m", "e2e.engine_simulator"]
-    container["args"] = list(QUICK_ENGINE_ARGS)
+    container["args"] = [*QUICK_ENGINE_ARGS, *args]
     container["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000},
                                    "periodSeconds": 1, "failureThreshold": 1}
     return [claim, pod]
@@ -181,8 +183,10 @@ class RotaOnNodes:
         return self.gateway_urls()[0]
 
     def gateway_urls(self) -> list[str]:
-        """A host URL for each Ready gateway replica."""
-        pods = [p for p in self.deployment.gateway_pods() if is_ready(p)]
+        """A host URL for each gateway replica an EndpointSlice would name: Ready and not
+        being deleted."""
+        pods = [p for p in self.deployment.gateway_pods()
+                if is_ready(p) and p.metadata.deletion_timestamp is None]
         if not pods:
             raise LookupError("no gateway pod is Ready")
         return [self.pod_url(p, GATEWAY_PORT) for p in pods]

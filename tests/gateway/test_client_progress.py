@@ -16,6 +16,7 @@ from openai import AsyncOpenAI
 
 from controller.gateway.binding import BindingError, ModelBinding, parse_binding
 from controller.gateway.downstream import PROGRESS_HEADER
+from e2e.wire import parse_sse
 from tests.gateway.conftest import (
     DEADLINE,
     MODEL_B,
@@ -26,7 +27,6 @@ from tests.gateway.conftest import (
     eventually,
     read_events,
 )
-from tests.gateway.wire import parse_sse
 
 pytestmark = pytest.mark.gateway
 

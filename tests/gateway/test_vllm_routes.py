@@ -20,9 +20,9 @@ from openai import AsyncOpenAI
 
 from controller.gateway.surface import OWN, REFUSED, ROUTED, routed
 from e2e import vllm_routes
+from e2e.wire import Exchange, parse_answer, parse_sse
 from tests.gateway.conftest import DEADLINE, MODEL_A, MODEL_B, Failure, Rig, RigFactory
 from tests.gateway.surface_cases import JSON_CASES
-from tests.gateway.wire import Exchange, parse_answer, parse_sse
 
 pytestmark = pytest.mark.gateway
 
