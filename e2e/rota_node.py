@@ -15,8 +15,10 @@ The host cannot reach pod addresses (they live in the nodes' network namespaces)
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from e2e.cluster.realnode import RealNode
 from e2e.deploy import EXAMPLES, Applier, RotaDeployment, images_of, is_ready, read, read_manifests
 from e2e.images import PAUSE_IMAGE, BuiltImages, build_images
 from e2e.objects import create_namespace
+from e2e.scenario import AwakeMonitor, Engine, EngineSpec
 from e2e.waiting import eventually
 
 REPO = Path(__file__).resolve().parent.parent
@@ -242,6 +245,50 @@ class RotaOnNodes:
             eventually(lambda e=engine: is_ready(e.pod(self.api)),  # type: ignore[misc]
                        timeout=timeout, max_interval=2.0, what=f"engine {engine.name} Ready")
         return engines
+
+
+@dataclass
+class WatchedEngines:
+    """Engine pods Ready on a real node, with the GPU sampled since before they started."""
+
+    engines: dict[str, Engine]
+    monitor: AwakeMonitor
+    urls: dict[str, str]
+    """Host URLs of the engines' own port, by name."""
+
+
+def _ready_pod(api: client.ApiClient, namespace: str, name: str) -> client.V1Pod | None:
+    pod = client.CoreV1Api(api).read_namespaced_pod(name, namespace, _request_timeout=10)
+    return pod if is_ready(pod) else None
+
+
+@contextlib.contextmanager
+def watched_engines(rota: RotaOnNodes, namespace: str,
+                    docs: Mapping[str, Sequence[dict[str, Any]]],
+                    specs: Mapping[str, EngineSpec], *, timeout: float = 300.0
+                    ) -> Iterator[WatchedEngines]:
+    """Apply each engine's claim (``docs``: [claim, pod] by name, ``specs`` the same
+    names), start an :class:`AwakeMonitor` on the node's GPU, then apply the pods and wait
+    until every one is Ready; the monitor stops when the block ends."""
+    engines: dict[str, Engine] = {}
+    for name, (claim, _) in docs.items():
+        rota.deploy_engines(namespace, docs=[claim], wait=False)
+        uid = client.ResourceV1Api(rota.api).read_namespaced_resource_claim(
+            name, namespace, _request_timeout=10).metadata.uid
+        engines[name] = Engine(specs[name], namespace, claim_uid=uid)
+    with AwakeMonitor(rota.inspection_socket(), list(engines.values()),
+                      interval_s=0.02) as monitor:
+        for _, pod in docs.values():
+            rota.deploy_engines(namespace, docs=[pod], wait=False)
+        urls: dict[str, str] = {}
+        for name, engine in engines.items():
+            ready = eventually(functools.partial(_ready_pod, rota.api, namespace, name),
+                               timeout=timeout, max_interval=2.0,
+                               what=f"engine {name} admitted and Ready")
+            assert ready is not None  # eventually returns a true value
+            engine.pod_ip = str(ready.status.pod_ip)
+            urls[name] = rota.url(engine.pod_ip, 8000)
+        yield WatchedEngines(engines, monitor, urls)
 
 
 def client_with_token(cluster: LocalCluster, token: str) -> client.ApiClient:

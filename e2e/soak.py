@@ -40,7 +40,7 @@ from kubernetes import client
 
 from e2e.deploy import CONTROLLER, GATEWAY, is_ready
 from e2e.objects import create_namespace
-from e2e.rota_node import RotaOnNodes, gated_engine_docs
+from e2e.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec
 from e2e.waiting import eventually
 from e2e.wire import Exchange, Malformed, parse_answer, parse_sse
@@ -288,7 +288,8 @@ def disrupt(rota: RotaOnNodes, name: str, timeout_s: float = 600.0) -> None:
 
 
 async def disruptions(rota: RotaOnNodes, report: SoakReport, every_s: float,
-                      names: Sequence[str], stop: asyncio.Event) -> None:
+                      names: Sequence[str], stop: asyncio.Event,
+                      progress: Callable[[str], None]) -> None:
     for i in range(len(names)):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
@@ -298,6 +299,8 @@ async def disruptions(rota: RotaOnNodes, report: SoakReport, every_s: float,
         report.windows.append(window)
         await asyncio.to_thread(disrupt, rota, names[i])
         window.ended = time.monotonic()
+        progress(f"{window.name} done in {window.ended - window.began:.1f} s; requests so "
+                 f"far {len(report.outcomes)}, failed {len(report.failed)}")
 
 
 @dataclass
@@ -317,41 +320,22 @@ def soak_stage(rota: RotaOnNodes, *, namespace: str | None = None,
     """Deploy the three engines (``args``: more simulator arguments by engine name) in a
     namespace of their own, sample the GPU from before their start; delete it all after."""
     namespace = namespace or f"soak-{uuid.uuid4().hex[:6]}"
-    api = rota.api
-    create_namespace(api, namespace)
+    create_namespace(rota.api, namespace)
     docs = {name: gated_engine_docs(name, model=model, resident=RESIDENT, awake=AWAKE,
                                     args=(args or {}).get(name, ()))
             for name, model in MODELS.items()}
-    monitor: AwakeMonitor | None = None
+    specs = {name: EngineSpec(name, model, RESIDENT, AWAKE) for name, model in MODELS.items()}
     try:
-        engines: dict[str, Engine] = {}
-        for name, (claim, _) in docs.items():
-            rota.deploy_engines(namespace, docs=[claim], wait=False)
-            uid = client.ResourceV1Api(api).read_namespaced_resource_claim(
-                name, namespace, _request_timeout=10).metadata.uid
-            engines[name] = Engine(EngineSpec(name, MODELS[name], RESIDENT, AWAKE),
-                                   namespace, claim_uid=uid)
-        monitor = AwakeMonitor(rota.inspection_socket(), list(engines.values()),
-                               interval_s=0.02)
-        monitor.__enter__()
-        rota.deploy_engines(namespace, docs=[pod for _, pod in docs.values()], wait=True,
-                            timeout=300)
-        urls: dict[str, str] = {}
-        core = client.CoreV1Api(api)
-        for name, engine in engines.items():
-            pod = core.read_namespaced_pod(name, namespace, _request_timeout=10)
-            engine.pod_ip = str(pod.status.pod_ip)
-            urls[name] = rota.url(engine.pod_ip, 8000)
-        yield SoakStage(rota, namespace, engines, monitor, urls)
+        with watched_engines(rota, namespace, docs, specs) as watched:
+            yield SoakStage(rota, namespace, watched.engines, watched.monitor, watched.urls)
     finally:
-        if monitor is not None:
-            monitor.__exit__(None, None, None)
         with contextlib.suppress(client.ApiException):
-            client.CoreV1Api(api).delete_namespace(namespace, _request_timeout=10)
+            client.CoreV1Api(rota.api).delete_namespace(namespace, _request_timeout=10)
 
 
 async def soak(stage: SoakStage, *, seconds: float, clients: int, disrupt_every_s: float,
-               names: Sequence[str] = DISRUPTIONS, seed: int = 0) -> SoakReport:
+               names: Sequence[str] = DISRUPTIONS, seed: int = 0,
+               progress: Callable[[str], None] = lambda line: None) -> SoakReport:
     """Run the clients for ``seconds``, or until the last disruption is over when that
     comes later."""
     report = SoakReport()
@@ -362,7 +346,7 @@ async def soak(stage: SoakStage, *, seconds: float, clients: int, disrupt_every_
     loops = [asyncio.create_task(client_loop(i, gateways, report, clients_stop, seed))
              for i in range(clients)]
     disrupting = asyncio.create_task(disruptions(stage.rota, report, disrupt_every_s, names,
-                                                 stop))
+                                                 stop, progress))
     ends = time.monotonic() + seconds
     try:
         await disrupting
@@ -397,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     configure(args.log_level)
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
     rounds = max(1, int(args.minutes * 60 / (args.disrupt_every + 60)))
     names = [DISRUPTIONS[i % len(DISRUPTIONS)] for i in range(rounds)]
     images = build_rota_images()
@@ -408,11 +396,13 @@ def main(argv: list[str] | None = None) -> int:
             rota = RotaOnNodes(cluster, [node], deploy(api, nodes=[node.name],
                                                        gateway_nodes=[node.name]))
             rota.wait_ready()
+            say(f"rota Ready on {node.name}; {args.clients} clients for {args.minutes:g} min, "
+                f"disruptions: {', '.join(names)}")
             with soak_stage(rota) as stage:
                 report = asyncio.run(soak(stage, seconds=args.minutes * 60,
                                           clients=args.clients,
                                           disrupt_every_s=args.disrupt_every, names=names,
-                                          seed=args.seed))
+                                          seed=args.seed, progress=say))
         finally:
             node.stop()
             api.close()

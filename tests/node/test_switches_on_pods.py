@@ -29,7 +29,7 @@ from controller.api import naming
 from controller.lease.visible_state import LABEL_STATE
 from e2e.deploy import NAMESPACE, is_ready
 from e2e.objects import create_namespace
-from e2e.rota_node import RotaOnNodes, gated_engine_docs
+from e2e.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
 from e2e.waiting import eventually, eventually_async
 from tests.real_node import needs_root
@@ -68,12 +68,6 @@ class Stage:
             return dict(await resp.json())
 
 
-def _ready(stage_rota: RotaOnNodes, namespace: str, name: str) -> client.V1Pod | None:
-    pod = client.CoreV1Api(stage_rota.api).read_namespaced_pod(name, namespace,
-                                                               _request_timeout=10)
-    return pod if is_ready(pod) else None
-
-
 @pytest.fixture(scope="module")
 def stage(kube_api: client.ApiClient, rota_node: RotaOnNodes) -> Iterator[Stage]:
     namespace = f"switch-{uuid.uuid4().hex[:6]}"
@@ -81,31 +75,12 @@ def stage(kube_api: client.ApiClient, rota_node: RotaOnNodes) -> Iterator[Stage]
     docs = {name: gated_engine_docs(name, model=model, resident="1Gi", awake="40Gi",
                                     sleep_level=level)
             for name, (model, level) in LEVELS.items()}
-    monitor: AwakeMonitor | None = None
+    specs = {name: EngineSpec(name, model, resident="1Gi", awake="40Gi")
+             for name, (model, _) in LEVELS.items()}
     try:
-        engines: dict[str, Engine] = {}
-        for name, (claim, _) in docs.items():
-            rota_node.deploy_engines(namespace, docs=[claim], wait=False)
-            uid = client.ResourceV1Api(kube_api).read_namespaced_resource_claim(
-                name, namespace, _request_timeout=10).metadata.uid
-            engines[name] = Engine(EngineSpec(name, LEVELS[name][0], resident="1Gi",
-                                              awake="40Gi"), namespace, claim_uid=uid)
-        monitor = AwakeMonitor(rota_node.inspection_socket(), list(engines.values()),
-                               interval_s=0.02)
-        monitor.__enter__()
-        for _, pod in docs.values():
-            rota_node.deploy_engines(namespace, docs=[pod], wait=False)
-        found = Stage(rota_node, namespace, engines, monitor)
-        for name, engine in engines.items():
-            ready = eventually(functools.partial(_ready, rota_node, namespace, name),
-                               timeout=300, max_interval=2.0, what=f"engine {name} Ready")
-            assert ready is not None
-            engine.pod_ip = str(ready.status.pod_ip)
-            found.urls[name] = rota_node.url(engine.pod_ip, 8000)
-        yield found
+        with watched_engines(rota_node, namespace, docs, specs) as watched:
+            yield Stage(rota_node, namespace, watched.engines, watched.monitor, watched.urls)
     finally:
-        if monitor is not None:
-            monitor.__exit__(None, None, None)
         with contextlib.suppress(client.ApiException):
             client.CoreV1Api(kube_api).delete_namespace(namespace, _request_timeout=10)
 

@@ -36,10 +36,10 @@ from controller.api import naming
 from controller.lease.device import DeviceReader
 from controller.lease.visible_state import LABEL_STATE
 from driver.quantity import parse_quantity
-from e2e.deploy import DRIVER, NAMESPACE, is_ready
+from e2e.deploy import DRIVER, NAMESPACE
 from e2e.objects import DRIVER as DRA_DRIVER
 from e2e.objects import create_namespace, node_slices
-from e2e.rota_node import RotaOnNodes, gated_engine_docs
+from e2e.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
 from e2e.waiting import eventually, eventually_async
 from tests.real_node import needs_root
@@ -168,43 +168,19 @@ def _docs(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return claim, pod
 
 
-def _ready(rota: RotaOnNodes, namespace: str, name: str) -> client.V1Pod | None:
-    pod = client.CoreV1Api(rota.api).read_namespaced_pod(name, namespace, _request_timeout=10)
-    return pod if is_ready(pod) else None
-
-
 @pytest.fixture(scope="module")
 def stage(kube_api: client.ApiClient, rota_node: RotaOnNodes) -> Iterator[Stage]:
     namespace = f"tp-{uuid.uuid4().hex[:6]}"
     with two_gpu_node(rota_node):
         create_namespace(kube_api, namespace)
         docs = {name: _docs(name) for name in MODELS}
-        monitor: AwakeMonitor | None = None
+        specs = {name: EngineSpec(name, model, resident=RESIDENT, awake=AWAKE)
+                 for name, model in MODELS.items()}
         try:
-            engines: dict[str, Engine] = {}
-            for name, (claim, _) in docs.items():
-                rota_node.deploy_engines(namespace, docs=[claim], wait=False)
-                uid = client.ResourceV1Api(kube_api).read_namespaced_resource_claim(
-                    name, namespace, _request_timeout=10).metadata.uid
-                engines[name] = Engine(EngineSpec(name, MODELS[name], resident=RESIDENT,
-                                                  awake=AWAKE), namespace, claim_uid=uid)
-            monitor = AwakeMonitor(rota_node.inspection_socket(), list(engines.values()),
-                                   interval_s=0.02)
-            monitor.__enter__()
-            for _, pod in docs.values():
-                rota_node.deploy_engines(namespace, docs=[pod], wait=False)
-            found = Stage(rota_node, namespace, engines, monitor)
-            for name, engine in engines.items():
-                ready = eventually(functools.partial(_ready, rota_node, namespace, name),
-                                   timeout=300, max_interval=2.0,
-                                   what=f"engine {name} admitted and Ready")
-                assert ready is not None
-                engine.pod_ip = str(ready.status.pod_ip)
-                found.urls[name] = rota_node.url(engine.pod_ip, 8000)
-            yield found
+            with watched_engines(rota_node, namespace, docs, specs) as watched:
+                yield Stage(rota_node, namespace, watched.engines, watched.monitor,
+                            watched.urls)
         finally:
-            if monitor is not None:
-                monitor.__exit__(None, None, None)
             core = client.CoreV1Api(kube_api)
             with contextlib.suppress(client.ApiException):
                 core.delete_namespace(namespace, _request_timeout=10)
