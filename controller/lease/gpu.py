@@ -802,6 +802,12 @@ class GpuWorker:
         self._dirty = True
         if self._accepting and waiting.fenced < self.policy.fenced_retries:
             waiting.fenced += 1
+            # Callers who asked for the same engine while the switch ran queued under its
+            # claim: they join these, in their order (a second entry would replace this
+            # one, and its callers would wait for ever).
+            came_meanwhile = self._queue.pop(target.claim_uid, None)
+            if came_meanwhile is not None:
+                waiting.futures.extend(came_meanwhile.futures)
             self._queue = {target.claim_uid: waiting, **self._queue}
             return
         reason, message = (("interrupted", "the switch was cut short (fenced off, or the "
