@@ -134,7 +134,7 @@ def _body(kind: str, model: str) -> tuple[str, dict[str, Any]]:
     return "/v1/chat/completions", body
 
 
-def check_answer(kind: str, model: str, status: int, body: bytes) -> str:
+def check_answer(kind: str, model: str, body: bytes) -> str:
     """What is wrong with a 200 answer of ``kind`` for ``model`` ("" when nothing);
     raises :class:`Malformed` for a stream that breaks the SSE format."""
     if kind != "chat-stream":
@@ -215,7 +215,7 @@ async def request(gateways: Gateways, model: str, kind: str, rng: random.Random
             status, headers, answer = await one_try(rng.choice(gateways.urls), path, body)
             outcome.status = status
             if status == 200:
-                outcome.problem = check_answer(kind, model, status, answer)
+                outcome.problem = check_answer(kind, model, answer)
                 break
         except Malformed as exc:
             outcome.problem, outcome.malformed = f"malformed: {str(exc)[:300]}", True
