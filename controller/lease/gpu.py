@@ -62,10 +62,14 @@ log = logging.getLogger(__name__)
 
 HOLDERS = metrics.SeriesSet(metrics.HOLDER)
 USAGE_DECAY_S = 300.0
+"""The fair share looks at roughly the last five minutes of who was awake."""
 ANSWERED_GRACE_S = 1.0
 """How long the callers an activation answered count as the holder's work while its
 engine's metrics show none (their requests are on their way)."""
-"""The fair share looks at roughly the last five minutes of who was awake."""
+BUSY_HOLDER_POLL_S = 0.25
+"""While somebody waits and the policy keeps a busy holder awake, how often the holder's
+work is read again: it gives way (``holder_idle``) soon after its last request ends, not
+at the end of its quantum."""
 
 
 def _unsettled_backoff() -> Backoff:
@@ -919,6 +923,8 @@ class GpuWorker:
         now = self.clock()
         wait = (decision.recheck_at - now if decision.recheck_at is not None
                 else self.policy.resync_s)
+        if in_flight:  # its work can end any moment: look again soon
+            wait = min(wait, BUSY_HOLDER_POLL_S)
         wait = max(0.01, min(wait, self._next_reconcile - now, self.policy.resync_s))
         log.debug("switch policy holds", extra={"device": self.gpu, "rule": decision.rule,
                                                 "reason": decision.reason,

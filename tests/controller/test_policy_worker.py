@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from controller.api import naming
 from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
-from controller.lease import metrics
+from controller.lease import gpu, metrics
 from controller.lease.gpu import Activation, GpuWorker, Policy
 from controller.lease.policy import ModelPolicy
 from controller.lease.switch import Switcher, SwitchResult
@@ -117,6 +119,38 @@ async def test_an_idle_holder_gives_way_at_once_despite_a_long_keep_alive() -> N
     assert _count("holder_idle") == before + 1
     assert node.worker._costs["ns/b"].wake_s == 0.6, "measured costs are kept per claim"
     assert node.worker._drains["ns/a"] == 0.2
+
+
+async def test_a_busy_holder_is_read_again_soon_and_gives_way_once_its_work_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within its quantum a busy holder keeps the GPU, but the worker reads its work again
+    within BUSY_HOLDER_POLL_S, not at the quantum's end: once its requests end, the waiter
+    is served at once (``holder_idle``). The demo's clients waited seconds for a switch of
+    half a second when the worker looked again only at the quantum's end."""
+    a, b = _claimant("a"), _claimant("b")
+    node = _Node([a, b], Policy(), holder=a)
+    node.engines["ns/a"].busy = 2
+    node.worker._next_reconcile = node.clock.now + 60.0  # not what bounds the wait here
+    waits: list[float | None] = []
+
+    async def recorded(*events: asyncio.Event, timeout_s: float | None = None) -> bool:
+        waits.append(timeout_s)
+        return False
+
+    monkeypatch.setattr(gpu, "wait_any", recorded)
+    task = node.ask(b)
+    await _settle()
+    await node.worker._serve_next(asyncio.Event())
+    assert node.switcher.switches == [], "a busy holder keeps its quantum"
+    assert waits, "the policy held without waiting"
+    looked_again = waits[-1]
+    assert looked_again is not None
+    assert looked_again <= gpu.BUSY_HOLDER_POLL_S
+    node.engines["ns/a"].busy = 0
+    node.clock.now += looked_again
+    await node.worker._serve_next(asyncio.Event())
+    assert node.switcher.switches == [("ns/a", "ns/b")]
+    assert (await task).ok
 
 
 async def test_a_busy_holder_keeps_its_quantum_and_a_higher_priority_preempts() -> None:
