@@ -740,14 +740,6 @@ class GpuWorker:
                                               "not_serving", f"{waiting.claimant.ref} has no "
                                               "running, ready pod on this node"))
             return
-        blockers = [c.ref for c in self.unsettled.values() if c.claim_uid != uid]
-        if blockers:
-            self._queue.pop(uid)
-            self._resolve(waiting, Activation(
-                False, target, False, self.lease.fence if self.lease else 0, "state_unknown",
-                f"engines on {self.gpu} are in an unknown state (possibly awake): "
-                f"{', '.join(blockers)}; no wake until they are known"))
-            return
         # The Lease as this worker last wrote or read it: a writer that moved it since
         # makes the switch's first compare-and-swap fail (Fenced: reconcile, then retry).
         lease = self.lease if self.lease is not None else await self.lease_port.read()
@@ -757,8 +749,18 @@ class GpuWorker:
         leases = {gpu: await self.lease_of(gpu) for gpu in target.gpus}
         if all(v.holder == target.ref and v.state == naming.STATE_AWAKE
                for v in leases.values()):
+            # Already the awake holder: nothing is woken, so engines in an unknown state
+            # elsewhere on the GPU do not stand in its way.
             self._queue.pop(uid)
             self._resolve(waiting, Activation(True, target, False, lease.fence))
+            return
+        blockers = [c.ref for c in self.unsettled.values() if c.claim_uid != uid]
+        if blockers:
+            self._queue.pop(uid)
+            self._resolve(waiting, Activation(
+                False, target, False, lease.fence, "state_unknown",
+                f"engines on {self.gpu} are in an unknown state (possibly awake): "
+                f"{', '.join(blockers)}; no wake until they are known"))
             return
         gang_holders = holders_of(target, leases, self.claimants())
         if needs_gang(target, gang_holders):

@@ -153,6 +153,29 @@ async def test_a_busy_holder_is_read_again_soon_and_gives_way_once_its_work_ends
     assert (await task).ok
 
 
+async def test_the_awake_holder_is_served_while_another_engine_is_in_an_unknown_state(
+        ) -> None:
+    """An engine whose state is unknown (possibly awake) blocks every wake on its GPU, but
+    not the callers of the engine that is already awake: serving them wakes nothing. They
+    were refused (``state_unknown``) while the worker had a reconciliation pending after
+    a failed switch."""
+    a, b, c = _claimant("a"), _claimant("b"), _claimant("c")
+    node = _Node([a, b, c], Policy(), holder=a)
+    node.worker.unsettled[b.claim_uid] = b
+    node.worker._dirty = True
+    task = node.ask(a)
+    await _settle()
+    await node.worker._serve_next(asyncio.Event())
+    answer = await task
+    assert answer.ok, answer.message
+    assert not answer.switched
+    assert node.switcher.switches == []
+    blocked = node.ask(c)  # a wake beside the unknown engine is still refused
+    await _settle()
+    await node.worker._serve_next(asyncio.Event())
+    assert (await blocked).reason == "state_unknown"
+
+
 async def test_a_busy_holder_keeps_its_quantum_and_a_higher_priority_preempts() -> None:
     a, b, c = _claimant("a"), _claimant("b"), _claimant("c", priority=5)
     node = _Node([a, b, c], Policy(), holder=a)
