@@ -15,6 +15,7 @@ specs then name; the host's NVML library is not mounted). Engines come from
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -126,6 +127,20 @@ def with_model_binding(config_map: Mapping[str, Any], namespaces: Sequence[str]
     out["data"] = {"binding.yaml": yaml.safe_dump({"models": {},
                                                    "namespaces": list(namespaces)})}
     return out
+
+
+RESTARTED_AT = "rota.dev/restarted-at"
+"""The pod-template annotation :func:`restarted` sets (``kubectl rollout restart`` sets
+its own)."""
+
+
+def restarted(workload: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a DaemonSet or Deployment whose pod template changed: applied, it rolls
+    every pod."""
+    updated = copy.deepcopy(dict(workload))
+    notes = updated["spec"]["template"]["metadata"].setdefault("annotations", {})
+    notes[RESTARTED_AT] = dt.datetime.now(dt.UTC).isoformat()
+    return updated
 
 
 def pinned_to(workload: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, Any]:

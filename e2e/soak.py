@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
-import datetime as dt
 import json
 import random
 import sys
@@ -38,7 +36,7 @@ from urllib.parse import urlsplit
 
 from kubernetes import client
 
-from e2e.deploy import CONTROLLER, GATEWAY, is_ready
+from e2e.deploy import CONTROLLER, GATEWAY, is_ready, restarted
 from e2e.objects import create_namespace
 from e2e.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec
@@ -57,8 +55,6 @@ REQUEST_DEADLINE_S = 240.0
 """How long one try may take, the switch it waits for included (the gateway holds a
 request for a switch up to its own bound, which is shorter)."""
 DISRUPTIONS = ("controller-rollout", "gateway-rollout", "controller-restart")
-RESTARTED_AT = "rota.dev/restarted-at"
-"""The template annotation a rollout changes (``kubectl rollout restart`` sets its own)."""
 
 
 @dataclass
@@ -245,13 +241,6 @@ async def client_loop(number: int, gateways: Gateways, report: SoakReport,
         report.outcomes.append(await request(gateways, model, rng.choice(KINDS), rng))
 
 
-def _restarted(doc: dict[str, Any]) -> dict[str, Any]:
-    updated = copy.deepcopy(doc)
-    notes = updated["spec"]["template"]["metadata"].setdefault("annotations", {})
-    notes[RESTARTED_AT] = dt.datetime.now(dt.UTC).isoformat()
-    return updated
-
-
 def _rolled(current: Callable[[], list[client.V1Pod]], old: set[str], want: int
             ) -> bool:
     pods = current()
@@ -270,13 +259,13 @@ def disrupt(rota: RotaOnNodes, name: str, timeout_s: float = 600.0) -> None:
         doc = next(d for d in deployment.docs
                    if d["kind"] == "Deployment" and d["metadata"]["name"] == GATEWAY)
         old = {p.metadata.uid for p in deployment.gateway_pods()}
-        deployment.applier.apply([_restarted(doc)])
+        deployment.applier.apply([restarted(doc)])
         eventually(lambda: _rolled(deployment.gateway_pods, old, len(old)),
                    timeout=timeout_s, max_interval=1.0, what="the gateway rolled over")
         return
     old = {p.metadata.uid for p in controllers()}
     if name == "controller-rollout":
-        deployment.applier.apply([_restarted(deployment.daemonset(CONTROLLER))])
+        deployment.applier.apply([restarted(deployment.daemonset(CONTROLLER))])
     elif name == "controller-restart":
         for pod in controllers():
             client.CoreV1Api(rota.api).delete_namespaced_pod(

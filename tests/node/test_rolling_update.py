@@ -4,13 +4,10 @@ working; the old pod, stopping, removes its own sockets and leaves the new one's
 
 from __future__ import annotations
 
-import copy
-import datetime as dt
-
 import pytest
 from kubernetes import client
 
-from e2e.deploy import DRIVER, is_ready
+from e2e.deploy import DRIVER, is_ready, restarted
 from e2e.rota_node import RotaOnNodes, engine_docs
 from e2e.waiting import eventually
 from tests.real_node import needs_root
@@ -28,10 +25,7 @@ def test_rolling_update_overlaps_old_and_new_driver(
     old_uid = old.metadata.uid
     rota_node.deploy_engines(namespace)
 
-    updated = copy.deepcopy(rota_node.deployment.daemonset(DRIVER))
-    annotations = updated["spec"]["template"]["metadata"].setdefault("annotations", {})
-    annotations["rota.dev/restarted-at"] = dt.datetime.now(dt.UTC).isoformat()
-    rota_node.deployment.applier.apply([updated])
+    rota_node.deployment.applier.apply([restarted(rota_node.deployment.daemonset(DRIVER))])
 
     def overlap() -> client.V1Pod | None:
         pods = rota_node.deployment.driver_pods(node.name)
