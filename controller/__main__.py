@@ -1,4 +1,6 @@
-"""``python -m controller {lease,gateway} [flags]``: run the lease controller or the gateway."""
+"""``rota-controller {lease,gateway} [flags]`` (also ``python -m controller``): run the lease
+controller or the gateway. Usage, errors and ``--version`` name it ``rota-controller``, the
+installed script, like every other rota command."""
 
 from __future__ import annotations
 
@@ -6,9 +8,12 @@ import asyncio
 import sys
 
 from driver.errors import ConfigError
+from driver.kube_client import version
 from driver.logs import configure
+from driver.settings import check_kubeconfig
 
-USAGE = """usage: python -m controller {lease,gateway} [--help] [flags]
+PROG = "rota-controller"
+USAGE = f"""usage: {PROG} {{lease,gateway}} [--help] [--version] [flags]
 
   lease     the lease controller of one node (one awake engine per GPU)
   gateway   the OpenAI-compatible gateway (one per cluster, several replicas)
@@ -17,6 +22,9 @@ USAGE = """usage: python -m controller {lease,gateway} [--help] [flags]
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--version"]:
+        print(f"{PROG} {version()}")
+        return 0
     if not args or args[0] not in ("lease", "gateway"):
         print(USAGE, file=sys.stderr if args[:1] not in (["-h"], ["--help"]) else sys.stdout)
         return 0 if args[:1] in (["-h"], ["--help"]) else 2
@@ -29,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = settings.load(rest)
+        check_kubeconfig(config.kubeconfig)
     except ConfigError as exc:
-        print(f"rota lease controller: {exc}", file=sys.stderr)
+        print(f"{PROG} lease: {exc}", file=sys.stderr)
         return 2
     configure(config.log_level)
     from driver.kube import ClientAgent, use_client_agent

@@ -13,6 +13,7 @@ from driver.errors import ConfigError, RotaDriverError
 def main(argv: list[str] | None = None) -> int:
     try:
         config = settings.load(argv)
+        settings.check_kubeconfig(config.kubeconfig)
     except ConfigError as exc:
         print(f"rota-driver: {exc}", file=sys.stderr)
         return 2

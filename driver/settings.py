@@ -14,12 +14,17 @@ import os
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from driver import DRIVER_NAME
 from driver.errors import ConfigError
+from driver.kube_client import version
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+"""The log levels every rota process takes; anything else is a settings error (exit 2),
+not a traceback from the logging module."""
 
 
 class NvmlBackendKind(StrEnum):
@@ -84,7 +89,7 @@ class DriverSettings(BaseModel):
         "Directory of the start-gate socket (the lease controller listens there); mounted "
         "read-only into the containers of every claim with an engine config, with the "
         "claim's token in ROTA_START_TOKEN. Empty: no start gate."))
-    log_level: str = Field(default="info", description="debug | info | warning | error")
+    log_level: LogLevel = Field(default="info", description="debug | info | warning | error")
 
     @field_validator("start_gate_dir", mode="before")
     @classmethod
@@ -161,14 +166,18 @@ def env_names(field: str, prefix: str = "ROTA_") -> tuple[str, ...]:
 
 def build_parser(model: type[BaseModel], prog: str, description: str, *,
                  env_prefix: str = "ROTA_") -> argparse.ArgumentParser:
-    """One ``--flag`` per field of ``model``; help = description, env var and default."""
+    """One ``--flag`` per field of ``model``; help = description, env var and default.
+
+    ``prog`` is the name the user typed (the installed script, with its command): usage,
+    errors and ``--version`` all say it, so a user never sees a module path."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--version", action="version", version=f"{prog} {version()}")
     for name, info in model.model_fields.items():
         default = "" if info.is_required() or info.default_factory else \
-            f" Default: {info.default}."
+            f"Default: {info.default}."
         envs = " or ".join(env_names(name, env_prefix))
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
-                            help=f"{info.description} Env: {envs}.{default}")
+        text = " ".join(part for part in (info.description, f"Env: {envs}.", default) if part)
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=text)
     return parser
 
 
@@ -205,6 +214,40 @@ def parse_settings(model: type[BaseModel], argv: Sequence[str] | None,
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
                              for e in exc.errors())
         raise ConfigError(f"invalid settings: {problems}") from exc
+
+
+def check_kubeconfig(kubeconfig: str | None, *, context: str | None = None,
+                     in_cluster: bool = True) -> None:
+    """Load the kubeconfig once, into a throwaway configuration, before anything else
+    starts: a missing file, a context that is not there or a machine outside a cluster is
+    one line for the user, not a traceback from deep inside the start. With no
+    ``kubeconfig``, ``in_cluster`` components (the driver, the controller, the gateway) use
+    the pod's service account, as :func:`driver.kube.load_api_client` does; a user's tool
+    reads ``$KUBECONFIG`` or ``~/.kube/config``, as kubectl does.
+
+    Raises:
+        ConfigError: it cannot be loaded; the message says which and why.
+    """
+    import yaml
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    if kubeconfig is not None and not Path(kubeconfig).is_file():
+        raise ConfigError(f"cannot load kubeconfig {kubeconfig}: no such file")
+    target = client.Configuration()
+    service_account = kubeconfig is None and in_cluster
+    try:
+        if service_account:
+            config.load_incluster_config(client_configuration=target)
+        else:
+            config.load_kube_config(config_file=kubeconfig, context=context,
+                                    client_configuration=target)
+    except (ConfigException, OSError, ValueError, TypeError, AttributeError,
+            yaml.YAMLError) as exc:
+        where = ("the pod's service account (not in a cluster? pass --kubeconfig)"
+                 if service_account else f"kubeconfig {kubeconfig or '(default)'}")
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(f"cannot load {where}: {detail}") from None
 
 
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None

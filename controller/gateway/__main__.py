@@ -1,4 +1,5 @@
-"""``python -m controller.gateway``: parse settings, set up logging, serve."""
+"""``rota-controller gateway`` (also ``python -m controller.gateway``): parse settings, set
+up logging, serve. Errors say ``rota-controller gateway``, the name its usage gives."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Coroutine
 from typing import Any
 
 from controller.gateway import app
-from controller.gateway.settings import SettingsError, load
+from controller.gateway.settings import PROG, SettingsError, load
 from driver import logs
+from driver.settings import check_kubeconfig
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
@@ -26,8 +28,9 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = load(argv)
+        check_kubeconfig(settings.kubeconfig)
     except SettingsError as exc:
-        print(f"rota gateway: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level)
     from driver.kube import ClientAgent, use_client_agent
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _run(app.serve(settings))
     except app.StartupError as exc:
-        print(f"rota gateway: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -23,7 +23,8 @@ from driver.errors import ConfigError
 from driver.settings import build_parser as settings_parser
 from driver.settings import parse_settings
 
-__all__ = ["ENV_PREFIX", "GatewaySettings", "SettingsError", "build_parser", "env_name", "load"]
+__all__ = ["ENV_PREFIX", "PROG", "GatewaySettings", "SettingsError", "build_parser", "env_name",
+           "load"]
 
 ENV_PREFIX = "ROTA_GATEWAY_"
 MIB = 2**20
@@ -144,7 +145,8 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
-_PROG = "python -m controller.gateway"
+PROG = "rota-controller gateway"
+"""The gateway's one name in usage and errors: the installed script and its command."""
 _DESCRIPTION = ("rota's OpenAI-compatible gateway: routes each request by model to the "
                 "engine awake on its GPU and asks the node's lease controller to switch "
                 "when the model is asleep.")
@@ -152,7 +154,7 @@ _DESCRIPTION = ("rota's OpenAI-compatible gateway: routes each request by model 
 
 def build_parser() -> argparse.ArgumentParser:
     """One ``--flag`` per field; help = description, env var and default."""
-    return settings_parser(GatewaySettings, _PROG, _DESCRIPTION, env_prefix=ENV_PREFIX)
+    return settings_parser(GatewaySettings, PROG, _DESCRIPTION, env_prefix=ENV_PREFIX)
 
 
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
@@ -162,7 +164,7 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     Raises:
         SettingsError: a value does not validate; the message names every problem.
     """
-    settings: GatewaySettings = parse_settings(GatewaySettings, argv, environ, prog=_PROG,
+    settings: GatewaySettings = parse_settings(GatewaySettings, argv, environ, prog=PROG,
                                                description=_DESCRIPTION,
                                                env_prefix=ENV_PREFIX)
     return settings

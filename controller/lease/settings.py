@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 from controller.api import naming
 from controller.lease.engines.base import Timeouts
 from controller.lease.policy import ModelPolicy, PolicyMode
-from driver.settings import parse_settings
+from driver.settings import LogLevel, parse_settings
 
 GIB = 1024**3
 MIB = 1024**2
@@ -136,7 +136,6 @@ class LeaseSettings(BaseModel):
                                           "its resident budget a sleeping engine may read.")
     unknown_process_bytes: int = Field(default=512 * MIB, ge=0, description="An unknown "
                                        "process holding more than this blocks wakes.")
-    probe_max_tokens: int = Field(default=4, ge=1)
     timeouts: StepTimeouts = Field(default_factory=StepTimeouts,
                                    description="JSON object of per-step timeouts.")
     start_socket: Path | None = Field(default=Path("/var/run/rota/start/start.sock"),
@@ -148,7 +147,7 @@ class LeaseSettings(BaseModel):
     visible_state: bool = Field(default=True, description="Show switches where kubectl "
                                 "sees them: Events on engine pods, their gpu.rota.dev/state "
                                 "label and the Awake/Ready conditions of their claims.")
-    log_level: str = Field(default="info")
+    log_level: LogLevel = Field(default="info", description="debug | info | warning | error")
 
     def model_policy(self) -> ModelPolicy:
         """The node's default switch policy per model (a claim's EngineConfig overrides
@@ -177,6 +176,6 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if alias in env and name not in env:
             env[name] = env[alias]
     settings: LeaseSettings = parse_settings(
-        LeaseSettings, argv, env, prog="python -m controller lease",
+        LeaseSettings, argv, env, prog="rota-controller lease",
         description="rota's lease controller: one awake engine per GPU on this node.")
     return settings
