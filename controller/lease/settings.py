@@ -82,10 +82,6 @@ class LeaseSettings(BaseModel):
     token_reload_s: float = Field(default=30.0, gt=0, description="Re-read the token file "
                                   "this often (a rotated Secret reaches the volume, not the "
                                   "process); every line of the file is a valid token.")
-    engine_token_file: Path | None = Field(default=None, description="File holding rota's "
-                                           "control token, sent to engines' control calls "
-                                           "in X-Rota-Control-Token (checked by "
-                                           "rota-engine-guard; vLLM checks nothing there).")
     election_lease_s: float = Field(default=15.0, gt=1, description="Duration of the "
                                     "controller Lease; renewed every third of it.")
     min_residency_s: float = Field(default=0.0, ge=0, description="An awake engine keeps "
