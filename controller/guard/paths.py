@@ -7,15 +7,26 @@
 - ``health``: ``GET /health``, open (kubelet probes; vLLM answers 503 once dead);
 - ``hidden``: everything else (vLLM's ``/pause``, ``/resume``, ``/abort_requests``,
   ``/update_weights``, profiling, ...): 404, never forwarded.
+
+A request target is classified and forwarded as ONE path (:func:`target`). Whatever some
+server, client or proxy on the way could rewrite is refused rather than interpreted: dot
+segments, encoded separators, dots and escapes (``%2f``, ``%5c``, ``%2e``, ``%25``),
+backslashes, empty segments, ``;`` parameters, control characters, fragments and any
+percent-encoding that is not the canonical one. Otherwise ``/v1/../wake_up`` would be
+classified as the OpenAI surface and reach the engine as ``/wake_up`` once a client library
+normalised it.
 """
 
 from __future__ import annotations
 
 import enum
+import re
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
 
 from controller.api.client_routes import CLIENT_PATHS
 
-__all__ = ["CONTROL_CALLS", "Access", "classify"]
+__all__ = ["CONTROL_CALLS", "Access", "PathRefused", "Target", "classify", "target"]
 
 
 class Access(enum.StrEnum):
@@ -46,3 +57,63 @@ def classify(method: str, path: str) -> Access:
     if path == "/v1" or path.startswith("/v1/") or path in CLIENT_PATHS:
         return Access.CLIENT
     return Access.HIDDEN
+
+
+_PCHARS = "-._~!$&'()*+,=:@"
+"""What stays unencoded in a path segment (RFC 3986 pchar, less ``;``, which is refused)."""
+_ENCODED_SEPARATOR = re.compile(r"%(2f|5c|2e|25)", re.IGNORECASE)
+"""Escapes a second decoder or a normaliser would read as structure: ``/``, ``\\``, ``.``,
+and ``%`` itself (``%252e`` decoded twice is ``.``)."""
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class PathRefused(ValueError):
+    """A request target the guard will not interpret; the message says why (for a 400)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A request target the guard accepted: ``path`` is what the engine routes on (decoded)
+    and what :func:`classify` is given; ``raw`` is the exact target sent to the engine,
+    ``path`` in its canonical encoding plus the query as received."""
+
+    path: str
+    raw: str
+
+
+def target(raw: str) -> Target:
+    """The one path ``raw`` (the request target as received) means, or PathRefused.
+
+    Accepted only when no normalisation of the target (dot-segment removal, slash merging,
+    percent-decoding, backslash folding, ``;`` stripping) could yield another path: then
+    the classified path and the one the engine receives cannot differ.
+    """
+    if "#" in raw:
+        raise PathRefused("the request target has a fragment")
+    raw_path, mark, query = raw.partition("?")
+    if not raw_path.startswith("/"):
+        raise PathRefused("the request target must be an absolute path")
+    if _ENCODED_SEPARATOR.search(raw_path):
+        raise PathRefused("the path has an encoded '/', '\\', '.' or '%'")
+    try:
+        path = unquote(raw_path, errors="strict")
+    except UnicodeDecodeError:
+        raise PathRefused("the path's percent-encoding is not UTF-8") from None
+    _check_decoded(path)
+    if quote(path, safe="/" + _PCHARS) != raw_path:
+        raise PathRefused("the path is not in its canonical percent-encoding")
+    return Target(path=path, raw=raw_path + mark + query)
+
+
+def _check_decoded(path: str) -> None:
+    if "\\" in path:
+        raise PathRefused("the path has a backslash")
+    if ";" in path:
+        raise PathRefused("the path has a ';' parameter")
+    if _CONTROL_CHARACTER.search(path):
+        raise PathRefused("the path has a control character")
+    segments = path[1:].split("/")
+    if any(segment in (".", "..") for segment in segments):
+        raise PathRefused("the path has a '.' or '..' segment")
+    if "" in segments[:-1]:
+        raise PathRefused("the path has an empty segment ('//')")

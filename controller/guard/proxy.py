@@ -10,6 +10,10 @@ to the engine on loopback and its answer back, unbuffered.
   call (loopback): no pooled connection can be closed under a request by the engine's 5 s
   keep-alive.
 - A client that goes away cancels its upstream call (vLLM then aborts the request).
+- The path is classified and forwarded as one: the request target as received, refused
+  (400) unless it is canonical (:func:`controller.guard.paths.target`), is sent byte for
+  byte (a yarl URL built ``encoded=True``, which the client does not normalise again), so
+  the engine routes on exactly the path the guard classified.
 - Credentials: the engine's API key (``Authorization``) is passed to the engine, which may
   check it too; rota's control token (``X-Rota-Control-Token``) never leaves the guard.
 """
@@ -24,10 +28,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from controller.api.engine_guard import CONTROL_TOKEN_HEADER
 from controller.credentials import Credential, bearer
-from controller.guard.paths import Access, classify
+from controller.guard.paths import Access, PathRefused, Target, classify, target
 from controller.guard.settings import GuardSettings
 
 __all__ = ["CREDENTIALS", "SESSION", "SETTINGS", "make_app"]
@@ -94,10 +99,21 @@ async def _body(request: web.Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def _refused_path(request: web.Request, exc: PathRefused) -> web.Response:
+    log.warning("request refused: the path is not canonical", extra={
+        "path": request.raw_path[:200], "method": request.method, "reason": str(exc)})
+    return _error(400, f"{exc}: the engine guard forwards only canonical paths",
+                  "BadRequestError")
+
+
 async def forward(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
-    access = classify(request.method, request.path)
-    fields: dict[str, Any] = {"path": request.path, "method": request.method,
+    try:
+        where = target(request.raw_path)
+    except PathRefused as exc:
+        return _refused_path(request, exc)
+    access = classify(request.method, where.path)
+    fields: dict[str, Any] = {"path": where.path, "method": request.method,
                               "access": access.value}
     if access is Access.HIDDEN:
         return web.json_response({"detail": "Not Found"}, status=404)
@@ -116,7 +132,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSION]
     response: web.StreamResponse | None = None
     try:
-        async with session.request(request.method, settings.upstream + request.path_qs,
+        async with session.request(request.method, _upstream_url(settings, where),
                                    headers=_upstream_headers(request), data=body or None,
                                    timeout=timeout, allow_redirects=False) as upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
@@ -147,6 +163,12 @@ async def forward(request: web.Request) -> web.StreamResponse:
     log.info("forwarded", extra=fields | {"status": status,
                                           "seconds": round(time.monotonic() - began, 6)})
     return response
+
+
+def _upstream_url(settings: GuardSettings, where: Target) -> URL:
+    """The engine's URL for ``where``, taken as already encoded: a client that normalised
+    it (dot segments, percent-encoding) could send another path than the one classified."""
+    return URL(settings.upstream + where.raw, encoded=True)
 
 
 async def _chunks(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
