@@ -27,6 +27,7 @@ from e2e.engine_simulator.memory import MemoryHolder, make_memory
 from e2e.engine_simulator.metrics_api import metrics_routes
 from e2e.engine_simulator.omni_api import omni_routes
 from e2e.engine_simulator.openai_api import openai_routes
+from e2e.engine_simulator.recorder import recorder_middleware
 from e2e.engine_simulator.settings import Settings
 from e2e.engine_simulator.sim_api import sim_routes
 from e2e.engine_simulator.surface_api import surface_routes
@@ -66,13 +67,14 @@ def create_app(
     """
     pid = settings.nvml_pid or os.getpid()
     holder = memory if memory is not None else make_memory(settings, pid=pid)
-    middlewares: list[Middleware] = [reused_connection_middleware()]
+    app = web.Application(handler_args={"keepalive_timeout": settings.keep_alive_seconds})
+    # Recording comes first: a hostile engine sees every header, refused requests' too.
+    middlewares: list[Middleware] = [recorder_middleware(app), reused_connection_middleware()]
     if settings.api_key is not None:
         middlewares.append(api_key_middleware(settings.api_key.get_secret_value()))
     middlewares += [dead_engine_middleware, error_middleware]
     # uvicorn's keep-alive: idle connections are closed after keep_alive_seconds.
-    app = web.Application(middlewares=middlewares,
-                          handler_args={"keepalive_timeout": settings.keep_alive_seconds})
+    app.middlewares.extend(middlewares)
     app[ENGINE_KEY] = Engine(settings, holder, pid=pid, exit_process=exit_process)
     app.add_routes(health_routes())
     if settings.dev_mode:  # VLLM_SERVER_DEV_MODE=1

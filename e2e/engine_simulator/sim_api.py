@@ -5,6 +5,8 @@
 - ``GET /sim/faults``: the faults in force.
 - ``POST /sim/faults``: a JSON object of booleans naming the faults to change; answers the
   faults now in force. ``{"crash_now": true}`` answers 200, then the process exits hard.
+- ``GET /sim/headers``: the credential headers this engine has received
+  (:mod:`e2e.engine_simulator.recorder`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import ValidationError
 from e2e.engine_simulator.control_api import respond_then_crash
 from e2e.engine_simulator.errors import SimError
 from e2e.engine_simulator.keys import ENGINE_KEY
+from e2e.engine_simulator.recorder import recorded_headers
 from e2e.engine_simulator.settings import FaultsPatch
 
 __all__ = ["sim_routes"]
@@ -50,6 +53,7 @@ def sim_routes() -> list[web.RouteDef]:
         web.get("/sim/state", state),
         web.get("/sim/faults", get_faults),
         web.post("/sim/faults", set_faults),
+        web.get("/sim/headers", recorded_headers),
     ]
 
 
