@@ -56,6 +56,38 @@ __all__ = ["EX_CONFIG", "EX_TEMPFAIL", "GateError", "ask", "install", "main", "w
 EX_TEMPFAIL = 75
 EX_CONFIG = 78
 
+VERSION: str | None = None
+"""Set by the ``__main__`` of an ``--install``-ed copy, which has no package metadata."""
+
+HELP = """\
+Hold an engine's start until its node's lease controller grants a start slot, then
+replace this process with the engine (exec: same process, same environment).
+
+  rota-engine-gate [--max-wait-s S] [--if-configured] -- <engine command and arguments>
+  rota-engine-gate --install DIR
+
+Put it in front of the engine in the container's command
+(command: [rota-engine-gate, --, vllm, serve]). It reads ROTA_START_SOCKET (the
+controller's unix socket), ROTA_START_TOKEN (this claim's token, removed from the
+engine's environment) and ROTA_CLAIM_UID from what the driver's CDI spec put in the
+container. Exit 75 (EX_TEMPFAIL) after --max-wait-s without a grant (the kubelet
+restarts the container); 78 (EX_CONFIG) for a refused token or a missing environment.
+--install DIR writes a self-contained copy (standard library only) to
+DIR/rota-engine-gate, for engine images that do not contain rota."""
+"""The ``--help`` text: plain words, not the module docstring's markup."""
+
+
+def version() -> str:
+    """The installed package's version, or the one an ``--install``-ed copy was made of."""
+    if VERSION is not None:
+        return VERSION
+    from importlib import metadata
+
+    try:
+        return metadata.version("rota")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
 
 def _error_pauses() -> Backoff:
     """Pauses after a failed question (no socket, no answer)."""
@@ -183,7 +215,8 @@ def install(directory: Path) -> Path:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, root / name)
         (root / "__main__.py").write_text(
-            "import sys\nfrom controller.engine_gate import main\nsys.exit(main())\n")
+            "import sys\nfrom controller import engine_gate\n"
+            f"engine_gate.VERSION = {version()!r}\nsys.exit(engine_gate.main())\n")
         staged = Path(tmp) / "rota-engine-gate"
         zipapp.create_archive(root, staged, interpreter="/usr/bin/env python3")
         staged.chmod(0o755)
@@ -206,8 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         split = args.index("--")
         args, command = args[:split], args[split + 1:]
     parser = argparse.ArgumentParser(
-        prog="rota-engine-gate", description=__doc__,
+        prog="rota-engine-gate", description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"rota-engine-gate {version()}")
     parser.add_argument("--max-wait-s", type=float, default=3600.0,
                         help="give up (exit 75) after this long without a slot (3600)")
     parser.add_argument("--if-configured", action="store_true",

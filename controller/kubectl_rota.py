@@ -6,7 +6,9 @@
   Leases and the controllers' Leases). It says nothing of whether that controller is
   alive: one read cannot tell (:data:`LIVENESS_NOTE`). With the activation token (the
   Secret, or ``--token-file``) it also asks each node's controller (``GET /v1/state``) for
-  the last switch with its timings and the queue, when it can reach it.
+  the last switch with its timings and the queue, when it can reach it. Without it (a
+  user of the read-only ``rota-status`` role may not read the Secret, the credential that
+  triggers switches) it shows the Leases and says once why the live columns are empty.
 - ``kubectl rota switch <model>``: asks the node's activation API to make the model awake,
   through the gateway's contract (:mod:`controller.api.activation`), and prints the answer.
 
@@ -54,6 +56,9 @@ from controller.api.activation import (
 from controller.api.controller_lease import ControllerLease
 from controller.api.gpu_lease import GpuLease, micro_time
 from controller.claimants import claimants_from
+from driver.errors import ConfigError
+from driver.kube_client import version
+from driver.settings import check_kubeconfig
 
 __all__ = ["Answer", "ControllerInfo", "Direct", "GpuRow", "SwitchOutcome", "ThroughApiServer",
            "Unreachable", "api_server_refusal", "controllers_from", "find_claimant",
@@ -62,6 +67,21 @@ __all__ = ["Answer", "ControllerInfo", "Direct", "GpuRow", "SwitchOutcome", "Thr
 
 DEFAULT_NAMESPACE = naming.DEFAULT_NAMESPACE
 DEFAULT_SECRET = "rota-activation-token"
+PROG = "kubectl rota"
+"""Its one name in usage, errors and ``--version``: how a user types it (kubectl runs the
+installed ``kubectl-rota``)."""
+DESCRIPTION = ("rota's state where kubectl users look (status), and a switch on request "
+               "(switch).")
+STATUS_COLUMNS = ("NODE", "GPU", "STATE", "HOLDER", "MODEL", "FENCE", "CONTROLLER",
+                  "CTL-RENEWED", "RENEWED", "QUEUE")
+"""The columns of ``kubectl rota status``, in order (docs/operations.md shows them; a test
+keeps the two equal)."""
+
+
+def no_token_note(namespace: str, secret: str) -> str:
+    """Why the live columns are empty when the activation token cannot be read."""
+    return (f"live data not asked: no activation token (Secret {namespace}/{secret} is not "
+            "readable, or --token-file not given); the Leases alone are shown")
 
 
 LIVENESS_NOTE = (
@@ -223,8 +243,7 @@ def render_status(rows: Sequence[GpuRow], now: dt.datetime,
                     for node, why in sorted((unread or {}).items()))
     if not rows:
         return "No GPU Leases: no lease controller has run yet in this namespace.\n" + notes
-    header = ("NODE", "GPU", "STATE", "HOLDER", "MODEL", "FENCE", "CONTROLLER",
-              "CTL-RENEWED", "RENEWED", "QUEUE")
+    header = STATUS_COLUMNS
     lines = [header]
     details: dict[int, list[str]] = {}
     for i, row in enumerate(rows):
@@ -483,7 +502,10 @@ class Direct:
 
 
 def _calls(args: argparse.Namespace, api: Any) -> ControllerCalls:
-    token = _token(args, api)
+    return _through(args, api, _token(args, api))
+
+
+def _through(args: argparse.Namespace, api: Any, token: str | None) -> ControllerCalls:
     if args.direct:
         return Direct(token)
     return ThroughApiServer(api, args.namespace, token)
@@ -493,8 +515,11 @@ def _token(args: argparse.Namespace, api: Any) -> str | None:
     from kubernetes import client
 
     if args.token_file:
-        with open(args.token_file, encoding="utf-8") as f:
-            lines = [x.strip() for x in f if x.strip() and not x.startswith("#")]
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                lines = [x.strip() for x in f if x.strip() and not x.startswith("#")]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --token-file {args.token_file}: {exc}") from None
         return lines[0] if lines else None
     try:
         secret = client.CoreV1Api(api).read_namespaced_secret(args.secret, args.namespace,
@@ -552,8 +577,13 @@ def _status(args: argparse.Namespace, out: TextIO) -> int:
         leases = _leases(api, args.namespace)
         states: dict[str, Mapping[str, Any]] = {}
         unread: dict[str, str] = {}
-        if not args.no_live:
-            calls = _calls(args, api)
+        token = None if args.no_live else _token(args, api)
+        if not args.no_live and token is None:
+            unread = {node: no_token_note(args.namespace, args.secret)
+                      for node in controllers_from(leases)
+                      if args.node is None or node == naming.label_value(args.node)}
+        elif not args.no_live:
+            calls = _through(args, api, token)
             for node, ctl in controllers_from(leases).items():
                 if args.node is not None and node != naming.label_value(args.node):
                     continue
@@ -625,7 +655,8 @@ def _common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kubectl rota", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"{PROG} {version()}")
     _common(parser, defaults=True)
     common = argparse.ArgumentParser(add_help=False)
     _common(common, defaults=False)
@@ -652,13 +683,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
-    """Exit codes: 0 done, 1 nothing to act on, 2 the switch failed, 3 refused for now
-    (another controller instance acts; retry)."""
+    """Exit codes: 0 done, 1 nothing to act on, 2 the switch failed or the flags or the
+    kubeconfig are wrong (one line on stderr), 3 refused for now (another controller
+    instance acts; retry)."""
     args = build_parser().parse_args(argv)
     stream = out or sys.stdout
-    if args.command == "status":
-        return _status(args, stream)
-    return _switch(args, stream)
+    try:
+        check_kubeconfig(args.kubeconfig, context=args.context, in_cluster=False)
+        if args.command == "status":
+            return _status(args, stream)
+        return _switch(args, stream)
+    except ConfigError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -145,7 +145,9 @@ class DriverSettings(BaseModel):
 
     @property
     def start_gate_key_path(self) -> Path:
-        """The node key of start-gate tokens (never mounted into any container)."""
+        """The node key (never mounted into any container): start-gate and control tokens
+        derive from it; created even with the start gate off. Its name predates the control
+        tokens and is kept, so that an upgrade keeps every running engine's tokens."""
         return self.plugin_data_dir / "start-gate.key"
 
 
@@ -244,8 +246,9 @@ def check_kubeconfig(kubeconfig: str | None, *, context: str | None = None,
                                     client_configuration=target)
     except (ConfigException, OSError, ValueError, TypeError, AttributeError,
             yaml.YAMLError) as exc:
+        named = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
         where = ("the pod's service account (not in a cluster? pass --kubeconfig)"
-                 if service_account else f"kubeconfig {kubeconfig or '(default)'}")
+                 if service_account else f"kubeconfig {named}")
         detail = " ".join(str(exc).split()) or type(exc).__name__
         raise ConfigError(f"cannot load {where}: {detail}") from None
 
