@@ -85,7 +85,7 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         host, port = split_host_port(settings.listen)
         runner: web.AppRunner | None = None
-        gate: web.AppRunner | None = None
+        gate: starts.StartServer | None = None
         try:
             # The election renews through a client of its own, so its token bucket never
             # queues a renewal behind a start's or a relist's requests (a renewal later
@@ -116,7 +116,11 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
                                                           "url": life.url,
                                                           "identity": settings.identity})
             if settings.start_socket is not None:
-                gate = await starts.serve(node, settings.start_socket)
+                # Its own socket; the gates' path leads to the leader's (a twin that
+                # starts and exits beside the leader never leaves the gates a dead path).
+                gate = await starts.serve(node, settings.start_socket,
+                                          instance=election.instance,
+                                          leading=election.is_leader)
             released = asyncio.Event()
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(election.run(released), name="election")
