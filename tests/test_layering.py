@@ -23,7 +23,8 @@ SHARED_FROM_DRIVER = {"driver.aio", "driver.claims", "driver.errors", "driver.ku
                       "driver.listen", "driver.listwatch", "driver.logs", "driver.metrics_registry",
                       "driver.opaque", "driver.quantity",
                       "driver.settings", "driver.slices", "driver.start_contract",
-                      "driver.rpc.services", "driver.pb.rota.v1", "driver.pb.rota.v1.inspect_pb2"}
+                      "driver.rpc.services", "driver.rpc.sockets", "driver.pb.rota.v1",
+                      "driver.pb.rota.v1.inspect_pb2"}
 
 
 def _imports(path: Path) -> set[str]:
