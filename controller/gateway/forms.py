@@ -11,6 +11,7 @@ from __future__ import annotations
 import email.message
 import email.parser
 import email.utils
+import re
 from collections.abc import Collection
 
 from controller.gateway.errors import RotaGatewayError
@@ -18,7 +19,10 @@ from controller.gateway.errors import RotaGatewayError
 __all__ = ["FormError", "form_fields"]
 
 _HEADERS = email.parser.HeaderParser()
-_MAX_BOUNDARY = 70  # RFC 2046
+_BOUNDARY = re.compile(r"[\x20-\x7e]{0,69}[\x21-\x7e]")
+"""1 to 70 printable ASCII characters, not ending in a space (RFC 2046's length; its
+character set widened to every printable one, so that no client's odd choice is refused):
+a boundary is matched against the body's bytes, so it must be one byte per character."""
 
 
 class FormError(RotaGatewayError, ValueError):
@@ -26,7 +30,16 @@ class FormError(RotaGatewayError, ValueError):
 
 
 def _param(message: email.message.Message, name: str, header: str) -> str | None:
-    value = message.get_param(name, header=header)
+    """The parameter ``name`` of ``header``, RFC 2231 encodings decoded.
+
+    Raises:
+        FormError: the parameter is unreadable: the standard library raises TypeError on
+            ``boundary*0=a; boundary*=b`` (numbered and unnumbered pieces mixed).
+    """
+    try:
+        value = message.get_param(name, header=header)
+    except (TypeError, ValueError):
+        raise FormError(f"the {header} header's {name!r} parameter is unreadable") from None
     if value is None or isinstance(value, str):
         return value
     return str(email.utils.collapse_rfc2231_value(value))
@@ -37,17 +50,19 @@ def form_fields(body: bytes, content_type: str, names: Collection[str]) -> dict[
     parts, those with a ``filename``, are skipped).
 
     Raises:
-        FormError: ``content_type`` is not ``multipart/form-data`` with a boundary, or the
-            body is not a closed form of that boundary.
+        FormError: ``content_type`` is not ``multipart/form-data`` with a usable boundary,
+            the body is not a closed form of that boundary, or a part's header is
+            unreadable.
     """
     header = email.message.Message()
     header["Content-Type"] = content_type
     if header.get_content_type() != "multipart/form-data":
         raise FormError(f"the body must be multipart/form-data, not {content_type[:100]!r}")
     boundary = _param(header, "boundary", "content-type")
-    if not boundary or len(boundary) > _MAX_BOUNDARY:
-        raise FormError("the Content-Type names no usable multipart boundary")
-    pieces = body.split(b"--" + boundary.encode("latin-1"))
+    if not boundary or not _BOUNDARY.fullmatch(boundary):
+        raise FormError("the Content-Type names no usable multipart boundary (1 to 70 "
+                        "printable ASCII characters)")
+    pieces = body.split(b"--" + boundary.encode("ascii"))
     if len(pieces) < 2 or not pieces[-1].startswith(b"--"):
         raise FormError("the form does not end with its closing boundary")
     fields: dict[str, str] = {}
