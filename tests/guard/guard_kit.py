@@ -84,9 +84,11 @@ async def guard_over_recorder(tmp_path: Path) -> AsyncIterator[GuardedRecorder]:
     token_file, key_file = tmp_path / "token", tmp_path / "api-key"
     token_file.write_text(TOKEN + "\n")
     key_file.write_text(KEY + "\n")
-    settings = GuardSettings(upstream=str(upstream.make_url("")),
-                             control_token_file=token_file, api_key_file=key_file,
-                             token_recheck_s=0.0)
+    values: dict[str, object] = {"upstream": str(upstream.make_url("")),
+                                 "api_key_file": key_file, "token_recheck_s": 0.0}
+    if "control_token_file" in GuardSettings.model_fields:
+        values["control_token_file"] = token_file  # guards before per-claim tokens (F1)
+    settings = GuardSettings.model_validate(values)
     control = Credential(token_file, recheck_s=0.0)
     api_key = Credential(key_file, recheck_s=0.0)
     await control.load()
