@@ -41,7 +41,7 @@ from driver.rpc.sockets import drop_link, point_link, prepare_socket_path
 from driver.start_contract import MAX_BODY_BYTES, PATH
 
 __all__ = ["MAX_BODY_BYTES", "PATH", "StartReply", "StartRequest", "StartServer", "StartSocket",
-           "instance_socket", "make_app", "serve"]
+           "instance_socket", "listening", "make_app", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def instance_socket(link: Path, instance: str) -> Path:
     return link.with_name(f"{link.stem}-{instance[:16]}{link.suffix}")
 
 
-def _answers(path: Path) -> bool:
+def listening(path: Path) -> bool:
     """True when a process listens at ``path`` (a link is followed): a connection is
     accepted, or the backlog is full. Refused, missing or not a socket: False."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -156,7 +156,7 @@ def _clear_dead(link: Path, own: Path, *, now: float) -> None:
         with contextlib.suppress(OSError):
             info = path.lstat()
             if (stat.S_ISSOCK(info.st_mode) and now - info.st_mtime > STALE_AFTER_S
-                    and not _answers(path)):
+                    and not listening(path)):
                 path.unlink()
                 log.info("removed a dead instance's start socket", extra={"socket": str(path)})
 
@@ -186,7 +186,7 @@ class StartSocket:
         """Point the link at this instance where it should; True when it did."""
         if _points_to(self.link, self.own) or not _replaceable(self.link):
             return False
-        if not self.leading() and _answers(self.link):
+        if not self.leading() and listening(self.link):
             return False  # another live instance answers there: not ours to take
         point_link(self.link, self.own)
         log.info("start gate path points to this instance",

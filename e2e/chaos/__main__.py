@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engines-per-gpu", type=int, default=RigOptions().engines_per_gpu)
     p.add_argument("--awake", default=RigOptions().awake,
                    help="each engine's awake budget (two of 80Gi do not fit an H200)")
+    p.add_argument("--slow-start-s", type=float, default=RigOptions().slow_start_s,
+                   help="the last engine of each GPU starts this slowly (0: none)")
     p.add_argument("--clients-per-gpu", type=int, default=d.clients_per_gpu)
     p.add_argument("--fault-every-s", type=float, default=d.fault_every_s)
     p.add_argument("--no-faults", action="store_true", help="load only, no faults")
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_logs=args.keep_logs,
         faults=() if args.no_faults else CampaignOptions().faults,
         rig=RigOptions(nodes=args.nodes, engines_per_gpu=args.engines_per_gpu,
-                       awake=args.awake))
+                       awake=args.awake, slow_start_s=args.slow_start_s))
     with LocalCluster() as cluster:
         api = cluster.api_client()
         try:
@@ -59,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in tally.lines():
         print(line)
     print(tally.json_line())
-    clean = (tally.double_awake == 0 and not tally.unowned_gpus
-             and tally.answers["unanswered"] == 0)
-    return 0 if clean else 1
+    return 0 if tally.clean() else 1
 
 
 if __name__ == "__main__":

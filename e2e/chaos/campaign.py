@@ -10,11 +10,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from kubernetes import client
 
 from controller.api import naming
+from e2e.chaos.evidence import unreachable_engine
 from e2e.chaos.faults import CATALOGUE, Fault
 from e2e.chaos.load import client_loop, into_tally
 from e2e.chaos.observe import LeaseObserver, Transition
@@ -183,8 +185,26 @@ async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
                     tally.double_awake += len(node.monitor.violations)
                     tally.double_awake_samples += [f"{node.node.name} {v}" for v in
                                                    node.monitor.violations[:5]]
+            if not tally.clean():  # before the logs go: what the unreachable engines say
+                tally.unreachable = await _unreachable(rig)
             await rig.close(options.keep_logs)
     return tally
+
+
+async def _unreachable(rig: Rig) -> list[dict[str, Any]]:
+    """The evidence about every engine that does not answer now (see
+    :mod:`e2e.chaos.evidence`)."""
+    found = []
+    async with aiohttp.ClientSession() as session:
+        for node in rig.nodes:
+            for engine in node.engines:
+                try:
+                    await sim_state(session, engine)
+                except (aiohttp.ClientError, TimeoutError):
+                    found.append(await asyncio.to_thread(
+                        unreachable_engine, node.node.dirs.logs, node.node.dirs.start_gate,
+                        engine))
+    return found
 
 
 async def _drive(rig: Rig, options: CampaignOptions, rng: random.Random, tally: Tally

@@ -3,7 +3,10 @@ the simulator's ``/sim/faults`` (the ones vLLM shows: a wake that runs out of me
 hung wake, a sleep that lies or is ignored, a crash, an abandoned sleep that fires later),
 process faults by signal (SIGKILL and SIGTERM of a lease controller mid-step, a second
 instance of one identity), API faults through the relay (stalls, resets) and by writing
-the Lease as another writer would, and engine starts during switches.
+the Lease as another writer would, and engine starts during switches. Two are the shapes of
+the December review's failover findings: a twin controller that starts and exits, then an
+engine start (F4), and a controller SIGKILLed between a slow starter's grant and its first
+GPU allocation, the start outlasting the election Lease (F3).
 
 Each fault says whether it took effect (an engine that could not be reached, a Lease that
 was not there: it did not, and it is not counted) and returns the coroutine that undoes it
@@ -18,13 +21,15 @@ import random
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 from kubernetes import client
 
 from controller.api import naming
 from driver.aio import Backoff
-from e2e.chaos.rig import NodeRig, Rig
+from e2e.chaos.evidence import engine_log
+from e2e.chaos.rig import NodeRig, Rig, slow_starters
 from e2e.objects import ROTA_NAMESPACE, node_gpu_leases
 from e2e.scenario import Engine, set_faults
 
@@ -71,10 +76,11 @@ def _sim_fault(name: str) -> Inject:
 
 
 async def _engine_crash(rig: Rig, node: NodeRig, rng: random.Random,
-                        session: aiohttp.ClientSession) -> Injected:
+                        session: aiohttp.ClientSession, *, engine: Engine | None = None
+                        ) -> Injected:
     """The engine process dies; the node restarts it (restartPolicy Always)."""
     try:
-        await set_faults(session, _engine(node, rng), crash_now=True)
+        await set_faults(session, engine or _engine(node, rng), crash_now=True)
     except aiohttp.ServerDisconnectedError:
         return Injected(True)  # it died answering
     except (aiohttp.ClientError, TimeoutError):
@@ -116,6 +122,78 @@ async def _second_instance(rig: Rig, node: NodeRig, rng: random.Random,
         twin.stop()
         node.reap()
     return Injected(True, undo)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+async def _log_says(path: Path, offset: int, needle: str, *, timeout_s: float) -> bool:
+    """Whether ``needle`` shows in ``path`` after byte ``offset`` within ``timeout_s``."""
+    def said() -> bool:
+        try:
+            with path.open("rb") as source:
+                source.seek(offset)
+                return needle.encode() in source.read()
+        except FileNotFoundError:
+            return False
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    for pause in Backoff(first_s=0.02, max_s=0.2).delays():
+        if await asyncio.to_thread(said):
+            return True
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(pause)
+    return False
+
+
+TWIN = "controller-twin"
+
+
+async def _twin_then_engine_restart(rig: Rig, node: NodeRig, rng: random.Random,
+                                    session: aiohttp.ClientSession) -> Injected:
+    """F4's shape: a second instance (a surge pod's, another identity) starts beside the
+    leader, serves its start gate and exits; then an engine restarts, and its start must
+    still reach the leader through the gates' path (else it waits at its gate for ever and
+    the campaign ends with an engine that cannot be read)."""
+    log_path = node.node.dirs.logs / f"controller-{TWIN}.log"
+    offset = await asyncio.to_thread(_size, log_path)
+    twin = node.start_controller(rig.options, identity=TWIN)
+    try:
+        up = await _log_says(log_path, offset, "start gate listening", timeout_s=30)
+    finally:
+        await asyncio.to_thread(twin.stop)
+        node.reap()
+    if not up:
+        return NOT_INJECTED
+    return await _engine_crash(rig, node, rng, session)
+
+
+async def _slow_start_failover(rig: Rig, node: NodeRig, rng: random.Random,
+                               session: aiohttp.ClientSession) -> Injected:
+    """F3's shape: a slow starter (it shows no GPU process and answers nothing for longer
+    than the election Lease) restarts; once its gate is granted the start, the controller
+    is SIGKILLed. The next instance finds the GPU Lease ``starting`` and a newcomer that
+    is silent and holds nothing yet: it must keep it unsettled, not wake the old holder
+    beside it (the slow starter's awake budget fits beside another's, so two awake are
+    seen, not an out-of-memory start)."""
+    engines = slow_starters(node)
+    if not engines:
+        return NOT_INJECTED
+    engine = rng.choice(engines)
+    log_path = engine_log(node.node.dirs.logs, engine)
+    offset = await asyncio.to_thread(_size, log_path)
+    crashed = await _engine_crash(rig, node, rng, session, engine=engine)
+    if not crashed.took_effect:
+        return NOT_INJECTED
+    # the node agent's restart back-off reaches 10 s, then the switch into the start
+    if not await _log_says(log_path, offset, "start slot granted", timeout_s=60):
+        return NOT_INJECTED
+    return Injected(node.signal_controller(signal.SIGKILL))
 
 
 async def _api_stall(rig: Rig, node: NodeRig, rng: random.Random,
@@ -185,4 +263,6 @@ CATALOGUE: tuple[Fault, ...] = (
     Fault("api_reset", 1, _api_reset),
     Fault("lease_moved", 1, _lease_moved),
     Fault("engine_start_during_switch", 1, _engine_restart),
+    Fault("twin_then_engine_restart", 1, _twin_then_engine_restart),
+    Fault("slow_start_failover", 1, _slow_start_failover),
 )

@@ -23,11 +23,12 @@ from e2e.harness import GpuNode
 from e2e.objects import MANIFESTS, apply_manifest
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec, deploy
 
-__all__ = ["NodeRig", "Rig", "RigOptions"]
+__all__ = ["NodeRig", "Rig", "RigOptions", "slow_starters"]
 
 GIB = 2**30
 FAST_ENGINE = ("--later-sleep-seconds", "0.01", "--first-sleep-seconds", "0.05",
                "--wake-level1-seconds", "0.01", "--ttft-seconds", "0.002")
+SLOW_START = "--start-seconds"
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,13 @@ class RigOptions:
     """Each engine's awake budget: 80Gi twice does not fit an H200 awake together, so
     every start and every switch depends on rota's ordering."""
     resident: str = "2Gi"
+    slow_start_s: float = 12.0
+    """The last engine of each GPU is a slow starter: it shows no GPU process and answers
+    nothing for this long at start (a real vLLM's imports and model load), far beyond the
+    election Lease below. 0: none."""
+    slow_awake: str = "40Gi"
+    """The slow starter's awake budget: it fits beside another awake engine, so an engine
+    woken beside it shows as two awake rather than as an out-of-memory start."""
     gateways: int = 2
     controller_args: tuple[str, ...] = (
         "--min-residency-s=0", "--resync-s=2", "--election-lease-s=4",
@@ -77,6 +85,12 @@ class NodeRig:
         self.controllers = [p for p in self.controllers if p.alive()]
 
 
+def slow_starters(node: NodeRig) -> list[Engine]:
+    """The node's engines that start slowly (see :attr:`RigOptions.slow_start_s`)."""
+    return [e for e in node.engines
+            if any(str(a).startswith(SLOW_START) for a in e.spec.args)]
+
+
 def _relay_kubeconfig(cluster: LocalCluster, relay: FlakyRelay, path: Path) -> Path:
     """The cluster's admin kubeconfig, reaching the API server through ``relay``."""
     pki.write_kubeconfig(path, server=f"https://127.0.0.1:{relay.port}", pki=cluster.pki)
@@ -112,11 +126,18 @@ class Rig:
         return rig
 
     def deploy_engines(self, rig: NodeRig, index: int) -> None:
-        specs = [EngineSpec(f"e{index}-{k}", f"chaos/gpu{index}-m{k}",
-                            resident=self.options.resident, awake=self.options.awake,
-                            args=FAST_ENGINE, gated=True)
-                 for k in range(self.options.engines_per_gpu)]
+        specs = [self._spec(index, k) for k in range(self.options.engines_per_gpu)]
         rig.engines = deploy(self.api, self.namespace, rig.node.name, specs, timeout=180)
+
+    def _spec(self, index: int, k: int) -> EngineSpec:
+        slow = (self.options.slow_start_s > 0 and self.options.engines_per_gpu > 1
+                and k == self.options.engines_per_gpu - 1)
+        args = (*FAST_ENGINE, f"{SLOW_START}={self.options.slow_start_s}") if slow \
+            else FAST_ENGINE
+        return EngineSpec(f"e{index}-{k}", f"chaos/gpu{index}-m{k}",
+                          resident=self.options.resident,
+                          awake=self.options.slow_awake if slow else self.options.awake,
+                          args=args, gated=True)
 
     def start_gateways(self) -> None:
         assert self.nodes, "gateways need a node to keep their logs"

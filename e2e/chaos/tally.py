@@ -42,7 +42,15 @@ class Tally:
     sample_gaps: dict[str, float] = field(default_factory=dict)
     """The time between the starts of two samples of one GPU: count, p50, p99, max (ms)."""
     unowned_gpus: list[str] = field(default_factory=list)
+    unreachable: list[dict[str, Any]] = field(default_factory=list)
+    """When the campaign failed: what the logs say of each engine that did not answer at
+    the end (:func:`e2e.chaos.evidence.unreachable_engine`)."""
     seconds: float = 0.0
+
+    def clean(self) -> bool:
+        """The campaign's targets: no two awake, every request answered, every GPU owned."""
+        return (self.double_awake == 0 and not self.unowned_gpus
+                and self.answers[Answer.UNANSWERED] == 0)
 
     def switch(self, *, ok: bool, reason: str = "") -> None:
         self.switches += 1
@@ -72,7 +80,8 @@ class Tally:
             "seconds": round(self.seconds, 1),
             "samples": {"unanswered": self.unanswered_samples,
                         "double_awake": self.double_awake_samples[:20],
-                        "unowned": self.unowned_gpus},
+                        "unowned": self.unowned_gpus,
+                        "unreachable_engines": self.unreachable},
         }
 
     def lines(self) -> list[str]:
@@ -97,6 +106,12 @@ class Tally:
             "faults injected          " + (", ".join(f"{k} {v}" for k, v in
                                                    self.faults.most_common()) or "none"),
         ]
+        for engine in self.unreachable:
+            out.append(f"engine not answering     {engine['engine']} (claim "
+                       f"{engine['claim'] or '?'}); start gate: "
+                       f"{', '.join(engine['start_gate']) or '-'}")
+            out += [f"  {source}: {line}" for source in ("node_agent", "container")
+                    for line in engine[source][-3:]]
         return out
 
     def json_line(self) -> str:

@@ -109,6 +109,9 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None) -> None:
     ``shutdown_grace_seconds``, aborts the rest, and unregisters the GPU memory.
     """
     stop = stop if stop is not None else asyncio.Event()
+    if settings.start_seconds:
+        log.info("engine simulator starting", extra={"start_seconds": settings.start_seconds})
+        await asyncio.sleep(settings.start_seconds)  # imports and model load, as vLLM's
     app = create_app(settings)
     runner = web.AppRunner(app, handle_signals=False,
                            shutdown_timeout=settings.shutdown_grace_seconds + 5.0)

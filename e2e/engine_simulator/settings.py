@@ -183,6 +183,10 @@ class Settings(BaseModel):
     """Extra time taken by a wake that re-maps weights after a level-2 sleep."""
     reload_seconds: Seconds = 0.0
     """Time taken by ``collective_rpc reload_weights``."""
+    start_seconds: Seconds = 0.0
+    """Time the process spends at start before it touches the GPU or listens (a real
+    vLLM's imports and model load: seconds to minutes in which it shows no GPU process
+    and answers nothing)."""
     ttft_seconds: Seconds = 0.0
     """Time to first token of every generation."""
     tokens_per_second: Seconds = 0.0
@@ -326,6 +330,8 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
      "extra duration of a weights wake after a level-2 sleep"),
     ("reload_seconds", "--reload-seconds", "ROTA_SIM_RELOAD_SECONDS",
      "duration of collective_rpc reload_weights"),
+    ("start_seconds", "--start-seconds", "ROTA_SIM_START_SECONDS",
+     "time at start before the GPU is touched or the port bound (imports, model load)"),
     ("ttft_seconds", "--ttft-seconds", "ROTA_SIM_TTFT_SECONDS", "time to first token"),
     ("tokens_per_second", "--tokens-per-second", "ROTA_SIM_TOKENS_PER_SECOND",
      "decode speed; 0 = instant"),

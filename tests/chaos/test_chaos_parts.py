@@ -4,6 +4,7 @@ how its monitor reads the GPU."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from controller.api import naming
 from controller.api.gpu_lease import GpuLease
 from driver.nvml import fixture_path
 from driver.nvml.fake import load_fixture, register_process
+from e2e.chaos.evidence import engine_log, unreachable_engine
 from e2e.chaos.load import classify
 from e2e.chaos.observe import transition
 from e2e.chaos.tally import Answer, Tally
@@ -106,3 +108,45 @@ def test_the_registry_monitor_sees_two_engines_awake(tmp_path: Path, separate_pr
         for child in children:
             child.kill()
             child.wait()
+
+
+def test_a_failed_campaign_keeps_what_the_logs_say_of_an_unreachable_engine(
+        short_tmp: Path) -> None:
+    """The node agent's lines about the pod, the container's last lines, each controller's
+    lines about the claim (its start ticket) and where the gates' path leads: here a dead
+    socket a twin left (review F4), beside a live instance socket."""
+    logs, gate = short_tmp / "logs", short_tmp / "start"
+    logs.mkdir()
+    gate.mkdir()
+    engine = Engine(EngineSpec("e0-1", "m/1", resident="2Gi", awake="40Gi"), "ns",
+                    claim_uid="claim-1")
+    (logs / "node-agent.log").write_text('{"pod": "ns/e0-0", "msg": "started"}\n'
+                                         '{"pod": "ns/e0-1", "msg": "engine exited"}\n')
+    engine_log(logs, engine).write_text(
+        '{"event": "the lease controller did not answer; asking again", '
+        '"error": "ConnectionRefusedError(111)"}\n')
+    (logs / "controller-controller-0.log").write_text(
+        '{"msg": "start slot granted", "claim": "claim-1"}\n{"msg": "other", "claim": "c2"}\n')
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(gate / "start.sock"))
+    dead.close()
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(gate / "start-abc.sock"))
+    live.listen(1)
+    try:
+        found = unreachable_engine(logs, gate, engine)
+    finally:
+        live.close()
+    assert found["node_agent"] == ['{"pod": "ns/e0-1", "msg": "engine exited"}']
+    assert "ConnectionRefusedError" in found["container"][0]
+    assert found["start_ticket"] == {
+        "controller-controller-0.log": ['{"msg": "start slot granted", "claim": "claim-1"}']}
+    assert found["start_gate"] == ["start-abc.sock: socket (answers)",
+                                   "start.sock: socket (refuses)"]
+    tally = Tally()
+    tally.unowned_gpus.append("n: an engine or the Lease cannot be read")
+    assert not tally.clean()
+    tally.unreachable.append(found)
+    assert tally.report()["samples"]["unreachable_engines"] == [found]
+    assert any("e0-1" in line and "start.sock: socket (refuses)" in line
+               for line in tally.lines())
