@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools registry-tools kwok manifests images host venv clean help release chart-readme scale
+.PHONY: all demo test lint typecheck unit proto proto-check k8s chart-tools registry-tools kwok manifests images host venv clean help release push verify signing-tools chart-readme scale
 
 all: test
 
@@ -25,8 +25,13 @@ help:
 	@echo "make manifests  render manifests/*.yaml from the Helm chart (charts/rota)"
 	@echo "make proto      regenerate driver/pb from proto/"
 	@echo "make chart-readme  write charts/rota/README.md from values.yaml and its schema"
-	@echo "make release VERSION=x.y.z  wheel, sdist, krew plugin, image, chart, SBOMs and"
-	@echo "                SHA256SUMS into dist/ from a clean tree (IMAGE=0: no image)"
+	@echo "make release    wheel, sdist, krew plugin, image, chart, SBOMs, provenance and"
+	@echo "                SHA256SUMS into dist/: a snapshot of any commit, or VERSION=x.y.z"
+	@echo "                from a clean tree tagged vx.y.z (IMAGE=0: no image)"
+	@echo "make push REGISTRY=host/path SIGNING_KEY=cosign.key  dist/'s image and chart to a"
+	@echo "                registry, cosign-signed, provenance attested (PLAIN_HTTP=1: no TLS)"
+	@echo "make verify REGISTRY=host/path VERSION=v PUBLIC_KEY=cosign.pub  check them there"
+	@echo "make signing-tools  build or find the cached cosign"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "rota needs Python 3.11+"'
@@ -68,12 +73,35 @@ manifests: $(STAMP)
 chart-readme: $(STAMP)
 	$(PY) -m e2e.chart_readme
 
-# VERSION defaults to pyproject.toml's version, the one source; it must agree with it.
+# Without VERSION: a snapshot of the commit (or the release HEAD is tagged as); with it, a
+# release, checked against pyproject.toml (the one source), CHANGELOG.md and the tag.
 VERSION ?=
 IMAGE   ?= 1
 release: $(STAMP)
 	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" \
-	$(PY) -m e2e.release --version "$(VERSION)" $(if $(filter 0,$(IMAGE)),--no-image,)
+	$(PY) -m e2e.release build --version "$(VERSION)" $(if $(filter 0,$(IMAGE)),--no-image,)
+
+# dist/ to REGISTRY (host[:port]/path), signed with the cosign key file SIGNING_KEY (or
+# UNSIGNED=1); make verify checks it there with PUBLIC_KEY. PLAIN_HTTP=1: no TLS.
+REGISTRY    ?=
+SIGNING_KEY ?=
+PUBLIC_KEY  ?=
+PLAIN_HTTP  ?= 0
+UNSIGNED    ?= 0
+PUBLISH_ENV = ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" \
+	ROTA_REGISTRY_TOOLS_BIN="$$(bash e2e/build-registry.sh | tail -n 1)" \
+	ROTA_COSIGN_BIN="$$(bash e2e/build-cosign.sh | tail -n 1)"
+push: $(STAMP)
+	$(PUBLISH_ENV) $(PY) -m e2e.release push --registry "$(REGISTRY)" --key "$(SIGNING_KEY)" \
+	$(if $(filter 1,$(PLAIN_HTTP)),--plain-http,) $(if $(filter 1,$(UNSIGNED)),--unsigned,)
+
+verify: $(STAMP)
+	ROTA_COSIGN_BIN="$$(bash e2e/build-cosign.sh | tail -n 1)" $(PY) -m e2e.release verify --registry "$(REGISTRY)" \
+	--public-key "$(PUBLIC_KEY)" --version "$(VERSION)" \
+	$(if $(filter 1,$(PLAIN_HTTP)),--plain-http,) $(if $(filter 0,$(IMAGE)),--no-image,)
+
+signing-tools:
+	bash e2e/build-cosign.sh
 
 proto: $(STAMP)
 	$(PY) -m proto.generate

@@ -1,10 +1,26 @@
-"""``python -m e2e.release``: build a release of rota from a clean checkout into ``dist/``.
+"""``python -m e2e.release``: build rota's artifacts from any commit into ``dist/``, push
+them to a registry with cosign signatures and provenance, and verify them there.
 
-``make release VERSION=x.y.z`` runs it. The one source of the version is ``pyproject.toml``'s
-``[project] version``; ``VERSION`` (SemVer, as Helm and image tags want it) must name the
-same version (``1.2.0-rc.1`` is Python's ``1.2.0rc1``; a pre-release tag that Python has no
-spelling for, such as ``0.0.0-test``, is Python's local version ``0.0.0+test``), and
-``CHANGELOG.md`` must have a section for it. What comes out, all named in ``SHA256SUMS``:
+``make release`` (``build``) works on every commit, so anyone can build an image and a chart:
+
+- **a snapshot** where the tree is not a tagged release (no ``VERSION`` given and HEAD not at
+  a ``v<version>`` tag with a CHANGELOG section, or a dirty tree): its version is derived
+  from the commit, as the next release's pre-release, ``<next>-dev.<commit time>.g<sha12>``
+  for the image tag and the chart (SemVer: Helm and OCI tags need it; ``+`` is no tag
+  character, so the commit is a pre-release field, and ``g`` keeps an all-digit sha from
+  being a number) and ``<next>.dev<commit time>+g<sha12>`` for the wheel (PEP 440: a
+  development release, so ``pip`` never takes it for a release, with the commit as local
+  label). Both sort before ``<next>`` and, by the commit time, one after the other; a dirty
+  tree adds ``.dirty`` to both and names its changed paths in the provenance. ``<next>`` is
+  ``pyproject.toml``'s version.
+- **a release** (``make release VERSION=x.y.z``, or no ``VERSION`` on a tree that is a tagged
+  release): every check, refused otherwise: a clean tree, ``pyproject.toml``'s
+  ``[project] version`` (the one source) naming the same version (``1.2.0-rc.1`` is Python's
+  ``1.2.0rc1``; a pre-release tag that Python has no spelling for, such as ``0.0.0-test``, is
+  Python's local version ``0.0.0+test``), a ``CHANGELOG.md`` section, and HEAD tagged
+  ``v<VERSION>``.
+
+What comes out, all named in ``SHA256SUMS``:
 
 - ``rota-<py>-py3-none-any.whl`` and ``rota-<py>.tar.gz`` (``python -m build``): the runtime
   packages only (``driver`` with its generated ``driver/pb``, ``controller``), with the
@@ -21,7 +37,20 @@ spelling for, such as ``0.0.0-test``, is Python's local version ``0.0.0+test``),
   IMAGE=0``) leaves both out, where the machine cannot build images (the builder needs
   root, gcc and Debian's mirror);
 - ``rota-<v>.tgz``: the chart (``helm lint --strict``, then ``helm package``), version and
-  appVersion ``<v>``, its image pinned by digest (``image.digest``) when the image was built.
+  appVersion ``<v>``, its image pinned by digest (``image.digest``) when the image was built;
+- ``rota-<v>.provenance.json``: a SLSA v1 provenance predicate of the build (the commit, the
+  tree's state, the builder, every artifact's sha256), which ``push`` attests.
+
+``make push REGISTRY=<host>/<path> SIGNING_KEY=cosign.key`` (``push``) puts the image at
+``<REGISTRY>/rota:<v>`` and the chart at ``oci://<REGISTRY>/charts/rota`` (``crane push``,
+``helm push``; ``PLAIN_HTTP=1`` for a registry without TLS), then signs both by digest with
+the cosign key file and attests the provenance to both (``cosign sign``, ``cosign attest
+--type slsaprovenance1``; ``COSIGN_PASSWORD`` unlocks the key; nothing goes to a public
+transparency log). ``make verify REGISTRY=... VERSION=<v> PUBLIC_KEY=cosign.pub``
+(``verify``) checks the signatures and the provenance of both before an install; docs/
+install.md has the same as plain cosign commands. crane, helm and cosign are built from
+the Go module proxy into rota's tool cache (``e2e/build-registry.sh``,
+``e2e/build-chart-tools.sh``, ``e2e/build-cosign.sh``).
 """
 
 from __future__ import annotations
@@ -41,6 +70,7 @@ import time
 import tomllib
 import zipfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +135,100 @@ def check_clean(repo: Path) -> str:
     if status:
         raise ReleaseError(f"the tree is not clean; commit or remove first:\n{status}")
     return _git(repo, "rev-parse", "HEAD")
+
+
+# --- what is built: a release or a snapshot ----------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """The version a build carries and the source state it was made from."""
+
+    version: str
+    """SemVer: the image tag, the chart's version and appVersion."""
+    python: str
+    """PEP 440: the wheel's and the sdist's version."""
+    revision: str
+    snapshot: bool
+    changed: tuple[str, ...] = ()
+    """``git status --porcelain`` lines of a dirty tree (a snapshot only)."""
+
+    @property
+    def tree_state(self) -> str:
+        return "dirty" if self.changed else "clean"
+
+
+def _status(repo: Path) -> tuple[str, ...]:
+    out = _run(["git", "-C", str(repo), "status", "--porcelain"])
+    return tuple(line for line in out.splitlines() if line.strip())
+
+
+def tags_at_head(repo: Path) -> list[str]:
+    return _git(repo, "tag", "--points-at", "HEAD").split()
+
+
+def snapshot_versions(next_version: str, revision: str, commit_time: int,
+                      dirty: bool) -> tuple[str, str]:
+    """(SemVer, PEP 440) of a snapshot of ``revision``: pre-releases of ``next_version``
+    (pyproject's) ordered by the commit's time, naming the commit (module docstring)."""
+    base = Version(next_version).base_version
+    stamp = time.strftime("%Y%m%d%H%M%S", time.gmtime(commit_time))
+    sha = revision[:12]
+    suffix = ".dirty" if dirty else ""
+    return f"{base}-dev.{stamp}.g{sha}{suffix}", f"{base}.dev{stamp}+g{sha}{suffix}"
+
+
+def release_plan(repo: Path, requested: str | None) -> Plan:
+    """A release where one is asked for (every check, refused otherwise) or HEAD is a
+    tagged release already; a snapshot of the commit otherwise."""
+    revision = _git(repo, "rev-parse", "HEAD")
+    if requested:
+        check_release(repo, requested)
+        return Plan(requested, python_version(requested), revision, snapshot=False)
+    declared = project_version(repo)
+    changed = _status(repo)
+    for tag in tags_at_head(repo):
+        semver = tag.removeprefix("v")
+        if not changed and SEMVER.match(semver) and changelog_has(repo, semver) \
+                and Version(python_version(semver)) == Version(declared):
+            return Plan(semver, python_version(semver), revision, snapshot=False)
+    commit_time = int(_git(repo, "show", "-s", "--format=%ct", revision))
+    semver, python = snapshot_versions(declared, revision, commit_time, bool(changed))
+    return Plan(semver, python, revision, snapshot=True, changed=changed)
+
+
+def check_release(repo: Path, version: str) -> None:
+    """Every check of a real release: a clean tree, pyproject's version, the CHANGELOG's
+    section and HEAD at the tag ``v<version>``; the error says what to do."""
+    check_clean(repo)
+    declared = project_version(repo)
+    if python_version(version) != str(Version(declared)):
+        raise ReleaseError(
+            f"VERSION {version} is Python's {python_version(version)}, but pyproject.toml "
+            f"says {declared}: set [project] version there (the one source) and commit")
+    if not changelog_has(repo, version):
+        raise ReleaseError(f"CHANGELOG.md has no section '## [{version}]': write it first")
+    if f"v{version}" not in tags_at_head(repo):
+        raise ReleaseError(f"HEAD is not tagged v{version}: tag the release commit first "
+                           f"(git tag -a v{version} -m 'rota {version}'); without VERSION, "
+                           f"make release builds a snapshot of the commit")
+
+
+def stage_source(repo: Path, dest: Path, python: str) -> Path:
+    """The tree as it is (tracked and untracked files, not ignored ones) copied to
+    ``dest`` with pyproject's version set to ``python``: the wheel is built from it, so a
+    snapshot's version is in its metadata and the checkout is left as it was."""
+    listed = _run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others",
+                   "--exclude-standard"])
+    for name in filter(None, listed.split("\0")):
+        source = repo / name
+        if source.is_file() and not source.is_symlink():
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    pyproject = dest / "pyproject.toml"
+    pyproject.write_text(_set_line(pyproject.read_text(), r'^version = ".*"$',
+                                   f'version = "{python}"'))
+    return dest
 
 
 def sha256(path: Path) -> str:
@@ -365,55 +489,171 @@ def write_sums(dist: Path) -> Path:
     return sums
 
 
+PROVENANCE_PREDICATE = "https://slsa.dev/provenance/v1"
+BUILD_TYPE = f"{SOURCE_URL}/blob/main/e2e/release.py#build"
+"""What ``buildDefinition`` means: this module's ``build`` (its parameters below)."""
+
+
+def provenance(plan: Plan, dist: Path, *, image: bool, started: str, finished: str,
+               tools: Mapping[str, str]) -> dict[str, Any]:
+    """A SLSA v1 provenance predicate of this build, from what the release step knows: the
+    commit and the tree's state, how it was asked for, who built it with what, and every
+    artifact's digest (cosign makes it an in-toto statement about the image or chart)."""
+    source = f"git+{SOURCE_URL}"
+    return {
+        "buildDefinition": {
+            "buildType": BUILD_TYPE,
+            "externalParameters": {
+                "source": {"uri": source, "digest": {"gitCommit": plan.revision}},
+                "version": plan.version, "image": image},
+            "internalParameters": {
+                "snapshot": plan.snapshot, "treeState": plan.tree_state,
+                "changedPaths": list(plan.changed), "pythonVersion": plan.python},
+            "resolvedDependencies": [
+                {"uri": f"{source}@{plan.revision}", "digest": {"gitCommit": plan.revision}}],
+        },
+        "runDetails": {
+            "builder": {"id": os.environ.get("ROTA_BUILDER_ID", BUILD_TYPE),
+                        "version": dict(sorted(tools.items()))},
+            "metadata": {"invocationId": f"{plan.revision}/{plan.version}",
+                         "startedOn": started, "finishedOn": finished},
+            "byproducts": [{"name": p.relative_to(dist).as_posix(),
+                            "digest": {"sha256": sha256(p)}}
+                           for p in sorted(dist.rglob("*")) if p.is_file()],
+        },
+    }
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def release(repo: Path, dist: Path, version: str | None, *, image: bool) -> list[Path]:
-    """Build every artifact of the release into ``dist`` (emptied first); their paths."""
-    revision = check_clean(repo)
-    declared = project_version(repo)
-    version = version or declared
-    if python_version(version) != str(Version(declared)):
-        raise ReleaseError(
-            f"VERSION {version} is Python's {python_version(version)}, but pyproject.toml "
-            f"says {declared}: set [project] version there (the one source) and commit")
-    if not changelog_has(repo, version):
-        raise ReleaseError(f"CHANGELOG.md has no section '## [{version}]': write it first")
+    """Build every artifact of a release or a snapshot (:func:`release_plan`) into ``dist``
+    (emptied first); their paths."""
+    plan = release_plan(repo, version)
     helm = helm_binary()
+    started = _now()
     shutil.rmtree(dist, ignore_errors=True)
     dist.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="rota-release-") as tmp:
         scratch = Path(tmp)
-        wheel, _ = build_python(repo, dist, _git(repo, "show", "-s", "--format=%ct", revision))
+        source = stage_source(repo, scratch / "src", plan.python)
+        epoch = _git(repo, "show", "-s", "--format=%ct", plan.revision)
+        wheel, _ = build_python(source, dist, epoch)
         wheel_sbom(wheel, dist / f"{wheel.name.removesuffix('-py3-none-any.whl')}.wheel.cdx.json",
-                   repo, scratch)
-        build_krew(dist, version, declared)
+                   source, scratch)
+        build_krew(dist, plan.version, plan.python)
         digest = None
         if image:
-            digest, _ = build_image(repo, wheel, dist, version, revision)
-        package_chart(stage_chart(repo, scratch, version, digest), dist, helm)
+            digest, _ = build_image(repo, wheel, dist, plan.version, plan.revision)
+        package_chart(stage_chart(repo, scratch, plan.version, digest), dist, helm)
+    tools = {"python": sys.version.split()[0],
+             "helm": _run([str(helm), "version", "--short"]).strip()}
+    predicate = provenance(plan, dist, image=image, started=started, finished=_now(),
+                           tools=tools)
+    (dist / f"rota-{plan.version}.provenance.json").write_text(
+        json.dumps(predicate, indent=2) + "\n")
     write_sums(dist)
     return sorted(p for p in dist.rglob("*") if p.is_file())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.release", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", default="",
-                        help="SemVer of the release (default: pyproject.toml's version)")
-    parser.add_argument("--dist", type=Path, default=REPO / "dist")
-    parser.add_argument("--repo", type=Path, default=REPO)
-    parser.add_argument("--no-image", action="store_true",
-                        help="leave out the image (and the chart's digest pin)")
-    args = parser.parse_args(argv)
+def build_main(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    try:
-        built = release(args.repo.resolve(), args.dist.resolve(), args.version or None,
-                        image=not args.no_image)
-    except ReleaseError as error:
-        print(f"release: {error}", file=sys.stderr)
-        return 1
+    built = release(args.repo.resolve(), args.dist.resolve(), args.version or None,
+                    image=not args.no_image)
     for path in built:
         print(path)
     print(f"release built in {time.monotonic() - started:.0f} s", file=sys.stderr)
     return 0
+
+
+def push_main(args: argparse.Namespace) -> int:
+    from e2e.registry_publish import Target, Tools, install_hint, push
+
+    key = Path(args.key) if args.key else None
+    if key is None and not args.unsigned:
+        raise ReleaseError("give the cosign key to sign with: SIGNING_KEY=<cosign.key> "
+                           "(--key, or ROTA_SIGNING_KEY; cosign generate-key-pair makes "
+                           "one), or UNSIGNED=1 (--unsigned) to push without signatures")
+    target = Target(args.registry, plain_http=args.plain_http)
+    done = push(args.dist.resolve(), target, key, Tools.find())
+    if done.image is not None:
+        print(f"{target.image(done.version)}@{done.image}")
+    print(f"{target.chart(done.version)}@{done.chart}")
+    print(("signed and attested with " + str(key)) if done.signed else "NOT signed",
+          file=sys.stderr)
+    print(install_hint(target, done.version), file=sys.stderr)
+    return 0
+
+
+def verify_main(args: argparse.Namespace) -> int:
+    from e2e.registry_publish import Target, cosign_binary, verify
+
+    if not args.public_key:
+        raise ReleaseError("give the public key: PUBLIC_KEY=<cosign.pub> (--public-key)")
+    version = args.version or _dist_version(args.dist)
+    target = Target(args.registry, plain_http=args.plain_http)
+    done = verify(target, version, Path(args.public_key), cosign_binary(),
+                  image=not args.no_image)
+    if done.image is not None:
+        print(f"verified {target.image(version)}@{done.image}")
+    print(f"verified {target.chart(version)}@{done.chart}")
+    print(f"built from {done.revision} ({done.tree_state} tree)")
+    return 0
+
+
+def _dist_version(dist: Path) -> str:
+    from e2e.registry_publish import chart_version
+
+    charts = sorted(dist.glob("rota-*.tgz"))
+    if len(charts) != 1:
+        raise ReleaseError("give the version to verify: VERSION=<v> (--version)")
+    return chart_version(charts[0])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m e2e.release", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build", help="build a release or a snapshot into dist/")
+    build.add_argument("--version", default="",
+                       help="SemVer of a release (default: a snapshot of the commit, or the "
+                            "release HEAD is tagged as)")
+    build.add_argument("--dist", type=Path, default=REPO / "dist")
+    build.add_argument("--repo", type=Path, default=REPO)
+    build.add_argument("--no-image", action="store_true",
+                       help="leave out the image (and the chart's digest pin)")
+    build.set_defaults(run=build_main)
+    for name, run in (("push", push_main), ("verify", verify_main)):
+        sub = commands.add_parser(name, help=f"{name} dist/'s image and chart (a registry)")
+        sub.add_argument("--registry", required=True,
+                         help="host[:port]/path: the image goes to <registry>/rota, the "
+                              "chart to oci://<registry>/charts/rota")
+        sub.add_argument("--dist", type=Path, default=REPO / "dist")
+        sub.add_argument("--plain-http", action="store_true",
+                         help="the registry speaks HTTP, not HTTPS")
+        sub.set_defaults(run=run)
+    push_cmd, verify_cmd = commands.choices["push"], commands.choices["verify"]
+    push_cmd.add_argument("--key", default=os.environ.get("ROTA_SIGNING_KEY", ""),
+                          help="cosign private key file (env ROTA_SIGNING_KEY; its password "
+                               "in COSIGN_PASSWORD)")
+    push_cmd.add_argument("--unsigned", action="store_true", help="push without signing")
+    verify_cmd.add_argument("--public-key", default="", help="cosign public key file")
+    verify_cmd.add_argument("--version", default="",
+                            help="the version to verify (default: dist/'s chart's)")
+    verify_cmd.add_argument("--no-image", action="store_true",
+                            help="a release built without an image: the chart only")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except ReleaseError as error:
+        print(f"release {args.command}: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 (``tests/release``) and the ones that install them (``tests/node/test_registry_install.py``).
 
 A release is made in a clone of this checkout: the commit a release engineer makes first
-(pyproject's version, the CHANGELOG section), then ``make release`` with this checkout's
-virtualenv. Several versions come from one clone, one release commit after another.
+(pyproject's version, the CHANGELOG section) and its tag, then ``make release`` with this
+checkout's virtualenv. Several versions come from one clone, one release commit after
+another. A snapshot is ``make release`` without ``VERSION`` in a clone as it is, as any
+user builds one.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def prepare_release_commit(repo: Path, version: str) -> None:
         "## Unreleased", f"## [{version}]\n\nA release made by the release test.\n\n"
                          "## Unreleased", 1))
     git(repo, "commit", "-q", "-am", f"Release {version}")
+    git(repo, "tag", "-a", f"v{version}", "-m", f"rota {version}")
 
 
 class Release:
@@ -65,17 +68,22 @@ class Release:
         return path
 
 
-def make_release(repo: Path, version: str, *, image: bool = IMAGE_BUILDS) -> Release:
-    """Commit ``version`` in ``repo`` (a clone) and ``make release`` it; the release's
-    ``dist`` is moved to ``repo/../dist-<version>`` so the next version keeps it."""
-    prepare_release_commit(repo, version)
+def make(repo: Path, *args: str, timeout_s: float = MAKE_TIMEOUT_S,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``make -C repo <args>`` with this checkout's virtualenv, as a user runs it."""
     venv = Path(sys.prefix)
-    env = {**os.environ, "ROTA_CHART_TOOLS_BIN": str(tools_bin())}
     # This checkout's virtualenv (-o: make takes it as installed, as it is).
-    argv = ["make", "-C", str(repo), "release", f"VERSION={version}", f"VENV={venv}",
-            "-o", str(venv / ".installed"), f"IMAGE={1 if image else 0}"]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False,
-                          timeout=MAKE_TIMEOUT_S)
+    argv = ["make", "-C", str(repo), *args, f"VENV={venv}", "-o", str(venv / ".installed")]
+    return subprocess.run(argv, env={**os.environ, "ROTA_CHART_TOOLS_BIN": str(tools_bin()),
+                                     **(env or {})},
+                          capture_output=True, text=True, check=False, timeout=timeout_s)
+
+
+def make_release(repo: Path, version: str, *, image: bool = IMAGE_BUILDS) -> Release:
+    """Commit and tag ``version`` in ``repo`` (a clone) and ``make release`` it; the
+    release's ``dist`` is moved to ``repo/../dist-<version>`` so the next version keeps it."""
+    prepare_release_commit(repo, version)
+    done = make(repo, "release", f"VERSION={version}", f"IMAGE={1 if image else 0}")
     if done.returncode != 0:
         raise AssertionError(f"make release VERSION={version} failed:\n"
                              f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
@@ -84,3 +92,14 @@ def make_release(repo: Path, version: str, *, image: bool = IMAGE_BUILDS) -> Rel
     shutil.move(built.dist, kept)
     built.dist = kept
     return built
+
+
+def make_snapshot(repo: Path, *, image: bool = IMAGE_BUILDS) -> Release:
+    """``make release`` without ``VERSION`` in ``repo`` as it is: a snapshot, left in
+    ``repo/dist`` for ``make push``; its version read from the chart it built."""
+    done = make(repo, "release", f"IMAGE={1 if image else 0}")
+    if done.returncode != 0:
+        raise AssertionError(f"make release (a snapshot) failed:\n"
+                             f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    (chart,) = (repo / "dist").glob("rota-*.tgz")
+    return Release(repo, repo / "dist", chart.name.removeprefix("rota-").removesuffix(".tgz"))

@@ -1,8 +1,8 @@
 """``make release`` in a clean clone: every artifact of the release, checked as a user would.
 
 The clone gets what a release engineer commits before a release (pyproject's version, the
-CHANGELOG section), then ``make release VERSION=0.0.0-test`` runs with this checkout's
-virtualenv. The image is part of it where the image builder can run (root, gcc).
+CHANGELOG section) and its tag, then ``make release VERSION=0.0.0-test`` runs with this
+checkout's virtualenv. The image is part of it where the image builder can run (root, gcc).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def test_changelog_sections(tmp_path: Path) -> None:
     assert not changelog_has(tmp_path, "1.2")
 
 
-def test_a_release_refuses_a_dirty_tree_a_wrong_version_or_no_changelog(
+def test_a_release_refuses_a_dirty_tree_a_wrong_version_no_changelog_or_no_tag(
         tmp_path: Path) -> None:
     repo = clone(tmp_path / "rota")
     dist = tmp_path / "dist"
@@ -216,4 +216,25 @@ def test_a_release_refuses_a_dirty_tree_a_wrong_version_or_no_changelog(
     git(repo, "commit", "-q", "-am", "version only")
     with pytest.raises(ReleaseError, match="CHANGELOG"):
         release(repo, dist, VERSION, image=False)
+    changelog = repo / "CHANGELOG.md"
+    changelog.write_text(changelog.read_text().replace(
+        "## Unreleased", f"## [{VERSION}]\n\n## Unreleased", 1))
+    git(repo, "commit", "-q", "-am", "changelog")
+    with pytest.raises(ReleaseError, match=f"not tagged v{VERSION}"):
+        release(repo, dist, VERSION, image=False)
     assert not dist.exists()
+
+
+def test_the_provenance_names_the_commit_the_tree_and_every_artifact(built: Release) -> None:
+    predicate = json.loads(built.one("rota-*.provenance.json").read_text())
+    definition = predicate["buildDefinition"]
+    assert definition["externalParameters"]["source"]["digest"] == {
+        "gitCommit": built.revision}
+    assert definition["externalParameters"]["version"] == VERSION
+    assert definition["internalParameters"]["treeState"] == "clean"
+    assert definition["internalParameters"]["snapshot"] is False
+    assert predicate["runDetails"]["builder"]["id"].startswith("https://")
+    products = {p["name"]: p["digest"]["sha256"] for p in predicate["runDetails"]["byproducts"]}
+    assert f"rota-{VERSION}.tgz" in products
+    for name, digest in products.items():
+        assert hashlib.sha256((built.dist / name).read_bytes()).hexdigest() == digest, name
