@@ -8,17 +8,25 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
+from kubernetes import client
 
 from controller.api import naming
 from controller.api.gpu_lease import GpuLease
 from driver.nvml import fixture_path
 from driver.nvml.fake import load_fixture, register_process
+from driver.quantity import parse_quantity
 from e2e.chaos.evidence import engine_log, unreachable_engine
 from e2e.chaos.load import classify
 from e2e.chaos.observe import transition
+from e2e.chaos.proxy import FlakyRelay
+from e2e.chaos.rig import NodeRig, Rig, RigOptions, slow_starters
 from e2e.chaos.tally import Answer, Tally
+from e2e.cluster import LocalCluster
+from e2e.engine_simulator.settings import settings_from_args
+from e2e.harness import GpuNode
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec
 
 DONE = b'data: {"choices": [{"delta": {"content": "7"}}]}\n\ndata: [DONE]\n\n'
@@ -150,3 +158,20 @@ def test_a_failed_campaign_keeps_what_the_logs_say_of_an_unreachable_engine(
     assert tally.report()["samples"]["unreachable_engines"] == [found]
     assert any("e0-1" in line and "start.sock: socket (refuses)" in line
                for line in tally.lines())
+
+
+def test_the_last_engine_of_each_gpu_is_a_slow_starter_that_fits_beside_another() -> None:
+    """F3's shape needs a start that outlasts the election Lease, by an engine whose awake
+    budget fits beside another's (so a stale wake shows as two awake)."""
+    options = RigOptions()
+    rig = Rig(cast(LocalCluster, None), cast(client.ApiClient, None), "ns", options)
+    specs = [rig._spec(0, k) for k in range(options.engines_per_gpu)]
+    node = NodeRig(cast(GpuNode, None), cast(FlakyRelay, None), Path("kubeconfig"),
+                   engines=[Engine(spec, "ns") for spec in specs])
+    assert [e.spec.name for e in slow_starters(node)] == [specs[-1].name]
+    slow = settings_from_args([*specs[-1].args])
+    assert slow.start_seconds == options.slow_start_s > 4.0  # the rig's election Lease
+    assert settings_from_args([*specs[0].args]).start_seconds == 0
+    h200 = 141 * 2**30
+    assert (parse_quantity(options.awake) + parse_quantity(options.slow_awake)
+            + 2 * parse_quantity(options.resident) <= h200)
