@@ -171,7 +171,7 @@ gpu_pytest() {  # the real-GPU pytest, on the running engines, when two run and 
     ROTA_GPU_STATE="$STATE" ROTA_GPU_MODELS="$INPUT/models" \
     "$PY" -m pytest -q -rs -m gpu --noconftest -p no:cacheprovider -o addopts="" \
     -o filterwarnings=ignore::DeprecationWarning -W "ignore::pytest.PytestConfigWarning" \
-    tests/gpu/test_vllm_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log"
+    --rootdir "$REPO" "$REPO/tests/gpu/test_vllm_gpu.py" 2>&1 | tee "$OUT/pytest-gpu.log"
   say "real-GPU pytest exited with status ${PIPESTATUS[0]}"
 }
 

@@ -85,7 +85,9 @@ def machine(tmp_path: Path) -> Iterator[dict[str, str]]:
 
 
 def _stage(env: dict[str, str], stage: str, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(RUN), stage], cwd=REPO, env=env | extra,
+    """Run one stage from a folder outside the checkout: the driver finds its own."""
+    outside = Path(env["ROTA_GPU_STATE"]).parent
+    return subprocess.run(["bash", str(RUN), stage], cwd=outside, env=env | extra,
                           capture_output=True, text=True, timeout=300, check=False)
 
 
