@@ -1,6 +1,7 @@
 """Credentials from mounted Secret files, compared in constant time: one home for the
 gateway's client API keys and activation token, the controller's activation token and the
-guard's two credentials.
+guard's two credentials (its API key from a file; its control token, the claim's own, a
+:class:`FixedCredential` from its environment).
 
 Secrets come from mounted Kubernetes Secrets, never from flags or environment values, so
 they do not show up in process listings or pod specs. Every non-empty, non-comment line of
@@ -25,8 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["PLACEHOLDERS", "ApiKeys", "Credential", "PlaceholderSecret", "SecretFile",
-           "UnreadableSecret", "bearer", "matches", "reload_forever"]
+__all__ = ["PLACEHOLDERS", "ApiKeys", "Credential", "FixedCredential", "PlaceholderSecret",
+           "SecretFile", "UnreadableSecret", "bearer", "matches", "reload_forever"]
 
 log = logging.getLogger(__name__)
 
@@ -194,3 +195,24 @@ class Credential:
             return True
         await self._refresh(force=True)
         return self._matches(given)
+
+
+class FixedCredential(Credential):
+    """One value known at start, never re-read: the engine guard's control token, which
+    rota's driver wrote into the guard's environment for the claim's whole life (it follows
+    the node key, not a Secret, so there is no file to watch)."""
+
+    def __init__(self, value: str) -> None:  # no file: the base's state is not needed
+        value = value.strip()
+        if not value:
+            raise ValueError("a credential cannot be empty")
+        if value in PLACEHOLDERS:
+            raise PlaceholderSecret("the credential is a published placeholder, not a secret")
+        self._value = value
+
+    async def load(self) -> None:
+        """Nothing to read: the value was given."""
+
+    async def accepts(self, given: str | None) -> bool:
+        """True when ``given`` is the value (compared in constant time)."""
+        return bool(given) and matches(given or "", (self._value,))

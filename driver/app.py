@@ -19,6 +19,7 @@ from aiohttp import web
 from driver import DRIVER_NAME
 from driver.aio import wait_any
 from driver.cdi import ExtraEdits, fake_nvml_edits
+from driver.control_tokens import ControlTokens
 from driver.devices import discover
 from driver.errors import ConfigError
 from driver.gc import LedgerCollector
@@ -93,15 +94,19 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
     boot_id = await asyncio.to_thread(current_boot_id, settings.proc_root)
     if settings.start_gate_dir is not None:
         await asyncio.to_thread(prepare_start_gate_dir, settings.start_gate_dir)
+    # The node key exists whether or not the start gate is on: every claim with an engine
+    # config gets a control token derived from it.
+    node_key = await asyncio.to_thread(load_or_create_key, settings.start_gate_key_path)
+    control = ControlTokens(node_key)
     start_gate = None if settings.start_gate_dir is None else StartGate(
-        settings.start_gate_dir,
-        await asyncio.to_thread(load_or_create_key, settings.start_gate_key_path))
+        settings.start_gate_dir, node_key)
     preparer = Preparer(kube=kube, ledger=Ledger(settings.ledger_path, boot_id=boot_id),
                         cdi_root=settings.cdi_root, dev_root=settings.dev_root,
                         driver_name=DRIVER_NAME, pool=settings.node_name,
                         devices=publisher.devices, lock_path=settings.lock_path,
                         lock_timeout_s=settings.lock_timeout_s, cdi_edits=cdi_edits(settings),
-                        dev_view=settings.dev_root_mount, start_gate=start_gate)
+                        dev_view=settings.dev_root_mount, start_gate=start_gate,
+                        control=control)
     await preparer.restore()
     collector = LedgerCollector(preparer=preparer, kube=kube, node_name=settings.node_name,
                                 driver=DRIVER_NAME, pool=settings.node_name)
@@ -110,7 +115,7 @@ async def _serve(settings: DriverSettings, life: Lifecycle, backend: NvmlBackend
     inspection = InspectionService(
         backend=backend, gpus=gpus, proc_root=settings.proc_root,
         pods_from_environment=settings.nvml_backend is NvmlBackendKind.FAKE,
-        start_gate=start_gate)
+        start_gate=start_gate, control=control)
     registration = RegistrationService(driver_name=DRIVER_NAME, dra_endpoint=settings.dra_socket)
 
     dra_server = UnixServer(settings.dra_socket,

@@ -29,6 +29,9 @@ values are comma-separated lists:
   than from whatever memory is free when it starts;
 - with an engine config: ``ROTA_MODEL``, ``ROTA_SLEEP_LEVEL``, ``ROTA_ENGINE_PORT``,
   ``ROTA_ENGINE_ADAPTER``;
+- with an engine config: ``ROTA_CONTROL_TOKEN``, the claim's own control token, which
+  the engine guard checks on control calls (:mod:`driver.control_tokens`: one per claim,
+  so that what one engine learns opens no other);
 - with an engine config and the start gate on: ``ROTA_START_SOCKET`` and
   ``ROTA_START_TOKEN`` (the claim's own token), and a read-only mount of the start-gate
   directory (host path = container path); see :mod:`driver.startgate`.
@@ -56,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from driver.claims import AllocatedShare, ClaimPlan, PublishedDevice
+from driver.control_tokens import ControlTokens
 from driver.disk import OS_DISK, Disk, atomic_write, fsync_dir, remove_temp_files
 from driver.startgate import StartGate
 
@@ -161,8 +165,8 @@ def _joined(values: list[str]) -> str:
     return ",".join(dict.fromkeys(values))
 
 
-def _environment(plan: ClaimPlan, extra: Mapping[str, str],
-                 start_gate: StartGate | None) -> list[str]:
+def _environment(plan: ClaimPlan, extra: Mapping[str, str], start_gate: StartGate | None,
+                 control: ControlTokens | None) -> list[str]:
     gpus = ",".join(plan.gpu_uuids)
     env = {
         "NVIDIA_VISIBLE_DEVICES": gpus,
@@ -181,6 +185,8 @@ def _environment(plan: ClaimPlan, extra: Mapping[str, str],
         env["ROTA_SLEEP_LEVEL"] = str(plan.config.sleep_level)
         env["ROTA_ENGINE_PORT"] = str(plan.config.engine_port)
         env["ROTA_ENGINE_ADAPTER"] = plan.config.adapter
+        if control is not None:
+            env.update(control.environment(plan.uid))
         if start_gate is not None:
             env.update(start_gate.environment(plan.uid))
     env.update(extra)
@@ -215,6 +221,7 @@ def build_claim_spec(
     extra: ExtraEdits | None = None,
     node_exists: Callable[[str], bool] = os.path.exists,
     start_gate: StartGate | None = None,
+    control: ControlTokens | None = None,
 ) -> dict[str, Any]:
     """The CDI spec of one claim: one device per share, edits as the module docstring says.
 
@@ -230,12 +237,14 @@ def build_claim_spec(
         node_exists: whether a device node exists (a node that does not is left out).
         start_gate: the start gate's socket directory and key (None: no start gate); only
             claims with an engine config get it.
+        control: derives the claim's control token (None: none is written); only claims
+            with an engine config get it.
 
     Raises:
         ValueError: a share names an unknown device, or a name is not valid in CDI.
     """
     edits = extra or ExtraEdits()
-    env = _environment(plan, edits.env, start_gate)
+    env = _environment(plan, edits.env, start_gate, control)
     mounts = [{"hostPath": m.host_path, "containerPath": m.container_path,
                "options": list(m.options)} for m in edits.mounts]
     if start_gate is not None and plan.config is not None:

@@ -16,7 +16,11 @@ simulation runs in). There a process's ``ROTA_POD_UID`` wins, the cgroup's pod s
 only processes that name none.
 
 ``VerifyStartToken`` tells the controller whether a start-gate token is a claim's own
-(:mod:`driver.startgate`); the key never leaves the driver.
+(:mod:`driver.startgate`); ``ControlToken`` gives it the control token of one claim
+(:mod:`driver.control_tokens`), which it sends to that claim's engine only. The key never
+leaves the driver; the socket is mounted into the lease controller alone (mode 0660, its
+directory read-only), so a claim's token reaches only its own containers (CDI) and the
+controller.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import grpc
 
 from driver import metrics
 from driver.cgroups import pod_of_pid
+from driver.control_tokens import ControlTokens
 from driver.devices import GpuDevice
 from driver.errors import NvmlError
 from driver.nvml.api import NvmlBackend
@@ -64,7 +69,8 @@ class InspectionService:
 
     def __init__(self, *, backend: NvmlBackend, gpus: list[GpuDevice], proc_root: Path,
                  pods_from_environment: bool = False,
-                 start_gate: StartGate | None = None) -> None:
+                 start_gate: StartGate | None = None,
+                 control: ControlTokens | None = None) -> None:
         """``pods_from_environment``: take a process's ``ROTA_POD_UID`` as its pod. Only for
         simulated nodes (the fake NVML backend): any process can set its environment."""
         self.backend = backend
@@ -72,6 +78,7 @@ class InspectionService:
         self.proc_root = proc_root
         self.pods_from_environment = pods_from_environment
         self.start_gate = start_gate
+        self.control = control
 
     def read(self, uuids: set[str]) -> pb.InspectGpusResponse:
         """One blocking NVML read of the selected GPUs (all when ``uuids`` is empty)."""
@@ -120,6 +127,20 @@ class InspectionService:
             log.warning("start-gate token refused", extra={"claim": request.claim_uid[:64]})
         return pb.VerifyStartTokenResponse(valid=valid)
 
+    async def control_token(self, request: pb.ControlTokenRequest,
+                            context: grpc.aio.ServicerContext[Any, Any]
+                            ) -> pb.ControlTokenResponse:
+        if self.control is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this driver derives no control tokens")
+            raise AssertionError("unreachable")
+        if not request.claim_uid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "claim_uid is empty")
+        log.info("control token handed to the lease controller",
+                 extra={"claim": request.claim_uid[:64]})
+        return pb.ControlTokenResponse(token=self.control.token(request.claim_uid))
+
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return generic_handler(SERVICE, {"InspectGpus": self.inspect,
-                                         "VerifyStartToken": self.verify_start_token})
+                                         "VerifyStartToken": self.verify_start_token,
+                                         "ControlToken": self.control_token})

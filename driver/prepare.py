@@ -57,6 +57,7 @@ from driver.aio import finish_first
 from driver.budget import check_admission
 from driver.calls import Call, CallBook
 from driver.claims import ClaimPlan, PublishedDevice, plan_claim
+from driver.control_tokens import ControlTokens
 from driver.disk import OS_DISK, Disk, remove_temp_files
 from driver.errors import ClaimError, KubeError, KubeNotFoundError, LedgerError
 from driver.ledger import (
@@ -110,9 +111,11 @@ class Preparer:
                  fetch_concurrency: int = 16, disk: Disk = OS_DISK,
                  cdi_edits: cdi.ExtraEdits | None = None,
                  calls: CallBook | None = None, dev_view: Path | None = None,
-                 start_gate: StartGate | None = None) -> None:
+                 start_gate: StartGate | None = None,
+                 control: ControlTokens | None = None) -> None:
         """``dev_root``: the host's device node directory, named in CDI specs; ``dev_view``:
-        where this process sees it live (default: ``dev_root``)."""
+        where this process sees it live (default: ``dev_root``); ``control``: derives the
+        control token every claim with an engine config gets (its engine guard checks it)."""
         self.kube = kube
         self.ledger = ledger
         self.cdi_root = cdi_root
@@ -120,6 +123,7 @@ class Preparer:
         self.dev_view = dev_view
         self.cdi_edits = cdi_edits
         self.start_gate = start_gate
+        self.control = control
         self.driver_name = driver_name
         self.pool = pool
         self.devices = devices
@@ -363,7 +367,8 @@ class Preparer:
                 spec = cdi.build_claim_spec(
                     plan, devices, dev_root=str(self.dev_root),
                     dev_view=str(self.dev_view) if self.dev_view else None,
-                    extra=self.cdi_edits, start_gate=self.start_gate)
+                    extra=self.cdi_edits, start_gate=self.start_gate,
+                    control=self.control)
                 cdi.write_spec(self.cdi_root, plan.uid, spec, disk=self.disk)
             except (OSError, ValueError) as exc:
                 outcomes[plan.uid] = _node_error("prepare", exc)

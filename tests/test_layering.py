@@ -16,13 +16,14 @@ IO_LIBRARIES = {"kubernetes", "grpc", "aiohttp", "pynvml", "torch"}
 PURE = ["driver/quantity.py", "driver/opaque.py", "driver/claims.py", "driver/budget.py",
         "driver/slices.py", "driver/devices.py", "driver/cdi.py", "driver/ledger.py",
         "driver/cgroups.py", "driver/nvml/api.py", "controller/claimants.py",
-        "driver/start_contract.py",
+        "driver/start_contract.py", "driver/control_contract.py", "driver/control_tokens.py",
         "controller/lease/reconcile.py", "driver/aio.py", "driver/startgate.py",
         *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "controller" / "api").rglob("*.py"))]
 SHARED_FROM_DRIVER = {"driver.aio", "driver.claims", "driver.errors", "driver.kube",
                       "driver.listen", "driver.listwatch", "driver.logs", "driver.metrics_registry",
                       "driver.opaque", "driver.quantity",
                       "driver.settings", "driver.slices", "driver.start_contract",
+                      "driver.control_contract",
                       "driver.rpc.services", "driver.rpc.sockets", "driver.pb.rota.v1",
                       "driver.pb.rota.v1.inspect_pb2"}
 

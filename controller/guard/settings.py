@@ -2,7 +2,9 @@
 
 The flag is ``--<field-with-dashes>`` and the environment variable ``ROTA_GUARD_<FIELD>``;
 flags win over the environment, which wins over defaults. Secrets are never values here:
-the control token and the engine's API key are read from files (mounted Secrets).
+the engine's API key is read from a file (a mounted Secret), and the control token is the
+claim's own, which rota's driver writes into the guard's environment
+(``ROTA_CONTROL_TOKEN``, through CDI; :mod:`controller.guard.app` reads it).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ MIB = 2**20
 
 _DESCRIPTION = (
     "rota's engine guard: an authenticating proxy in the engine pod. It exposes the OpenAI "
-    "surface (checking the engine's API key) and rota's control calls (checking rota's "
-    "control token) on the pod's port, and keeps the engine's own port on loopback. After "
-    "'--', the engine's command: the guard then starts it and exits with its status.")
+    "surface (checking the engine's API key) and rota's control calls (checking the "
+    "claim's control token, ROTA_CONTROL_TOKEN, which rota's driver puts in the "
+    "environment of every container that uses the claim) on the pod's port, and keeps the "
+    "engine's own port on loopback. After '--', the engine's command: the guard then "
+    "starts it, without ROTA_CONTROL_TOKEN, and exits with its status.")
 
 
 class GuardSettings(BaseModel):
@@ -39,9 +43,6 @@ class GuardSettings(BaseModel):
                       description="Port to listen on: the claim's enginePort; 0 picks one.")
     upstream: str = Field(default="http://127.0.0.1:8001", description="The engine's own "
                           "address; keep it on loopback (vLLM: --host 127.0.0.1).")
-    control_token_file: Path = Field(description="File holding rota's control token (every "
-                                     "line is valid; re-read when it changes), the same "
-                                     "Secret as the lease controller's --engine-token-file.")
     api_key_file: Path | None = Field(default=None, description="File holding the engine's "
                                       "API key; when set, /v1*, /tokenize and /detokenize "
                                       "need 'Authorization: Bearer <key>'.")
@@ -55,8 +56,8 @@ class GuardSettings(BaseModel):
                                 "accepted on the OpenAI surface.")
     max_control_body_bytes: int = Field(default=1 * MIB, gt=0, description="Largest "
                                         "request body accepted on a control call.")
-    token_recheck_s: float = Field(default=1.0, ge=0, description="A credential that does "
-                                   "not match makes the guard re-read its files, at most "
+    token_recheck_s: float = Field(default=1.0, ge=0, description="An API key that does "
+                                   "not match makes the guard re-read its file, at most "
                                    "this often (a rotated Secret takes effect at once).")
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="Entrypoint mode: how "
                                     "long the engine may take to exit after SIGTERM before "

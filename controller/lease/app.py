@@ -61,11 +61,6 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
         await callers.load()
     else:
         log.warning("the activation API runs without a token; set --token-file in production")
-    engine_token: str | None = None
-    if settings.engine_token_file is not None:
-        engine_secret = SecretFile(settings.engine_token_file)
-        await engine_secret.load()
-        engine_token = engine_secret.lines[0] if engine_secret.lines else None
     api = load_api_client(settings.kubeconfig)
     kube = ControllerKube(api, timeout_s=settings.timeouts.lease_s)
     # An API server that does not answer at start (a restart beside it, a slow network) is
@@ -102,7 +97,7 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
                     instance=settings.identity)
             node = NodeController(settings=settings, kube=kube, election=election,
                                   device=device, session=session, cache=cache,
-                                  engine_token=engine_token, visible=visible)
+                                  visible=visible)
             app = make_app(node, callers=ApiKeys(callers))
             runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
             await runner.setup()

@@ -109,6 +109,27 @@ class DeviceReader:
                               f"{exc.details()}") from exc
         return bool(answer.valid)
 
+    async def control_token(self, claim_uid: str) -> str:
+        """The control token the driver gave ``claim_uid``'s containers (the engine guard
+        admits control calls with it, and with nothing else).
+
+        Raises:
+            DeviceError: the inspection API did not answer, or gave no token.
+        """
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(f"unix://{self.socket}")
+        try:
+            answer: pb.ControlTokenResponse = await unary_client(
+                self._channel, SERVICE, "ControlToken")(
+                pb.ControlTokenRequest(claim_uid=claim_uid), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise DeviceError(f"inspection API at {self.socket}: {exc.code().name}: "
+                              f"{exc.details()}") from exc
+        if not answer.token:
+            raise DeviceError(f"inspection API at {self.socket} gave no control token for "
+                              f"claim {claim_uid}")
+        return str(answer.token)
+
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close(None)

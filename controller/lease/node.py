@@ -11,6 +11,10 @@ Workers, GPU Leases and reconciliation are keyed by the physical GPU
 GPUs has a worker on each; the workers of GPUs joined by such claimants take each other's
 locks for every step (:mod:`controller.lease.gpu_locks`).
 
+Each engine is sent its own claim's control token and no other
+(:mod:`controller.lease.control_tokens`, asked of the node's driver): an engine listens at
+an address its tenant chooses, so a credential sent there must open nothing else.
+
 Stopping (:meth:`NodeController.drain`): workers close and answer their waiters, the step
 in flight finishes within the grace period, and only then may the Lease be released.
 """
@@ -30,6 +34,7 @@ from controller.claimants import Claimant, gpu_order
 from controller.lease import metrics
 from controller.lease.admission import StartLimits, StartSwitch
 from controller.lease.cache import NodeCache
+from controller.lease.control_tokens import ControlTokens
 from controller.lease.device import DeviceReader, GpuSnapshot
 from controller.lease.election import Election
 from controller.lease.engines.base import EngineAdapter, EngineEndpoint
@@ -66,7 +71,6 @@ class UnknownModel(LeaseControllerError, LookupError):
 class NodeController:
     def __init__(self, *, settings: LeaseSettings, kube: ControllerKube, election: Election,
                  device: DeviceReader, session: aiohttp.ClientSession, cache: NodeCache,
-                 engine_token: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  visible: VisibleStateWriter | None = None) -> None:
         self.settings = settings
@@ -75,7 +79,7 @@ class NodeController:
         self.device = device
         self.session = session
         self.cache = cache
-        self.engine_token = engine_token
+        self.control_tokens = ControlTokens(self._ask_control_token)
         self.clock = clock
         self.visible = visible
         self.engine_timeouts = settings.timeouts.engine_calls()
@@ -101,10 +105,13 @@ class NodeController:
                                   model=claimant.model,
                                   claim=claimant.ref,
                                   pod=f"{claimant.namespace}/{claimant.pod_name}",
-                                  token=self.engine_token)
+                                  token_source=self.control_tokens.source(claimant.claim_uid))
         if claimant.endpoint is None:
             return NoAddressEngine(endpoint)
         return make_adapter(claimant.config, endpoint, self.session, self.engine_timeouts)
+
+    async def _ask_control_token(self, claim_uid: str) -> str:
+        return await self.device.control_token(claim_uid)
 
     def _guard(self) -> None:
         if not self.election.is_leader():
@@ -174,6 +181,7 @@ class NodeController:
         controller's own writes echo back (a pod's state label) changes no claimant and
         costs no reconciliation."""
         claimants = self.claimants()
+        self.control_tokens.keep_only({c.claim_uid for c in claimants})
         self._domains = domains(claimants)
         for gpu in sorted({g for c in claimants for g in c.gpus}, key=gpu_order):
             self._worker(gpu)

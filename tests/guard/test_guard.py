@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.credentials import Credential
+from controller.credentials import Credential, FixedCredential
 from controller.guard.paths import Access, classify
 from controller.guard.proxy import make_app
 from controller.guard.settings import GuardSettings
@@ -47,7 +47,6 @@ class Guarded:
     engine: Engine
     upstream: TestServer
     guard: TestServer
-    token_file: Path
     key_file: Path
 
     @property
@@ -79,14 +78,12 @@ async def make_guarded(tmp_path: Path) -> AsyncIterator[GuardFactory]:
         upstream = TestServer(app, host="127.0.0.1", port=0)
         await upstream.start_server()
         servers.append(upstream)
-        token_file, key_file = tmp_path / "token", tmp_path / "api-key"
-        token_file.write_text(TOKEN + "\n")
+        key_file = tmp_path / "api-key"
         key_file.write_text(KEY + "\n")
         settings = GuardSettings.model_validate({
-            "upstream": str(upstream.make_url("")), "control_token_file": token_file,
+            "upstream": str(upstream.make_url("")),
             "api_key_file": key_file if api_key else None, "token_recheck_s": 0.0} | guard)
-        control = Credential(token_file, recheck_s=settings.token_recheck_s)
-        await control.load()
+        control = FixedCredential(TOKEN)  # the claim's, from the guard's CDI environment
         key = None
         if api_key:
             key = Credential(key_file, recheck_s=settings.token_recheck_s)
@@ -95,7 +92,7 @@ async def make_guarded(tmp_path: Path) -> AsyncIterator[GuardFactory]:
                             host="127.0.0.1", port=0)
         await server.start_server()
         servers.append(server)
-        return Guarded(app[ENGINE_KEY], upstream, server, token_file, key_file)
+        return Guarded(app[ENGINE_KEY], upstream, server, key_file)
 
     try:
         yield make
@@ -193,16 +190,26 @@ async def test_the_rest_of_vllm_is_not_exposed(
         assert resp.status == 200
 
 
-async def test_a_rotated_token_works_at_once_and_old_and_new_overlap(
+async def test_a_rotated_api_key_works_at_once_and_old_and_new_overlap(
     guarded: Guarded, session: aiohttp.ClientSession
 ) -> None:
-    guarded.token_file.write_text("rota-control-2\n" + TOKEN + "\n")
-    for token in ("rota-control-2", TOKEN):
-        async with session.get(f"{guarded.url}/is_sleeping", headers=control(token)) as resp:
-            assert resp.status == 200, token
-    guarded.token_file.write_text("rota-control-2\n")
-    async with session.get(f"{guarded.url}/is_sleeping", headers=control()) as resp:
+    guarded.key_file.write_text("sk-engine-2\n" + KEY + "\n")
+    for key in ("sk-engine-2", KEY):
+        async with session.get(f"{guarded.url}/v1/models", headers=bearer(key)) as resp:
+            assert resp.status == 200, key
+    guarded.key_file.write_text("sk-engine-2\n")
+    async with session.get(f"{guarded.url}/v1/models", headers=bearer()) as resp:
         assert resp.status == 401
+
+
+async def test_only_the_claims_own_token_opens_the_control_routes(
+    guarded: Guarded, session: aiohttp.ClientSession
+) -> None:
+    for token in ("", "rota-control-2", TOKEN + "x", TOKEN[:-1], TOKEN.upper()):
+        async with session.post(f"{guarded.url}/sleep", headers=control(token)) as resp:
+            assert resp.status == 401, token
+    async with session.post(f"{guarded.url}/sleep", headers=control()) as resp:
+        assert resp.status == 200
 
 
 async def test_the_control_token_never_reaches_the_engine(
@@ -219,13 +226,8 @@ async def test_the_control_token_never_reaches_the_engine(
     upstream_app.router.add_get("/v1/models", record)
     upstream = TestServer(upstream_app, host="127.0.0.1", port=0)
     await upstream.start_server()
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
-    settings = GuardSettings(upstream=str(upstream.make_url("")),
-                             control_token_file=token_file)
-    credential = Credential(token_file, recheck_s=0.0)
-    await credential.load()
-    guard = TestServer(make_app(settings, control=credential, api_key=None),
+    settings = GuardSettings(upstream=str(upstream.make_url("")))
+    guard = TestServer(make_app(settings, control=FixedCredential(TOKEN), api_key=None),
                        host="127.0.0.1", port=0)
     await guard.start_server()
     try:

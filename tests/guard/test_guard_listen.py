@@ -4,7 +4,6 @@ the kubelet probes the pod's address, whichever family the cluster gives it."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
@@ -19,19 +18,18 @@ from tests.listening import (
 )
 
 
-def test_the_guard_listens_on_every_address_family_by_default(tmp_path: Path) -> None:
-    assert GuardSettings(control_token_file=tmp_path / "token").host == "::"
+def test_the_guard_listens_on_every_address_family_by_default() -> None:
+    assert GuardSettings().host == "::"
 
 
 @pytest.mark.parametrize("family", ["IPv4", "IPv6"])
-async def test_on_the_dual_stack_address_the_guard_answers(tmp_path: Path,
+async def test_on_the_dual_stack_address_the_guard_answers(monkeypatch: pytest.MonkeyPatch,
                                                            family: str) -> None:
     if family == "IPv6" and not has_ipv6_loopback():
         pytest.skip(NO_IPV6_LOOPBACK)
-    token = tmp_path / "token"
-    token.write_text("t0ken\n")
+    monkeypatch.setenv("ROTA_CONTROL_TOKEN", "t0ken")
     port = free_port()
-    settings = GuardSettings(host="::", port=port, control_token_file=token,
+    settings = GuardSettings(host="::", port=port,
                              upstream=f"http://127.0.0.1:{free_port()}")
     stop = asyncio.Event()
     guard = asyncio.create_task(run(settings, stop=stop))

@@ -36,13 +36,12 @@ async def _port(proc: asyncio.subprocess.Process) -> int:
 @asynccontextmanager
 async def guard(tmp_path: Path, *engine_args: str
                 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    token = tmp_path / "token"
-    token.write_text("t0ken\n")
     engine_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROTA_", "VLLM_"))}
+    env["ROTA_CONTROL_TOKEN"] = "t0ken"  # what the driver's CDI spec gives the container
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "controller.guard", "--port", "0",
-        "--upstream", f"http://127.0.0.1:{engine_port}", "--control-token-file", str(token),
+        "--upstream", f"http://127.0.0.1:{engine_port}",
         "--shutdown-grace-s", "20", "--",
         sys.executable, "-m", "e2e.engine_simulator", "--host", "127.0.0.1",
         "--port", str(engine_port), "--dev-mode", "--log-level", "warning", *engine_args,

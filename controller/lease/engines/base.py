@@ -11,8 +11,11 @@ that bound every call. Adapters live in their own modules and are chosen by
 - the engine's **API key** (vLLM's ``--api-key``, from the Secret a claim names in
   ``apiKeySecret``): sent as ``Authorization: Bearer <key>`` on ``/v1*`` calls (the probe,
   vLLM-Omni's ``/v1/omni/*``), the only paths vLLM checks it on;
-- rota's **control token** (the controller's ``--engine-token-file``): sent in
-  :data:`CONTROL_TOKEN_HEADER` on the control calls. **vLLM never checks it**: its
+- rota's **control token**, one per claim (the driver derives it and writes it into the
+  claim's containers; the controller asks the driver for it,
+  :mod:`controller.lease.control_tokens`): sent in :data:`CONTROL_TOKEN_HEADER` on the
+  control calls to that claim's engine only, so what one engine learns opens no other.
+  **vLLM never checks it**: its
   development routes (``/sleep``, ``/wake_up``, ``/collective_rpc``, ...) are open to
   anyone who reaches the engine's port, and only the network (the engines' NetworkPolicy)
   or rota's engine guard (``rota-engine-guard``, which does check it) protects them.
@@ -21,6 +24,7 @@ that bound every call. Adapters live in their own modules and are chosen by
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -71,6 +75,8 @@ class EngineEndpoint:
         pod: the engine pod (``namespace/name``) for logs, when known.
         token: rota's control token, sent in :data:`CONTROL_TOKEN_HEADER` on control
             calls; only the engine guard checks it (vLLM does not). Never logged or shown.
+        token_source: where this claim's control token comes from when it is not known
+            yet (asked of the driver on the first control call); wins over ``token``.
         api_key: the engine's own API key (vLLM's ``--api-key``), sent as
             ``Authorization: Bearer`` on ``/v1*`` calls only. Never logged or shown.
     """
@@ -80,6 +86,8 @@ class EngineEndpoint:
     claim: str
     pod: str | None = None
     token: str | None = field(default=None, repr=False)
+    token_source: Callable[[], Awaitable[str]] | None = field(default=None, repr=False,
+                                                               compare=False)
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +99,12 @@ class EngineEndpoint:
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
         if not self.model:
             raise ValueError("engine model name must not be empty")
+
+    async def control_token(self) -> str | None:
+        """The control token to send on a control call (raises what the source raises)."""
+        if self.token_source is not None:
+            return await self.token_source()
+        return self.token
 
     def url(self, path: str) -> str:
         """The absolute URL of ``path`` (which starts with ``/``) on this engine."""

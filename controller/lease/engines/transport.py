@@ -6,9 +6,11 @@ answer, and turns every failure into an :class:`~controller.lease.engines.errors
 
 Credentials go where the engine (or rota's engine guard) reads them, and nowhere else:
 the engine's API key as ``Authorization: Bearer`` on ``/v1*`` paths only (vLLM checks
-``--api-key`` there and nowhere else), rota's control token in
+``--api-key`` there and nowhere else), rota's control token of the endpoint's own claim in
 :data:`~controller.lease.engines.base.CONTROL_TOKEN_HEADER` on control calls (vLLM ignores it;
-the engine guard checks it).
+the engine guard checks it). A token not known yet is asked of its source (the driver)
+before the call; when it cannot be had, the call is not sent and fails as unreachable
+(``request_sent=False``): the engine could not be told anything.
 
 Retries, all through :func:`driver.aio.retry` (bounded, jittered):
 
@@ -49,6 +51,7 @@ from controller.lease.engines.errors import (
     is_engine_dead,
     truncate,
 )
+from controller.lease.errors import LeaseControllerError
 from driver.aio import Backoff, retry
 
 __all__ = ["MAX_ANSWER_BYTES", "Answer", "EngineHttp", "api_key_path", "map_client_error"]
@@ -131,17 +134,30 @@ class EngineHttp:
         self.session = session
         self.timeouts = timeouts
 
-    def headers(self, path: str, *, control: bool) -> dict[str, str]:
-        """The credentials a call to ``path`` carries (see the module docstring)."""
+    def headers(self, path: str, *, token: str | None) -> dict[str, str]:
+        """The credentials a call to ``path`` carries (see the module docstring);
+        ``token``: the control token, for a control call."""
         headers: dict[str, str] = {}
         if api_key_path(path) and self.endpoint.api_key:
             headers["Authorization"] = f"Bearer {self.endpoint.api_key}"
-        if control and self.endpoint.token:
-            headers[CONTROL_TOKEN_HEADER] = self.endpoint.token
+        if token:
+            headers[CONTROL_TOKEN_HEADER] = token
         return headers
 
+    async def _control_token(self, step: str) -> str | None:
+        """This claim's control token; :class:`EngineUnreachable` (nothing sent) when its
+        source cannot give it."""
+        try:
+            return await self.endpoint.control_token()
+        except LeaseControllerError as exc:
+            log.warning("no control token for the engine; the call is not sent",
+                        extra=self.endpoint.log_fields() | {"step": step,
+                                                            "error": str(exc)[:200]})
+            raise EngineUnreachable(f"{step}: no control token for the engine ({exc})",
+                                    step=step, request_sent=False) from exc
+
     async def _send(
-        self, method: str, path: str, *, deadline: float, control: bool,
+        self, method: str, path: str, *, deadline: float, headers: Mapping[str, str],
         params: Mapping[str, str] | Sequence[tuple[str, str]] | None, json_body: Any,
         fresh: bool = False,
     ) -> tuple[int, bytes]:
@@ -150,15 +166,15 @@ class EngineHttp:
             async with aiohttp.ClientSession(
                     connector=aiohttp.TCPConnector(force_close=True)) as session:
                 return await self._send_on(session, method, path, deadline=deadline,
-                                           control=control, params=params,
+                                           headers=headers, params=params,
                                            json_body=json_body)
         return await self._send_on(self.session, method, path, deadline=deadline,
-                                   control=control, params=params, json_body=json_body)
+                                   headers=headers, params=params, json_body=json_body)
 
     async def _send_on(
         self, session: aiohttp.ClientSession, method: str, path: str, *, deadline: float,
-        control: bool, params: Mapping[str, str] | Sequence[tuple[str, str]] | None,
-        json_body: Any,
+        headers: Mapping[str, str],
+        params: Mapping[str, str] | Sequence[tuple[str, str]] | None, json_body: Any,
     ) -> tuple[int, bytes]:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -167,7 +183,7 @@ class EngineHttp:
             total=remaining, sock_connect=min(self.timeouts.connect_s, remaining))
         async with session.request(
             method, self.endpoint.url(path), params=params, json=json_body,
-            headers=self.headers(path, control=control), timeout=timeout,
+            headers=dict(headers), timeout=timeout,
             allow_redirects=False,
         ) as resp:
             return resp.status, await _read_limited(resp)
@@ -201,6 +217,7 @@ class EngineHttp:
             raise EngineTimeout(f"{step}: no time left in the budget", step=step, timeout_s=0.0)
         began = time.monotonic()
         deadline = began + timeout_s
+        headers = self.headers(path, token=await self._control_token(step) if control else None)
         retry_on: tuple[type[BaseException], ...] = (aiohttp.ServerDisconnectedError,)
         backoff = Backoff(first_s=RESEND_PAUSE_S, max_s=RESEND_PAUSE_S, attempts=1)
         if retry_unconnected:
@@ -221,7 +238,7 @@ class EngineHttp:
             # and the pool would hand out the next closed one.
             nonlocal attempts
             attempts += 1
-            return await self._send(method, path, deadline=deadline, control=control,
+            return await self._send(method, path, deadline=deadline, headers=headers,
                                     params=params, json_body=json_body, fresh=attempts > 1)
 
         try:

@@ -25,25 +25,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rota/v1/inspect.proto\x12\x07rota.v1\";\n\x17VerifyStartTokenRequest\x12\x11\n\tclaim_uid\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\")\n\x18VerifyStartTokenResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\"\'\n\x12InspectGpusRequest\x12\x11\n\tgpu_uuids\x18\x01 \x03(\t\"G\n\x13InspectGpusResponse\x12\x1f\n\x04gpus\x18\x01 \x03(\x0b\x32\x11.rota.v1.GpuState\x12\x0f\n\x07read_at\x18\x02 \x01(\x01\"\x8d\x01\n\x08GpuState\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x12\n\nfree_bytes\x18\x05 \x01(\x04\x12&\n\tprocesses\x18\x06 \x03(\x0b\x32\x13.rota.v1.GpuProcess\"\x83\x01\n\nGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07pod_uid\x18\x03 \x01(\t\x12\x14\n\x0c\x63ontainer_id\x18\x04 \x01(\t\x12\x11\n\tclaim_uid\x18\x05 \x01(\t\x12\x1a\n\x12used_bytes_unknown\x18\x06 \x01(\x08\x32\xb7\x01\n\x0eNodeInspection\x12J\n\x0bInspectGpus\x12\x1b.rota.v1.InspectGpusRequest\x1a\x1c.rota.v1.InspectGpusResponse\"\x00\x12Y\n\x10VerifyStartToken\x12 .rota.v1.VerifyStartTokenRequest\x1a!.rota.v1.VerifyStartTokenResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rota/v1/inspect.proto\x12\x07rota.v1\"(\n\x13\x43ontrolTokenRequest\x12\x11\n\tclaim_uid\x18\x01 \x01(\t\"%\n\x14\x43ontrolTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t\";\n\x17VerifyStartTokenRequest\x12\x11\n\tclaim_uid\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\")\n\x18VerifyStartTokenResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\"\'\n\x12InspectGpusRequest\x12\x11\n\tgpu_uuids\x18\x01 \x03(\t\"G\n\x13InspectGpusResponse\x12\x1f\n\x04gpus\x18\x01 \x03(\x0b\x32\x11.rota.v1.GpuState\x12\x0f\n\x07read_at\x18\x02 \x01(\x01\"\x8d\x01\n\x08GpuState\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x12\n\nfree_bytes\x18\x05 \x01(\x04\x12&\n\tprocesses\x18\x06 \x03(\x0b\x32\x13.rota.v1.GpuProcess\"\x83\x01\n\nGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07pod_uid\x18\x03 \x01(\t\x12\x14\n\x0c\x63ontainer_id\x18\x04 \x01(\t\x12\x11\n\tclaim_uid\x18\x05 \x01(\t\x12\x1a\n\x12used_bytes_unknown\x18\x06 \x01(\x08\x32\x86\x02\n\x0eNodeInspection\x12J\n\x0bInspectGpus\x12\x1b.rota.v1.InspectGpusRequest\x1a\x1c.rota.v1.InspectGpusResponse\"\x00\x12Y\n\x10VerifyStartToken\x12 .rota.v1.VerifyStartTokenRequest\x1a!.rota.v1.VerifyStartTokenResponse\"\x00\x12M\n\x0c\x43ontrolToken\x12\x1c.rota.v1.ControlTokenRequest\x1a\x1d.rota.v1.ControlTokenResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rota.v1.inspect_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYSTARTTOKENREQUEST']._serialized_start=34
-  _globals['_VERIFYSTARTTOKENREQUEST']._serialized_end=93
-  _globals['_VERIFYSTARTTOKENRESPONSE']._serialized_start=95
-  _globals['_VERIFYSTARTTOKENRESPONSE']._serialized_end=136
-  _globals['_INSPECTGPUSREQUEST']._serialized_start=138
-  _globals['_INSPECTGPUSREQUEST']._serialized_end=177
-  _globals['_INSPECTGPUSRESPONSE']._serialized_start=179
-  _globals['_INSPECTGPUSRESPONSE']._serialized_end=250
-  _globals['_GPUSTATE']._serialized_start=253
-  _globals['_GPUSTATE']._serialized_end=394
-  _globals['_GPUPROCESS']._serialized_start=397
-  _globals['_GPUPROCESS']._serialized_end=528
-  _globals['_NODEINSPECTION']._serialized_start=531
-  _globals['_NODEINSPECTION']._serialized_end=714
+  _globals['_CONTROLTOKENREQUEST']._serialized_start=34
+  _globals['_CONTROLTOKENREQUEST']._serialized_end=74
+  _globals['_CONTROLTOKENRESPONSE']._serialized_start=76
+  _globals['_CONTROLTOKENRESPONSE']._serialized_end=113
+  _globals['_VERIFYSTARTTOKENREQUEST']._serialized_start=115
+  _globals['_VERIFYSTARTTOKENREQUEST']._serialized_end=174
+  _globals['_VERIFYSTARTTOKENRESPONSE']._serialized_start=176
+  _globals['_VERIFYSTARTTOKENRESPONSE']._serialized_end=217
+  _globals['_INSPECTGPUSREQUEST']._serialized_start=219
+  _globals['_INSPECTGPUSREQUEST']._serialized_end=258
+  _globals['_INSPECTGPUSRESPONSE']._serialized_start=260
+  _globals['_INSPECTGPUSRESPONSE']._serialized_end=331
+  _globals['_GPUSTATE']._serialized_start=334
+  _globals['_GPUSTATE']._serialized_end=475
+  _globals['_GPUPROCESS']._serialized_start=478
+  _globals['_GPUPROCESS']._serialized_end=609
+  _globals['_NODEINSPECTION']._serialized_start=612
+  _globals['_NODEINSPECTION']._serialized_end=874
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ControlTokenRequest(_message.Message):
+    __slots__ = ("claim_uid",)
+    CLAIM_UID_FIELD_NUMBER: _ClassVar[int]
+    claim_uid: str
+    def __init__(self, claim_uid: _Optional[str] = ...) -> None: ...
+
+class ControlTokenResponse(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
+
 class VerifyStartTokenRequest(_message.Message):
     __slots__ = ("claim_uid", "token")
     CLAIM_UID_FIELD_NUMBER: _ClassVar[int]
