@@ -23,6 +23,10 @@ _BOUNDARY = re.compile(r"[\x20-\x7e]{0,69}[\x21-\x7e]")
 """1 to 70 printable ASCII characters, not ending in a space (RFC 2046's length; its
 character set widened to every printable one, so that no client's odd choice is refused):
 a boundary is matched against the body's bytes, so it must be one byte per character."""
+_EXTENDED_BOUNDARY = re.compile(r";\s*boundary\*", re.IGNORECASE)
+"""RFC 2231's ``boundary*=`` and ``boundary*0=``: the standard library decodes them, the
+engines' form parsers do not, so a form read here by such a boundary is not the form the
+engine reads (the engine simulator answered it 500)."""
 
 
 class FormError(RotaGatewayError, ValueError):
@@ -52,12 +56,15 @@ def form_fields(body: bytes, content_type: str, names: Collection[str]) -> dict[
     Raises:
         FormError: ``content_type`` is not ``multipart/form-data`` with a usable boundary,
             the body is not a closed form of that boundary, or a part's header is
-            unreadable.
+            unreadable or names no form-data field.
     """
     header = email.message.Message()
     header["Content-Type"] = content_type
     if header.get_content_type() != "multipart/form-data":
         raise FormError(f"the body must be multipart/form-data, not {content_type[:100]!r}")
+    if _EXTENDED_BOUNDARY.search(content_type):
+        raise FormError("the multipart boundary must be a plain boundary= parameter, not "
+                        "RFC 2231's boundary*=")
     boundary = _param(header, "boundary", "content-type")
     if not boundary or not _BOUNDARY.fullmatch(boundary):
         raise FormError("the Content-Type names no usable multipart boundary (1 to 70 "
@@ -74,7 +81,12 @@ def form_fields(body: bytes, content_type: str, names: Collection[str]) -> dict[
             raise FormError("a part of the form has no header or no end")
         part = _HEADERS.parsestr(head.decode("latin-1"))
         name = _param(part, "name", "content-disposition")
-        if name is not None and name in names and name not in fields and \
+        if part.get_content_disposition() != "form-data" or not name:
+            # The engines' form parsers refuse such a part: refused here, no engine is
+            # woken for a form it cannot read.
+            raise FormError("a part of the form has no 'Content-Disposition: form-data' "
+                            "with a name")
+        if name in names and name not in fields and \
                 _param(part, "filename", "content-disposition") is None:
             fields[name] = value[:-2].decode("utf-8", errors="replace")
     return fields

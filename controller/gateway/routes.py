@@ -110,7 +110,19 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     except TimeoutError:
         raise BadRequest(f"The request body did not arrive within {settings.body_timeout_s:g} "
                          "seconds.", code="request_timeout", status=408) from None
+    except web.RequestPayloadError as exc:
+        # aiohttp decodes the Content-Encoding (and the chunked framing) as it reads: a
+        # body that does not decode is the client's error, not the gateway's 500.
+        raise BadRequest(f"The request body could not be read: {_cause(exc)}",
+                         code="invalid_body") from None
     return bytes(data)
+
+
+def _cause(exc: BaseException) -> str:
+    """What went wrong reading a body, in one short line (aiohttp's message spans lines)."""
+    cause = exc.__cause__ or exc
+    text = " ".join(str(getattr(cause, "message", "") or cause).split())
+    return text[:200] or type(cause).__name__
 
 
 _TRUE = frozenset({"true", "1", "yes", "on", "t", "y"})
@@ -167,7 +179,7 @@ async def _refuse(request: web.Request, err: GatewayError, model: str,
     log.log(level, "request refused", extra={
         "model": model, "request_id": request_id, "status": err.status, "code": err.code})
     response = error_response(err, request_id=request_id, dialect=dialect)
-    if err.status in (408, 413):
+    if err.status in (408, 413) or err.code == "invalid_body":
         # The rest of the body was not read: answer, then close the connection at once
         # rather than linger reading what a slow or oversized client still sends.
         response.force_close()
