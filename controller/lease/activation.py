@@ -99,6 +99,8 @@ async def activate(request: web.Request) -> web.Response:
     try:
         raw = await request.read()
         body = ActivateRequest.model_validate_json(raw)
+    except web.RequestPayloadError as exc:  # a Content-Encoding that does not decode
+        return _error("invalid_request", f"the request body cannot be read: {exc}"[:512])
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
                              for e in exc.errors()[:5])

@@ -76,6 +76,9 @@ async def start(request: web.Request) -> web.Response:
     except web.HTTPRequestEntityTooLarge:
         return _reply(StartReply(reason="request_too_large", message=f"the request body is "
                                  f"longer than {MAX_BODY_BYTES} bytes"), 413)
+    except web.RequestPayloadError as exc:  # a Content-Encoding that does not decode
+        return _reply(StartReply(reason="invalid_request", message=f"the request body cannot "
+                                 f"be read: {exc}"[:300]), 400)
     except ValidationError as exc:
         return _reply(StartReply(reason="invalid_request", message=str(exc)[:300]), 400)
     try:
