@@ -22,17 +22,63 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["PLACEHOLDERS", "ApiKeys", "Credential", "FixedCredential", "PlaceholderSecret",
-           "SecretFile", "UnreadableSecret", "bearer", "matches", "reload_forever"]
+__all__ = ["FIX", "PLACEHOLDERS", "PLACEHOLDER_VALUES", "PLACEHOLDER_WORDS", "ApiKeys",
+           "Credential", "FixedCredential", "PlaceholderSecret", "SecretFile",
+           "UnreadableSecret", "bearer", "matches", "placeholder_reason", "reload_forever"]
 
 log = logging.getLogger(__name__)
 
-PLACEHOLDERS = frozenset({"change-me-before-applying", "change-me", "changeme", "replace-me"})
-"""Values published in manifests and docs: known to everyone, so never a credential."""
+PLACEHOLDERS = frozenset({"change-me-before-applying", "change-me", "changeme", "replace-me",
+                          "replace-me-with-a-random-key"})
+"""Values rota's manifests and docs once published: known to everyone, so never a
+credential (each is also caught by :func:`placeholder_reason`'s rule)."""
+
+PLACEHOLDER_WORDS = ("changeme", "replaceme", "placeholder", "yourkey", "yourapikey",
+                     "yourtoken", "yoursecret", "yourpassword", "randomkey", "goeshere",
+                     "inserthere", "insertkey", "redacted", "dummykey", "examplekey")
+"""Words that mark a value someone was told to replace, compared with the value's letters
+and digits only, lower-cased (``CHANGE_ME``, ``<your-key>``, ``Your API Key`` all match).
+Each is eight letters or more, so a random key contains one by chance with a probability
+below 10^-10."""
+
+PLACEHOLDER_VALUES = frozenset({"apikey", "key", "secret", "token", "password", "example",
+                                "test", "dummy", "todo", "fixme", "none", "null", "default"})
+"""Whole values (letters and digits, lower-cased) that are a word, not a secret."""
+
+_TEMPLATE = re.compile(r"^(<.*>|\$\{.*\}|\{\{.*\}\}|\[.*\])$")
+"""``<your-key>``, ``${API_KEY}``, ``{{ key }}``, ``[key]``: a template never filled in."""
+
+FIX = ('put a random value in the Secret instead, e.g. kubectl create secret generic <name> '
+       '--from-literal=<key>="$(openssl rand -hex 32)"')
+"""What the refusal tells the user to do."""
+
+
+def placeholder_reason(value: str) -> str | None:
+    """Why ``value`` is a placeholder someone forgot to replace, or None when it may be a
+    secret. A rule, not a list of the strings seen so far: a template left unfilled, one
+    character repeated (``xxx``, ``****``), a bare word (``secret``, ``token``) or a value
+    containing a word that says to replace it (:data:`PLACEHOLDER_WORDS`), whatever its
+    case and separators. The reason never repeats the value (a real key that matched by
+    mistake stays out of the logs)."""
+    stripped = value.strip()
+    letters = re.sub(r"[^a-z0-9]", "", stripped.lower())
+    if stripped in PLACEHOLDERS:
+        return "a placeholder published in rota's manifests"
+    if _TEMPLATE.match(stripped):
+        return "a template placeholder (<...>, ${...}, {{...}}) never filled in"
+    if len(set(stripped)) == 1 and len(stripped) > 1:
+        return "one character repeated, a placeholder"
+    if letters in PLACEHOLDER_VALUES:
+        return "a placeholder word, not a secret"
+    word = next((w for w in PLACEHOLDER_WORDS if w in letters), None)
+    if word is not None:
+        return f"a placeholder: it contains '{word}'"
+    return None
 
 
 class PlaceholderSecret(OSError):
@@ -72,8 +118,10 @@ class SecretFile:
                                    f"{len(raw)})") from None
         lines = tuple(line.strip() for line in text.splitlines()
                       if line.strip() and not line.strip().startswith("#"))
-        if PLACEHOLDERS.intersection(lines):
-            raise PlaceholderSecret(f"{self.path} holds a published placeholder, not a secret")
+        for number, line in enumerate(lines, 1):
+            reason = placeholder_reason(line)
+            if reason is not None:
+                raise PlaceholderSecret(f"{self.path} value {number} is {reason}; {FIX}")
         self._lines = lines
 
 
