@@ -9,7 +9,6 @@ exceptions become :mod:`driver.errors` classes here and nowhere else.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -18,7 +17,14 @@ from kubernetes import client, config
 
 from driver import kube_client
 from driver.errors import KubeConflictError, KubeError, KubeNotFoundError
-from driver.listwatch import ListWatch
+from driver.listwatch import (
+    ListWatch,
+    Undecodable,
+    decode,
+    decode_object,
+    decode_page,
+    report_fields,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +61,8 @@ def _translate(exc: client.ApiException, what: str) -> KubeError:
         body = body.decode(errors="replace")
     message = body
     try:
-        message = json.loads(body).get("message", body)
-    except (ValueError, AttributeError):
+        message = decode(body).get("message", body)
+    except (Undecodable, AttributeError):
         pass
     detail = f"{what}: HTTP {exc.status}: {str(message)[:_BODY_LIMIT]}"
     if exc.status == 404:
@@ -64,6 +70,35 @@ def _translate(exc: client.ApiException, what: str) -> KubeError:
     if exc.status == 409:
         return KubeConflictError(detail, status=409)
     return KubeError(detail, status=exc.status)
+
+
+def _object(what: str, data: bytes) -> Obj:
+    """One object read from the API, decoded with a bounded depth (see
+    :mod:`driver.listwatch`): one that cannot be decoded is an error of the read."""
+    try:
+        return decode_object(data)
+    except Undecodable as exc:
+        raise KubeError(f"{what}: the answer cannot be decoded: {exc.reason}") from None
+
+
+def _items(what: str, data: bytes) -> tuple[list[Obj], Obj]:
+    """The items of one list page, each decoded on its own, and the list's metadata: an
+    item that cannot be decoded is skipped and logged, never a failed list.
+
+    Raises:
+        KubeError: the answer's envelope cannot be decoded."""
+    try:
+        page = decode_page(data)
+    except Undecodable as exc:
+        raise KubeError(f"{what}: the answer cannot be decoded: {exc.reason}") from None
+    items: list[Obj] = []
+    for item in page.items:
+        if isinstance(item, Undecodable):
+            log.warning("skipped an object that cannot be decoded",
+                        extra={"what": what, **report_fields(item)})
+        else:
+            items.append(item)
+    return items, page.meta
 
 
 def _as_slice(item: Obj) -> Obj:
@@ -90,6 +125,8 @@ class Kube:
             raise _translate(exc, what) from exc
         except OSError as exc:  # connection refused, reset, timeouts from urllib3
             raise KubeError(f"{what}: {exc}") from exc
+        except RecursionError as exc:  # an answer the client decoded nests too deep
+            raise KubeError(f"{what}: the answer cannot be decoded: {exc}") from exc
         except Exception as exc:
             if type(exc).__module__.startswith("urllib3"):
                 raise KubeError(f"{what}: {exc}") from exc
@@ -100,7 +137,7 @@ class Kube:
     async def get_node(self, name: str) -> Obj:
         resp = await self._call(f"get node {name}", self._core.read_node, name,
                                 _preload_content=False)
-        return dict(json.loads(resp.data))
+        return _object(f"get node {name}", resp.data)
 
     async def list_pods_on_node(self, node: str) -> list[Obj]:
         """Every pod bound to ``node`` (all namespaces, one page per 500, bounded)."""
@@ -113,9 +150,9 @@ class Kube:
             resp = await self._call(f"list pods on node {node}",
                                     self._core.list_pod_for_all_namespaces,
                                     _preload_content=False, **kwargs)
-            page = json.loads(resp.data)
-            pods.extend(page.get("items", []))
-            token = page.get("metadata", {}).get("continue")
+            items, meta = _items(f"list pods on node {node}", resp.data)
+            pods.extend(items)
+            token = meta.get("continue")
             if not token:
                 return pods
         raise KubeError(f"list pods on node {node}: more than {_MAX_PAGES} pages")
@@ -123,17 +160,22 @@ class Kube:
     # -- resource.k8s.io ----------------------------------------------------------------
 
     async def get_claim(self, namespace: str, name: str) -> Obj:
-        return dict(await self._call(
-            f"get resourceclaim {namespace}/{name}",
-            self._objects.get_namespaced_custom_object,
-            RESOURCE_GROUP, RESOURCE_VERSION, namespace, "resourceclaims", name))
+        """One claim; a claim that cannot be decoded (a tenant's opaque parameters nested
+        past :data:`driver.listwatch.MAX_DEPTH`) raises KubeError like a failed read."""
+        what = f"get resourceclaim {namespace}/{name}"
+        resp = await self._call(what, self._objects.get_namespaced_custom_object,
+                                RESOURCE_GROUP, RESOURCE_VERSION, namespace, "resourceclaims",
+                                name, _preload_content=False)
+        return _object(what, resp.data)
 
     async def list_slices(self, *, driver: str, node: str) -> list[Obj]:
-        result = await self._call(
+        resp = await self._call(
             "list resourceslices", self._objects.list_cluster_custom_object,
             RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices",
-            field_selector=f"spec.driver={driver},spec.nodeName={node}")
-        return [_as_slice(item) for item in result.get("items", [])]
+            field_selector=f"spec.driver={driver},spec.nodeName={node}",
+            _preload_content=False)
+        items, _ = _items("list resourceslices", resp.data)
+        return [_as_slice(item) for item in items]
 
     async def create_slice(self, body: Obj) -> Obj:
         return dict(await self._call(

@@ -89,7 +89,8 @@ class _Watch:
                  *, loop: asyncio.AbstractEventLoop, state: RoutingState,
                  settings: GatewaySettings, after_event: Callable[[], None],
                  on_restart: Callable[[str], None],
-                 on_forbidden: Callable[[_Watch, str | None], None] | None = None) -> None:
+                 on_forbidden: Callable[[_Watch, str | None], None] | None = None,
+                 on_undecodable: Callable[[str], None] = lambda resource: None) -> None:
         """``on_forbidden``, when given, makes a 403 skippable: it is called on the loop
         with the error when the watch becomes forbidden, and with None when it lists
         again; the watch keeps trying meanwhile. Without it a 403 is an error like any
@@ -112,6 +113,7 @@ class _Watch:
             api_timeout_s=settings.api_timeout_s, relist_s=settings.resync_s,
             backoff=Backoff(first_s=_BACKOFF_S, max_s=_BACKOFF_MAX_S),
             on_error=lambda exc: on_restart(resource),
+            on_undecodable=lambda bad: on_undecodable(resource),
             on_forbidden=self._forbid if on_forbidden is not None else None,
             forbidden_backoff=Backoff(first_s=_FORBIDDEN_BACKOFF_S,
                                       max_s=_FORBIDDEN_BACKOFF_MAX_S))
@@ -170,6 +172,11 @@ class KubeSource:
         if self._metrics is not None:
             self._metrics.watch_restarts.labels(resource).inc()
 
+    def _undecodable(self, resource: str) -> None:
+        """Counted in the watch's thread (a Counter takes its own lock)."""
+        if self._metrics is not None:
+            self._metrics.undecodable_objects.labels(resource).inc()
+
     @property
     def forbidden_namespaces(self) -> list[str]:
         """Namespaces with rota claims whose pods this gateway may not list now."""
@@ -205,7 +212,8 @@ class KubeSource:
                  **kwargs: Any) -> _Watch:
             return _Watch(resource, kind, namespace, list_fn, args, kwargs, loop=loop,
                           state=state, settings=self._settings, after_event=after,
-                          on_restart=self._restarted, on_forbidden=on_forbidden)
+                          on_restart=self._restarted, on_forbidden=on_forbidden,
+                          on_undecodable=self._undecodable)
 
         objects = client.CustomObjectsApi(api)
         core = client.CoreV1Api(api)

@@ -94,6 +94,10 @@ class GatewayMetrics:
         self.watch_restarts = Counter(
             "rota_gateway_watch_restarts_total", "Kubernetes watches re-opened after an "
             "error, by resource.", ["resource"], registry=self.registry)
+        self.undecodable_objects = Counter(
+            "rota_gateway_undecodable_objects_total", "Objects a list or watch skipped "
+            "because they could not be decoded or read (nested too deep, malformed), each "
+            "time one came, by resource.", ["resource"], registry=self.registry)
         self.secret_reload_failures = Counter(
             "rota_gateway_secret_reload_failures_total", "Re-reads of a mounted secret file "
             "that failed (missing, not UTF-8, a placeholder); the last good value stays in "

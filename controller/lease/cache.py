@@ -118,6 +118,8 @@ class NodeCache:
                              on_event=store.apply, api_timeout_s=self.api_timeout_s,
                              watch_timeout_s=self.watch_timeout_s,
                              on_error=lambda exc: metrics.WATCH_RESTARTS.labels(name).inc(),
+                             on_undecodable=lambda bad: (
+                                 metrics.UNDECODABLE_OBJECTS.labels(name).inc()),
                              **kwargs)
 
         self._watches = [

@@ -90,6 +90,10 @@ HOLDER = Gauge("rota_controller_lease_holder", "1 for the claimant that holds ea
 WATCH_RESTARTS = Counter("rota_controller_watch_restarts_total",
                          "Lists made again after a failed list or watch, by resource.",
                          ["resource"], registry=REGISTRY)
+UNDECODABLE_OBJECTS = Counter(
+    "rota_controller_undecodable_objects_total",
+    "Objects a list or watch skipped because they could not be decoded or read (nested "
+    "too deep, malformed), each time one came, by resource.", ["resource"], registry=REGISTRY)
 LEADER = Gauge("rota_controller_leader", "1 while this instance acts for the node.",
                registry=REGISTRY)
 VISIBLE_STATE_ERRORS = Counter(
