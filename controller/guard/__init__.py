@@ -7,8 +7,10 @@ vLLM listens on loopback only, and the guard, on the pod's port, exposes
 - the OpenAI surface (``/v1*``, ``/tokenize``, ``/detokenize``), checking the engine's API
   key when one is configured (``Authorization: Bearer``, as vLLM does);
 - rota's control calls (``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/collective_rpc``,
-  ``/reset_prefix_cache``, ``/metrics``, ``/v1/omni/*``), checking rota's control token
-  (header ``X-Rota-Control-Token``, any line of a file re-read when it changes);
+  ``/reset_prefix_cache``, ``/metrics``, ``/v1/omni/*``), checking the claim's own control
+  token (header ``X-Rota-Control-Token``; the value the driver wrote into the guard's
+  environment, ``ROTA_CONTROL_TOKEN``: one per claim, so what one engine learns opens no
+  other);
 - ``/health``, open (kubelet probes);
 
 and nothing else (``/pause``, ``/resume``, ``/abort_requests``, weight-update routes, ...
