@@ -5,6 +5,9 @@ and one table row per value, in ``values.yaml``'s order, with its type (from
 ``values.schema.json``, the checked source of types), its default (from ``values.yaml``)
 and its description (the comment block right above the key in ``values.yaml``). A comment
 above a section (a key holding a mapping) describes the section and is a row of its own.
+A commented-out example right under a key whose default is empty (``models: {}`` then
+``#  org/llama-70b: [prod]``) belongs to that key, not to the key after it: the
+description is what a key's own comments say, wherever they stand.
 ``--check`` exits 1, writing nothing, when the README is not what the values make
 (``tests/chart/test_chart_readme.py`` runs it in CI); ``make chart-readme`` writes it.
 """
@@ -15,8 +18,8 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "rota"
 KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_][A-Za-z0-9_.-]*):(?:\s|$)")
+EMPTY_DEFAULT = re.compile(r":\s*(\{\}|\[\])\s*(#.*)?$")
+"""A key line whose default is an empty mapping or list: comments right under it show
+what goes in it."""
 
 
 @dataclass(frozen=True)
@@ -41,18 +47,50 @@ class Value:
         return isinstance(self.default, dict) and bool(self.default)
 
 
-def _comments_and_order(text: str) -> Iterator[tuple[tuple[str, ...], str]]:
-    """Every mapping key's path, in file order, with the comment block above it."""
+@dataclass
+class _Described:
+    """A key's comment lines while the file is read: the block above it and the
+    commented-out example under it."""
+
+    path: tuple[str, ...]
+    indent: int
+    above: list[str]
+    example: list[str] = field(default_factory=list)
+
+    def takes(self, line: str) -> bool:
+        """A comment line is part of this key's example when it is commented-out YAML
+        (``#`` then two spaces or more) at the key's own indentation or deeper; a comment
+        less indented, or prose, begins the next key's description."""
+        column = len(line) - len(line.lstrip())
+        return column >= self.indent and line.lstrip().startswith("#  ")
+
+    def text(self) -> str:
+        shown = "\n".join(f"`{line.strip()}`" for line in self.example if line.strip())
+        parts = ["\n".join(self.above)] if self.above else []
+        return "\n".join([*parts, f"Example:\n{shown}"] if shown else parts)
+
+
+def _comments_and_order(text: str) -> list[tuple[tuple[str, ...], str]]:
+    """Every mapping key's path, in file order, with its comment: the block above it, and
+    the commented-out example right under it when its default is empty."""
     stack: list[tuple[int, str]] = []
     comment: list[str] = []
+    found: list[_Described] = []
+    example_of: _Described | None = None  # the key just above, when its default is empty
     for line in text.splitlines():
         stripped = line.strip()
         if not stripped:
-            comment = []
+            comment, example_of = [], None
             continue
         if stripped.startswith("#"):
-            comment.append(stripped[1:].removeprefix(" ") if stripped != "#" else "")
+            body = stripped[1:].removeprefix(" ") if stripped != "#" else ""
+            if example_of is not None and example_of.takes(line):
+                example_of.example.append(body)
+            else:
+                example_of = None
+                comment.append(body)
             continue
+        example_of = None
         match = KEY_LINE.match(line)
         if match is None or stripped.startswith("-"):
             comment = []
@@ -61,13 +99,25 @@ def _comments_and_order(text: str) -> Iterator[tuple[tuple[str, ...], str]]:
         while stack and stack[-1][0] >= indent:
             stack.pop()
         stack.append((indent, match.group("key")))
-        yield tuple(key for _, key in stack), "\n".join(comment)
+        found.append(_Described(tuple(key for _, key in stack), indent, comment))
         comment = []
+        if EMPTY_DEFAULT.search(line):
+            example_of = found[-1]
+    return [(described.path, described.text()) for described in found]
+
+
+def _resolved(schema: Mapping[str, Any], node: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``node``, or what its local ``$ref`` (``#/$defs/<name>``) points at."""
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        return _resolved(schema, schema["$defs"][ref.removeprefix("#/$defs/")])
+    return node
 
 
 def _schema_at(schema: Mapping[str, Any], path: Sequence[str]) -> Mapping[str, Any]:
     node: Mapping[str, Any] = schema
     for key in path:
+        node = _resolved(schema, node)
         props = node.get("properties", {})
         if key in props:
             node = props[key]
@@ -75,7 +125,7 @@ def _schema_at(schema: Mapping[str, Any], path: Sequence[str]) -> Mapping[str, A
             node = node["additionalProperties"]
         else:
             return {}
-    return node
+    return _resolved(schema, node)
 
 
 def _type_of(node: Mapping[str, Any]) -> str:
@@ -135,8 +185,14 @@ def render(chart: Path = CHART) -> str:
         "```sh",
         "kubectl label node <gpu-node> gpu.rota.dev/enabled=true",
         "helm install rota ./rota-<version>.tgz --namespace rota-system --create-namespace \\",
-        "  --set engineNamespaces='{<namespace of your engines>}'",
+        "  --set engineNamespaces='{<namespace of your engines>}' \\",
+        "  --set gateway.modelBinding.namespaces='{<namespace of your engines>}'",
         "```",
+        "",
+        "`gateway.modelBinding` says which namespaces may serve models: with it empty the "
+        "gateway routes to no claimant (every request is 404 `model_not_found`). The line "
+        "above lets the engine namespace serve any model name, as the project's quick start "
+        "does.",
         "",
         "`helm show values` prints every value with its comment; the schema "
         "(`values.schema.json`) refuses unknown keys and wrong types.",
