@@ -88,16 +88,19 @@ SIGNING_KEY ?=
 PUBLIC_KEY  ?=
 PLAIN_HTTP  ?= 0
 UNSIGNED    ?= 0
+DIST        ?= dist
 PUBLISH_ENV = ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" \
 	ROTA_REGISTRY_TOOLS_BIN="$$(bash e2e/build-registry.sh | tail -n 1)" \
 	ROTA_COSIGN_BIN="$$(bash e2e/build-cosign.sh | tail -n 1)"
 push: $(STAMP)
 	$(PUBLISH_ENV) $(PY) -m e2e.release push --registry "$(REGISTRY)" --key "$(SIGNING_KEY)" \
+	--dist "$(DIST)" \
 	$(if $(filter 1,$(PLAIN_HTTP)),--plain-http,) $(if $(filter 1,$(UNSIGNED)),--unsigned,)
 
 verify: $(STAMP)
-	ROTA_COSIGN_BIN="$$(bash e2e/build-cosign.sh | tail -n 1)" $(PY) -m e2e.release verify --registry "$(REGISTRY)" \
-	--public-key "$(PUBLIC_KEY)" --version "$(VERSION)" \
+	ROTA_COSIGN_BIN="$$(bash e2e/build-cosign.sh | tail -n 1)" \
+	$(PY) -m e2e.release verify --registry "$(REGISTRY)" --public-key "$(PUBLIC_KEY)" \
+	--version "$(VERSION)" --dist "$(DIST)" \
 	$(if $(filter 1,$(PLAIN_HTTP)),--plain-http,) $(if $(filter 0,$(IMAGE)),--no-image,)
 
 signing-tools:

@@ -5,43 +5,29 @@ proxy by ``e2e/build-registry.sh`` into the tool cache; ``ROTA_REGISTRY_TOOLS_BI
 directory that holds ``crane`` already). :class:`LocalRegistry` serves it on
 ``127.0.0.1:<free port>`` over plain HTTP with its blobs in a data directory, waits (bounded)
 until ``/v2/`` answers, and stops it on every exit path (a context manager; the process
-also dies with its parent). What a release puts in it:
-
-- the image: :meth:`LocalRegistry.push_image` unpacks the release's OCI archive
-  (``rota-image-<v>.oci.tar``) into an OCI layout and ``crane push``-es it as
-  ``127.0.0.1:<port>/rota-dev/rota:<v>``; the manifest's bytes, so its digest, are the
-  archive's (the digest the released chart pins);
-- the chart: :meth:`LocalRegistry.push_chart` is ``helm push rota-<v>.tgz
-  oci://127.0.0.1:<port>/charts`` (``--plain-http``), so ``helm install rota
-  oci://127.0.0.1:<port>/charts/rota --version <v>`` installs it.
+also dies with its parent). A release goes into it as an admin's goes into theirs
+(docs/install.md, ``e2e/registry_publish.py``): ``make push REGISTRY=<address>/rota-dev
+SIGNING_KEY=... PLAIN_HTTP=1`` (:attr:`LocalRegistry.target`) puts the image at
+``<address>/rota-dev/rota:<v>`` (the manifest's bytes, so its digest, are the release
+archive's: the digest the released chart pins) and the chart at
+``oci://<address>/rota-dev/charts/rota``, both signed; ``make verify`` checks them, and
+``helm install rota oci://<address>/rota-dev/charts/rota --version <v> --plain-http``
+installs it.
 
 A real node pulls from it with ``RealNodeOptions(registry_ports=[port])``: its containerd
 gets a ``hosts.toml`` for the plain-HTTP registry (``e2e.cluster.node_config``) and the
 node's ``127.0.0.1:<port>`` is relayed to the host's.
-
-For an admin, the same from a release's files on a registry of their own::
-
-    crane push <layout dir of rota-image-<v>.oci.tar> <registry>/rota-dev/rota:<v>
-    helm push rota-<v>.tgz oci://<registry>/charts
-    helm install rota oci://<registry>/charts/rota --version <v> \\
-        --namespace rota-system --create-namespace \\
-        --set image.repository=<registry>/rota-dev/rota --set engineNamespaces={team-a}
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import tarfile
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-
-import yaml
 
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
@@ -49,9 +35,11 @@ from e2e.waiting import eventually
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = ROOT / "e2e" / "build-registry.sh"
-IMAGE_PATH = "rota-dev/rota"
+PREFIX = "rota-dev"
+"""The path below the registry's address that releases are pushed to (``REGISTRY``'s)."""
+IMAGE_PATH = f"{PREFIX}/rota"
 """The image's repository below the registry's address (as below ``ghcr.io``)."""
-CHART_PATH = "charts"
+CHART_PATH = f"{PREFIX}/charts"
 READY_TIMEOUT_S = 30.0
 
 
@@ -145,48 +133,23 @@ class LocalRegistry:
 
     # -- contents ----------------------------------------------------------------------
 
+    @property
+    def target(self) -> str:
+        """``make push``'s ``REGISTRY`` for this registry."""
+        return f"{self.address}/{PREFIX}"
+
     def image_ref(self, tag: str) -> str:
         return f"{self.address}/{IMAGE_PATH}:{tag}"
 
-    def push_image(self, archive: Path, tag: str) -> str:
-        """Push a one-image OCI archive as ``<address>/rota-dev/rota:<tag>``; its digest."""
-        with tempfile.TemporaryDirectory(prefix="rota-layout-") as tmp:
-            layout = Path(tmp)
-            with tarfile.open(archive) as tar:
-                tar.extractall(layout, filter="data")
-            (entry,) = json.loads((layout / "index.json").read_text())["manifests"]
-            _run([self.crane, "push", "--insecure", str(layout), self.image_ref(tag)])
-        pushed = self.digest(self.image_ref(tag))
-        if pushed != entry["digest"]:
-            raise RegistryError(f"{self.image_ref(tag)} is {pushed}, the archive's image "
-                                f"is {entry['digest']}")
-        return pushed
+    def chart_ref(self) -> str:
+        """The chart's ``oci://`` reference (no version), as ``helm install`` takes it."""
+        return f"oci://{self.address}/{CHART_PATH}/rota"
 
     def digest(self, ref: str) -> str:
         return _run([self.crane, "digest", "--insecure", ref], timeout_s=60).strip()
-
-    def chart_url(self) -> str:
-        """The OCI repository the charts are pushed below (``helm push``'s target)."""
-        return f"oci://{self.address}/{CHART_PATH}"
-
-    def push_chart(self, package: Path, helm: Path, *,
-                   env: Mapping[str, str] | None = None) -> str:
-        """``helm push`` a chart package; the chart's ``oci://`` reference (no version)."""
-        _run([str(helm), "push", str(package), self.chart_url(), "--plain-http"], env=env)
-        return f"{self.chart_url()}/{_chart_name(package)}"
 
     def tags(self, repository: str) -> list[str]:
         out = _run([self.crane, "ls", "--insecure", f"{self.address}/{repository}"],
                    timeout_s=60)
         return sorted(out.split())
 
-
-def _chart_name(package: Path) -> str:
-    """The chart's name, read from the package's ``Chart.yaml``."""
-    with tarfile.open(package) as tar:
-        member = next(m for m in tar.getmembers() if m.name.count("/") == 1
-                      and m.name.endswith("/Chart.yaml"))
-        handle = tar.extractfile(member)
-        if handle is None:
-            raise RegistryError(f"{package} has no Chart.yaml")
-        return str(yaml.safe_load(handle)["name"])

@@ -126,7 +126,9 @@ class Published:
     signed: bool
 
 
-def _run(argv: Sequence[str | Path], *, env: Mapping[str, str] | None = None) -> str:
+def _run(argv: Sequence[str | Path], *, env: Mapping[str, str] | None = None,
+         with_stderr: bool = False) -> str:
+    """``argv``'s stdout (and stderr, ``with_stderr``); a ReleaseError if it failed."""
     done = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
                           check=False, timeout=TOOL_TIMEOUT_S, stdin=subprocess.DEVNULL,
                           env={**os.environ, **(env or {})})
@@ -134,7 +136,7 @@ def _run(argv: Sequence[str | Path], *, env: Mapping[str, str] | None = None) ->
         raise ReleaseError(f"{Path(str(argv[0])).name} {' '.join(str(a) for a in argv[1:3])} "
                            f"exited {done.returncode}:\n{done.stdout[-2000:]}\n"
                            f"{done.stderr[-3000:]}")
-    return done.stdout
+    return done.stdout + done.stderr if with_stderr else done.stdout
 
 
 def check_sums(dist: Path) -> None:
@@ -197,7 +199,7 @@ def push_image(archive: Path, ref: str, target: Target, crane: Path) -> str:
 def push_chart(package: Path, target: Target, helm: Path) -> str:
     """``helm push`` the chart below ``target.chart_url``; its digest."""
     plain = ["--plain-http"] if target.plain_http else []
-    out = _run([helm, "push", package, target.chart_url, *plain])
+    out = _run([helm, "push", package, target.chart_url, *plain], with_stderr=True)
     found = re.search(r"Digest:\s*(sha256:[0-9a-f]{64})", out)
     if found is None:
         raise ReleaseError(f"helm push named no digest:\n{out}")

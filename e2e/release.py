@@ -657,4 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the importable module, so e2e.registry_publish's ReleaseError is main's own.
+    from e2e.release import main as _main
+
+    sys.exit(_main())

@@ -32,7 +32,11 @@ from tests.release.releases import IMAGE_BUILDS, Release, clone, git, make, make
 pytestmark = [pytest.mark.slow, pytest.mark.sampled]
 
 DOC_REGISTRY = "registry.example.com/platform"
-NO_PASSWORD = {"COSIGN_PASSWORD": ""}
+NO_PASSWORD = {"COSIGN_PASSWORD": "",
+               # cosign looks for sigstore's public TUF root first (and goes on without it
+               # for a key): here it meets a closed loopback port, never the network
+               "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+               "NO_PROXY": "127.0.0.1,localhost"}
 
 
 def _doc_lines(starts: str) -> list[str]:
