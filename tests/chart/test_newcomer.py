@@ -124,7 +124,8 @@ def test_the_schema_refuses_wrong_security_contexts(chart_bin: Path, wrong: str)
 
 
 @pytest.mark.parametrize(("replicas", "min_available", "refused"),
-                         [(2, 2, True), (2, 5, True), (3, 2, False), (2, "50%", False)])
+                         [(2, 2, True), (2, 5, True), (3, 2, False), (2, "50%", False),
+                          (1, 1, False)])
 def test_a_budget_that_blocks_every_drain_is_refused(
         chart_bin: Path, replicas: int, min_available: int | str, refused: bool) -> None:
     done = _template(chart_bin, "--set", "engineNamespaces={inference}",
@@ -134,3 +135,5 @@ def test_a_budget_that_blocks_every_drain_is_refused(
     assert (done.returncode != 0) is refused, done.stderr
     if refused:
         assert "no drain could ever evict" in done.stderr
+    elif replicas == 1:  # the only replica: no budget at all, so drains are never blocked
+        assert "kind: PodDisruptionBudget" not in done.stdout
