@@ -1,7 +1,9 @@
-"""rota installed from an OCI registry, as an admin installs released software: two
-releases (``make release``, the image included) pushed to a registry on the loopback
-address, ``helm install`` of the first from ``oci://``, a switch through the gateway,
-``helm upgrade`` to the second from the registry, a switch again, and ``helm uninstall``.
+"""rota installed from an OCI registry, as docs/install.md installs it: two releases
+(``make release``, the image included) pushed with ``make push`` to a registry on the
+loopback address, signed with a throwaway cosign key and attested; ``make verify`` before
+``helm install`` of the first from ``oci://``, a switch through the gateway; a chart pushed
+over the signed second one is refused by ``make verify`` and not upgraded to; the signed
+one back, ``helm upgrade`` to it from the registry, a switch again, and ``helm uninstall``.
 
 The node pulls rota's image from the registry (containerd's ``hosts.toml`` for a
 plain-HTTP registry; the release image is in no archive the node imports): the pods run
@@ -10,28 +12,38 @@ the digest the registry serves, and containerd holds it under the registry's nam
 
 from __future__ import annotations
 
+import os
+import subprocess
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client
 
-from e2e.chart import tools_bin
 from e2e.cluster import LocalCluster
 from e2e.images import BuiltImages
-from e2e.registry import IMAGE_PATH, LocalRegistry
+from e2e.registry import CHART_PATH, IMAGE_PATH, LocalRegistry
+from e2e.registry_publish import cosign_binary
 from e2e.waiting import WaitTimeout, eventually
 from tests.node.helm import (
     HelmRelease,
-    helm_homes,
     helm_stage,
     kubectl,
     switch_to_the_sleeping_model,
 )
 from tests.real_node import needs_root
-from tests.release.releases import IMAGE_BUILDS, Release, clone, make_release
+from tests.release.releases import (
+    COSIGN_ENV,
+    IMAGE_BUILDS,
+    Release,
+    clone,
+    make,
+    make_release,
+    push_tampered_chart,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root, pytest.mark.slow,
               pytest.mark.sampled,
@@ -47,14 +59,50 @@ COMPONENTS = ("driver", "controller", "gateway")
 class Installed:
     helm: HelmRelease
     registry: LocalRegistry
-    chart: str
-    """The chart's ``oci://`` reference in the registry."""
+    releases: dict[str, Release]
+    keys: Path
+    """The directory of the throwaway ``cosign.key`` and ``cosign.pub``."""
     digests: dict[str, str]
     """Version -> the image digest the registry serves for it."""
+
+    @property
+    def chart(self) -> str:
+        """The chart's ``oci://`` reference in the registry."""
+        return self.registry.chart_ref()
 
     def values(self) -> list[str]:
         return [*self.helm.values(), "--plain-http",
                 "--set", f"image.repository={self.registry.address}/{IMAGE_PATH}"]
+
+    def make(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return _make(self.registry, self.releases, *args)
+
+    def verified_helm(self, command: str, version: str) -> subprocess.CompletedProcess[str]:
+        """docs/install.md's order: ``make verify``, and ``helm <command>`` of ``version``
+        only when it passed; the verification's result."""
+        verified = self.make("verify", f"VERSION={version}",
+                             f"PUBLIC_KEY={self.keys / 'cosign.pub'}")
+        if verified.returncode == 0:
+            self.helm.helm(command, self.helm.name, self.chart, "--version", version,
+                           *self.values())
+        return verified
+
+
+def _make(registry: LocalRegistry, releases: dict[str, Release],
+          *args: str) -> subprocess.CompletedProcess[str]:
+    """``make <args> REGISTRY=<registry> PLAIN_HTTP=1`` in the releases' clone."""
+    repo = next(iter(releases.values())).clone
+    return make(repo, *args, f"REGISTRY={registry.target}", "PLAIN_HTTP=1", env=COSIGN_ENV,
+                timeout_s=600)
+
+
+def _push(registry: LocalRegistry, releases: dict[str, Release], version: str,
+          key: Path) -> str:
+    """docs/install.md's ``make push`` of one release; the image digest the registry has."""
+    pushed = _make(registry, releases, "push", f"SIGNING_KEY={key}",
+                   f"DIST={releases[version].dist}")
+    assert pushed.returncode == 0, pushed.stdout[-2000:] + pushed.stderr[-3000:]
+    return registry.digest(registry.image_ref(version))
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +116,14 @@ def installed(cluster: LocalCluster, kube_api: client.ApiClient, rota_images: Bu
               device_class: str, releases: dict[str, Release],
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     root = tmp_path_factory.mktemp("registry")
+    subprocess.run([str(cosign_binary()), "generate-key-pair"], cwd=root, check=True,
+                   capture_output=True, timeout=120, env={**os.environ, **COSIGN_ENV})
     with LocalRegistry(root / "data") as registry:
-        helm_home = helm_homes(root)
-        digests = {v: registry.push_image(r.one("rota-image-*.oci.tar"), v)
-                   for v, r in releases.items()}
-        charts = {registry.push_chart(r.one("rota-*.tgz"), tools_bin() / "helm", env=helm_home)
-                  for r in releases.values()}
-        (chart,) = charts
+        digests = {v: _push(registry, releases, v, root / "cosign.key") for v in releases}
         with helm_stage(cluster, kube_api, rota_images, root=root, node=NODE,
                         node_label=NODE_LABEL, prefix="r",
                         registry_ports=[registry.port]) as rel:
-            yield Installed(rel, registry, chart, digests)
+            yield Installed(rel, registry, releases, root, digests)
 
 
 def _image_ids(installed: Installed) -> set[str]:
@@ -120,10 +165,14 @@ def _pulled(installed: Installed) -> dict[str, str]:
             if fields and fields[0].startswith(prefix)}
 
 
-async def test_install_from_the_registry_and_switch(installed: Installed) -> None:
-    assert installed.registry.tags("charts/rota") == [V1, V2]
+async def test_install_from_the_registry_after_verifying_it_and_switch(
+        installed: Installed) -> None:
+    versions = [t for t in installed.registry.tags(f"{CHART_PATH}/rota")
+                if not t.startswith("sha256-")]  # cosign's .sig and .att beside them
+    assert versions == [V1, V2]
     rel = installed.helm
-    rel.helm("install", rel.name, installed.chart, "--version", V1, *installed.values())
+    verified = installed.verified_helm("install", V1)
+    assert verified.returncode == 0, verified.stderr[-3000:]
     rel.installed = True
     _wait_running(installed, V1)
     assert installed.digests[V1] in _pulled(installed).values()
@@ -131,11 +180,34 @@ async def test_install_from_the_registry_and_switch(installed: Installed) -> Non
     print(f"\ninstalled {V1} from {installed.chart}; switched to {await _switch(installed)}")
 
 
-async def test_upgrade_from_the_registry_and_switch(installed: Installed) -> None:
+def test_a_chart_pushed_over_the_signed_one_is_not_upgraded_to(
+        installed: Installed, tmp_path: Path) -> None:
+    rel = installed.helm
+    if not rel.installed:
+        pytest.fail("needs the install test's release")
+    ref = f"{installed.registry.address}/{CHART_PATH}/rota"
+    signed = installed.registry.digest(f"{ref}:{V2}")
+    history = rel.helm("history", rel.name, "--namespace", rel.namespace).stdout
+    push_tampered_chart(installed.releases[V2].one("rota-*.tgz"),
+                        f"oci://{installed.registry.address}/{CHART_PATH}", tmp_path)
+    assert installed.registry.digest(f"{ref}:{V2}") != signed
+    try:
+        refused = installed.verified_helm("upgrade", V2)
+        assert refused.returncode != 0, "make verify accepted a chart nobody signed"
+        assert "signature" in refused.stderr.lower(), refused.stderr[-2000:]
+        assert rel.helm("history", rel.name, "--namespace", rel.namespace).stdout == history
+    finally:
+        subprocess.run([installed.registry.crane, "tag", "--insecure", f"{ref}@{signed}", V2],
+                       check=True, capture_output=True, timeout=60)
+
+
+async def test_upgrade_from_the_registry_after_verifying_it_and_switch(
+        installed: Installed) -> None:
     rel = installed.helm
     if not rel.engine_pods:
         pytest.fail("needs the install test's release and engines")
-    rel.helm("upgrade", rel.name, installed.chart, "--version", V2, *installed.values())
+    verified = installed.verified_helm("upgrade", V2)
+    assert verified.returncode == 0, verified.stderr[-3000:]
     _wait_running(installed, V2)
     history = rel.helm("history", rel.name, "--namespace", rel.namespace).stdout
     assert f"rota-{V2}" in history

@@ -15,7 +15,10 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
+
+import yaml
 
 from e2e.chart import tools_bin
 from e2e.release import python_version
@@ -103,3 +106,29 @@ def make_snapshot(repo: Path, *, image: bool = IMAGE_BUILDS) -> Release:
                              f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
     (chart,) = (repo / "dist").glob("rota-*.tgz")
     return Release(repo, repo / "dist", chart.name.removeprefix("rota-").removesuffix(".tgz"))
+
+
+COSIGN_ENV = {"COSIGN_PASSWORD": "",
+              # cosign looks for sigstore's public TUF root first (and goes on without it
+              # for a key): here it meets a closed loopback port, never the network
+              "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+              "NO_PROXY": "127.0.0.1,localhost"}
+"""The environment of cosign in the tests: a throwaway key without a password."""
+
+
+def push_tampered_chart(package: Path, chart_url: str, scratch: Path) -> None:
+    """An attacker's chart pushed over ``package``'s in the registry: the same name and
+    version, its image pinned to another digest."""
+    with tarfile.open(package) as tar:
+        tar.extractall(scratch, filter="data")
+    values = scratch / "rota" / "values.yaml"
+    parsed = yaml.safe_load(values.read_text())
+    parsed["image"]["digest"] = "sha256:" + "0" * 64
+    values.write_text(yaml.safe_dump(parsed))
+    helm = str(tools_bin() / "helm")
+    out = scratch / "tampered"
+    subprocess.run([helm, "package", str(scratch / "rota"), "-d", str(out)], check=True,
+                   capture_output=True, timeout=120)
+    (tampered,) = out.glob("*.tgz")
+    subprocess.run([helm, "push", str(tampered), chart_url, "--plain-http"], check=True,
+                   capture_output=True, timeout=120)

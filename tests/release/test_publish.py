@@ -15,28 +15,30 @@ import json
 import os
 import shlex
 import subprocess
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
-from e2e.chart import tools_bin
 from e2e.registry import LocalRegistry
 from e2e.registry_publish import cosign_binary
 from tests.docs.blocks import ROOT, blocks_of
-from tests.release.releases import IMAGE_BUILDS, Release, clone, git, make, make_snapshot
+from tests.release.releases import (
+    COSIGN_ENV,
+    IMAGE_BUILDS,
+    Release,
+    clone,
+    git,
+    make,
+    make_snapshot,
+    push_tampered_chart,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.sampled]
 
 DOC_REGISTRY = "registry.example.com/platform"
-NO_PASSWORD = {"COSIGN_PASSWORD": "",
-               # cosign looks for sigstore's public TUF root first (and goes on without it
-               # for a key): here it meets a closed loopback port, never the network
-               "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
-               "NO_PROXY": "127.0.0.1,localhost"}
+NO_PASSWORD = COSIGN_ENV
 
 
 def _doc_lines(starts: str) -> list[str]:
@@ -120,13 +122,18 @@ def test_make_release_on_an_untagged_commit_builds_a_snapshot_of_it(
 
 def test_push_puts_the_image_and_the_chart_where_the_docs_say(published: Published) -> None:
     version = published.snapshot.version
-    assert published.registry.tags("rota-dev/charts/rota") == [version]
-    tags = published.registry.tags("rota-dev/rota")
-    assert version in tags if IMAGE_BUILDS else tags == []
-    # cosign's signature and attestation tags beside the chart: sha256-<digest>.sig/.att
-    suffixes = {tag.rsplit(".", 1)[-1] for tag in published.registry.tags("rota-dev/charts/rota")
-                + tags if tag.startswith("sha256-")}
-    assert suffixes == set() or suffixes <= {"sig", "att"}
+    repositories = ["rota-dev/charts/rota", *(["rota-dev/rota"] if IMAGE_BUILDS else [])]
+    for repository in repositories:
+        tags = published.registry.tags(repository)
+        assert [t for t in tags if not t.startswith("sha256-")] == [version]
+        # cosign's signature and attestation, named after the digest they sign
+        digest = published.crane("digest", f"{published.registry.address}/{repository}:"
+                                           f"{version}")
+        signed = digest.replace(":", "-")
+        assert sorted(t for t in tags if t.startswith("sha256-")) == [f"{signed}.att",
+                                                                       f"{signed}.sig"]
+    if not IMAGE_BUILDS:
+        assert published.registry.tags("rota-dev/rota") == []
 
 
 def test_the_docs_verification_accepts_what_was_pushed(published: Published) -> None:
@@ -161,19 +168,7 @@ def test_a_chart_pushed_over_the_signed_one_is_refused(published: Published,
     snap, version = published.snapshot, published.snapshot.version
     ref = f"{published.target}/charts/rota"
     signed = published.crane("digest", f"{ref}:{version}")
-    with tarfile.open(snap.one("rota-*.tgz")) as tar:
-        tar.extractall(tmp_path, filter="data")
-    values = tmp_path / "rota" / "values.yaml"
-    parsed = yaml.safe_load(values.read_text())
-    parsed["image"]["digest"] = "sha256:" + "0" * 64  # the attacker's image
-    values.write_text(yaml.safe_dump(parsed))
-    helm = str(tools_bin() / "helm")
-    out = tmp_path / "out"
-    subprocess.run([helm, "package", str(tmp_path / "rota"), "-d", str(out)], check=True,
-                   capture_output=True, timeout=120)
-    subprocess.run([helm, "push", str(next(out.glob("*.tgz"))),
-                    f"oci://{published.target}/charts", "--plain-http"], check=True,
-                   capture_output=True, timeout=120)
+    push_tampered_chart(snap.one("rota-*.tgz"), f"oci://{published.target}/charts", tmp_path)
     assert published.crane("digest", f"{ref}:{version}") != signed
     try:
         _refused(published, ref)
