@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from controller.api import naming
 from controller.api.gpu_lease import GpuLease, lease_body
 from controller.claimants import Claimant
-from controller.lease import metrics
+from controller.lease import metrics, tenants
 from controller.lease import policy as switch_policy
 from controller.lease.admission import StartSwitch, StartTicket
 from controller.lease.engines.base import EngineAdapter
@@ -57,6 +57,7 @@ from controller.lease.switch import Fenced, Switcher, SwitchResult
 from controller.lease.visibility import GpuVisibility
 from driver.aio import Backoff, wait_any
 from driver.errors import KubeConflictError, KubeNotFoundError
+from driver.opaque import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +173,9 @@ class Policy:
     """The served model name woken on a GPU idle for ``home_idle_s`` ("": a claim with
     ``home: true``, if any)."""
     home_idle_s: float = 60.0
-    priority_ceilings: Mapping[str, int] = field(default_factory=dict)
-    """The highest priority claims of each namespace may take (names or shell patterns;
-    see :func:`controller.lease.policy.priority_ceiling`); empty: no bound."""
+    priority_ceilings: tenants.Binding = field(default_factory=dict)
+    """The admin's binding: what the claims of each namespace may take (names or shell
+    patterns; see :mod:`controller.lease.tenants`); empty: only the wait's floor."""
 
 
 class GpuWorker:
@@ -834,12 +835,17 @@ class GpuWorker:
         here = [c for c in self._on_gpu() if c.gpu == self.gpu and c.serving]
         if self.policy.home_model:
             return next((c for c in here if c.model == self.policy.home_model), None)
-        return next((c for c in here if c.config.home), None)
+        return next((c for c in here if self._bounded(c).home), None)
 
     def _idle_rules(self) -> bool:
         """Whether keep-alive or the home return can act on this GPU."""
         return (self._home() is not None or math.isfinite(self._defaults().keep_alive_s)
-                or any(c.config.keep_alive_seconds is not None for c in self._on_gpu()))
+                or any(self._bounded(c).keep_alive_seconds is not None
+                       for c in self._on_gpu()))
+
+    def _bounded(self, c: Claimant) -> EngineConfig:
+        """The claim's EngineConfig within the admin's binding: all the policy reads."""
+        return tenants.bounded(c, self._defaults(), self.policy.priority_ceilings)
 
     def _policy_input(self, holder: Claimant | None, in_flight: int
                       ) -> switch_policy.PolicyInput:
@@ -855,10 +861,8 @@ class GpuWorker:
                 in_flight=in_flight, idle_since=self._last_busy,
                 drain_estimate_s=self._drains.get(holder.ref, 0.0) if holder else 0.0),
             queues=queues,
-            policies={c.ref: switch_policy.policy_for(
-                c.config, defaults, ceiling=switch_policy.priority_ceiling(
-                    c.namespace, self.policy.priority_ceilings, defaults.priority))
-                for c in self.claimants()},
+            policies={c.ref: switch_policy.policy_for(self._bounded(c), defaults)
+                      for c in self.claimants()},
             costs=dict(self._costs), default_policy=defaults,
             home=home.ref if home else None, home_idle_s=self.policy.home_idle_s,
             usage_s=self._usage_now(holder))

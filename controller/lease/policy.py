@@ -16,7 +16,10 @@ The rules, in the order they are tried:
 2. ``bounded_wait`` (anti-starvation): a waiting claimant whose oldest request, plus the
    switch it needs and the holder's drain, would reach its ``max_wait_s`` is served now,
    whatever the holder's priority or quantum; among several, the one nearest (or past)
-   its bound first, so the longest wait weighs more.
+   its bound first, so the longest wait weighs more. A claim's bound, like every knob of
+   its own that buys GPU time, is within what the admin allows its namespace before it
+   reaches this module (:mod:`controller.lease.tenants`): a tenant held to a low
+   priority cannot get ahead by asking for a tiny bound.
 3. ``priority_preempt``: a waiting claimant of higher priority than the holder is served
    now. The holder's requests in flight finish within the switch's drain deadline (the
    switch closes the holder's admission, drains, then sleeps it); its later requests
@@ -51,7 +54,6 @@ as in ``rota`` mode (the default keep-alive is forever: llama-swap's ``ttl: 0``)
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -71,7 +73,6 @@ __all__ = [
     "SwitchCost",
     "decide",
     "policy_for",
-    "priority_ceiling",
     "quantum_of",
 ]
 
@@ -357,32 +358,13 @@ def _next_bound(inp: PolicyInput, waiters: list[ClaimQueue], holder: str | None
     return min(times) if times else None
 
 
-def priority_ceiling(namespace: str, ceilings: Mapping[str, int], default: int
-                     ) -> int | None:
-    """The highest priority the admin lets a claim of ``namespace`` take.
+def policy_for(config: EngineConfig, default: ModelPolicy) -> ModelPolicy:
+    """A claimant's policy: its EngineConfig's fields, the node's ``default`` elsewhere.
 
-    ``ceilings`` maps namespace names or shell patterns (``team-*``, ``*``) to a ceiling:
-    a namespace's own name first, then the first pattern that matches it, in order. No
-    ceilings at all: None (no bound; a claim's priority stands). Ceilings set but none
-    for this namespace: ``default``, the node's default priority, so a tenant the admin
-    did not name cannot rise above everyone's default."""
-    if not ceilings:
-        return None
-    if namespace in ceilings:
-        return ceilings[namespace]
-    for pattern, ceiling in ceilings.items():
-        if fnmatch.fnmatchcase(namespace, pattern):
-            return ceiling
-    return default
-
-
-def policy_for(config: EngineConfig, default: ModelPolicy, *, ceiling: int | None = None
-               ) -> ModelPolicy:
-    """A claimant's policy: its EngineConfig's fields, the node's ``default`` elsewhere;
-    its priority no higher than ``ceiling`` (see :func:`priority_ceiling`)."""
-    priority = default.priority if config.priority is None else config.priority
+    The lease controller passes only a config bounded by the admin's binding
+    (:func:`controller.lease.tenants.bound`): a claim's own values are the tenant's."""
     return ModelPolicy(
-        priority=priority if ceiling is None else min(priority, ceiling),
+        priority=default.priority if config.priority is None else config.priority,
         keep_alive_s=(default.keep_alive_s if config.keep_alive_seconds is None
                       else config.keep_alive_seconds),
         quantum_factor=default.quantum_factor, min_quantum_s=default.min_quantum_s,

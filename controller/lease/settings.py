@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 from controller.api import naming
 from controller.lease.engines.base import Timeouts
 from controller.lease.policy import ModelPolicy, PolicyMode
+from controller.lease.tenants import Priority, TenantLimits
 from driver.settings import LogLevel, parse_settings
 
 GIB = 1024**3
@@ -45,8 +46,9 @@ class StepTimeouts(BaseModel):
                         wake_level2_s=self.wake_s, probe_total_s=self.probe_s)
 
 
-class PriorityCeilings(RootModel[dict[str, int]]):
-    """Namespace name or shell pattern → the highest priority its claims may take."""
+class PriorityCeilings(RootModel[dict[str, Priority | TenantLimits]]):
+    """The admin's binding: namespace name or shell pattern → what its claims may take,
+    a priority ceiling or a :class:`controller.lease.tenants.TenantLimits` object."""
 
 
 class LeaseSettings(BaseModel):
@@ -111,10 +113,14 @@ class LeaseSettings(BaseModel):
     policy_priority: int = Field(default=0, description="Switch policy: default priority.")
     policy_priority_ceilings: PriorityCeilings = Field(
         default_factory=lambda: PriorityCeilings({}),
-        description="Switch policy: JSON object of the highest priority the claims of a "
-                    "namespace may take, by name or shell pattern ({\"prod\": 100, "
-                    "\"team-*\": 10}); a claim above it is held to it, a namespace not "
-                    "named gets --policy-priority. Empty: no bound.")
+        description="Switch policy: JSON object of what the claims of a namespace may "
+                    "take, by name or shell pattern: a priority ceiling ({\"prod\": 100}) "
+                    "or an object of priority, maxWaitSeconds (the shortest bound), "
+                    "shareWeight, keepAliveSeconds and home ({\"team-*\": {\"priority\": "
+                    "10, \"maxWaitSeconds\": 60}}); a claim asking more is held to it, and "
+                    "what an entry leaves out, or a namespace not named, is held to the "
+                    "node's defaults (no home). Empty: no bound but a maxWaitSeconds of at "
+                    "least 5 s.")
     policy_share_weight: float = Field(default=1.0, gt=0, description="Switch policy: "
                                        "default fair-share weight.")
     home_model: str = Field(default="", description="Switch policy: the served model name "

@@ -16,7 +16,6 @@ from controller.lease.policy import (
     SwitchCost,
     decide,
     policy_for,
-    priority_ceiling,
 )
 from driver.errors import OpaqueConfigError
 from driver.opaque import parse_engine_config
@@ -200,22 +199,6 @@ def test_policies_are_validated() -> None:
         ModelPolicy(max_wait_s=0)
     with pytest.raises(ValueError, match="negative"):
         ModelPolicy(keep_alive_s=-1)
-
-
-def test_the_admins_ceiling_bounds_a_claims_priority() -> None:
-    ceilings = {"prod": 100, "team-*": 10, "*-dev": -5}
-    assert priority_ceiling("prod", ceilings, 0) == 100
-    assert priority_ceiling("team-a", ceilings, 0) == 10
-    assert priority_ceiling("team-dev", ceilings, 0) == 10, "the first pattern that matches"
-    assert priority_ceiling("x-dev", ceilings, 0) == -5
-    assert priority_ceiling("other", ceilings, 3) == 3, "not named: the node's default"
-    assert priority_ceiling("other", {}, 3) is None, "no ceilings: no bound"
-    config = parse_engine_config({"apiVersion": "gpu.rota.dev/v1alpha1",
-                                  "kind": "EngineConfig", "model": "m", "awakeMemory": "8Gi",
-                                  "priority": 50})
-    assert policy_for(config, ModelPolicy(), ceiling=10).priority == 10
-    assert policy_for(config, ModelPolicy(), ceiling=None).priority == 50
-    assert policy_for(config, ModelPolicy(), ceiling=80).priority == 50
 
 
 def test_the_claims_engine_config_sets_its_policy() -> None:

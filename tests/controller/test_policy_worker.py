@@ -327,3 +327,29 @@ async def test_a_holder_just_woken_for_its_callers_is_not_idle_before_their_requ
     await node.worker._serve_next(stop)
     assert (await task_c).ok
     assert node.switcher.switches == [("ns/a", "ns/b"), ("ns/b", "ns/c")]
+
+
+async def test_a_tenant_held_to_priority_0_cannot_preempt_with_a_tiny_bound() -> None:
+    """The review's F6 scenario on the worker: team-b is held to priority 0 and asks for
+    maxWaitSeconds 0.001; prod's priority-100 holder is busy. On the old code every
+    request of team-b was due at once (bounded_wait) and the holder was preempted at the
+    first look; now team-b's bound is the node's 30 s, and it is served at that bound."""
+    a = _claimant("a", namespace="prod", priority=100)
+    c = _claimant("c", namespace="team-b", priority=50, maxWaitSeconds=0.001)
+    stop = asyncio.Event()
+    stop.set()
+    node = _Node([a, c], Policy(priority_ceilings={"prod": 100, "team-b": 0}), holder=a)
+    node.engines["prod/a"].busy = 3
+    task = node.ask(c)
+    await _settle()
+    await node.worker._serve_next(stop)
+    assert node.switcher.switches == [], "a busy priority-100 holder is not preempted"
+    node.clock.now += 28.0  # the bound (30 s) less the 1.2 s switch is not reached yet
+    await node.worker._serve_next(stop)
+    assert node.switcher.switches == [] and not task.done()
+    before = _count("bounded_wait")
+    node.clock.now += 1.0
+    await node.worker._serve_next(stop)
+    assert (await task).ok, "served at the bound the admin allows"
+    assert node.switcher.switches == [("prod/a", "team-b/c")]
+    assert _count("bounded_wait") == before + 1
