@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from e2e.registry import LocalRegistry
-from e2e.registry_publish import cosign_binary
 from tests.docs.blocks import ROOT, blocks_of
 from tests.release.releases import (
     COSIGN_ENV,
@@ -93,6 +92,8 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Published]:
     make_line, keygen, push_line = _doc_lines("make release")
     assert shlex.split(make_line) == ["make", "release"]
     snapshot = make_snapshot(repo)
+    from e2e.registry_publish import cosign_binary  # built on first use, after the release
+
     with LocalRegistry(root / "data") as registry:
         pub = Published(snapshot, registry, cosign_binary())
         generated = pub.run(keygen)
