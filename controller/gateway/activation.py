@@ -58,12 +58,13 @@ from controller.api.activation import (
     asks_again,
 )
 from controller.credentials import SecretFile
-from controller.gateway.errors import Unavailable
+from controller.gateway.errors import Code, Unavailable
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.proxy import read_bounded
 from driver.aio import Backoff
 
-__all__ = ["KNOWN_OUTCOMES", "ActivationFailed", "Activator", "Expectation"]
+__all__ = ["ACTIVATION_CODES", "KNOWN_OUTCOMES", "ActivationFailed", "Activator",
+           "Expectation"]
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +74,19 @@ _BACKOFF_S = 0.2
 _BACKOFF_MAX_S = 2.0
 _UNSAFE = re.compile(r"[^a-z0-9_]")
 
+ACTIVATION_CODES = frozenset({
+    Code.CONTROLLER_UNREACHABLE, Code.BAD_ACTIVATION_REQUEST, Code.BAD_ACTIVATION_ANSWER,
+    Code.ACTIVATION_UNAUTHORIZED, Code.ACTIVATION_HTTP_4XX, Code.ACTIVATION_HTTP_5XX,
+    Code.ACTIVATION_HTTP_OTHER, Code.OTHER})
+"""The gateway's own codes for an activation that failed (``other``: anything a controller
+may say that is not in :data:`KNOWN_OUTCOMES`)."""
+
 KNOWN_OUTCOMES = frozenset({
     # Answers of the gateway itself.
-    "switched", "already_awake", "error", "controller_unreachable", "bad_activation_request",
-    "bad_activation_answer", "activation_unauthorized", "activation_http_4xx",
-    "activation_http_5xx", "activation_http_other",
+    "switched", "already_awake", "error", *ACTIVATION_CODES,
     # Every error code of the activation API's contract, every reason a switch may fail
     # with, and "fenced" (an earlier release's).
     *ERRORS, *SWITCH_FAILURE_REASONS, "fenced",
-    # Everything else a controller may say.
-    "other",
 })
 """Every value an activation's outcome (a metric label and the client's error code) takes:
 a controller's answer names its reason freely, so anything not listed here is ``other``
@@ -113,6 +117,9 @@ class ActivationFailed(Unavailable):
     def __init__(self, message: str, *, code: str, retry_after: float | None,
                  refused: bool = False) -> None:
         super().__init__(message, code=code, retry_after=retry_after)
+        # A controller's code names its own API's answer (its ``not_found`` was a 404 of
+        # the controller's): to the client it is a 503 whatever the gateway's table says.
+        self.status, self.type = Unavailable.status, Unavailable.type
         self.refused = refused
 
 
@@ -132,12 +139,13 @@ def _label(value: str) -> str:
     """A reason from the controller as a metric label and error code: one of
     :data:`KNOWN_OUTCOMES`."""
     cleaned = _cleaned(value)
-    return cleaned if cleaned in KNOWN_OUTCOMES else "other"
+    return cleaned if cleaned in KNOWN_OUTCOMES else Code.OTHER
 
 
 def _http_label(status: int) -> str:
-    return f"activation_http_{status // 100}xx" if 400 <= status <= 599 else \
-        "activation_http_other"
+    if 400 <= status <= 499:
+        return Code.ACTIVATION_HTTP_4XX
+    return Code.ACTIVATION_HTTP_5XX if 500 <= status <= 599 else Code.ACTIVATION_HTTP_OTHER
 
 
 def _error_of(payload: Any) -> tuple[str | None, str | None]:
@@ -192,7 +200,7 @@ class Activator:
                 return await asyncio.shield(call)
         except TimeoutError:
             raise Unavailable(f"Waited too long for model '{model}' to be woken.",
-                              code="switch_timeout", retry_after=self._retry_after) from None
+                              code=Code.SWITCH_TIMEOUT, retry_after=self._retry_after) from None
         except asyncio.CancelledError:
             # This request's client left. The last one to leave closes the call: the
             # controller sees its caller gone and drops a switch whose wake has not begun.
@@ -292,7 +300,7 @@ class Activator:
             body = ActivateRequest(model=model, claim=claim).model_dump()
         except ValidationError as exc:
             raise ActivationFailed(f"Model '{model}' cannot be named to a lease controller.",
-                                   code="bad_activation_request",
+                                   code=Code.BAD_ACTIVATION_REQUEST,
                                    retry_after=self._retry_after) from exc
         last: Exception | None = None
         pauses = Backoff(first_s=_BACKOFF_S, max_s=_BACKOFF_MAX_S)
@@ -313,7 +321,7 @@ class Activator:
                     "error": repr(exc)[:200], "request_id": request_id})
         raise ActivationFailed(
             f"Model '{model}' could not be woken: its lease controller at {url} cannot be "
-            f"reached ({last!r:.200}).", code="controller_unreachable",
+            f"reached ({last!r:.200}).", code=Code.CONTROLLER_UNREACHABLE,
             retry_after=self._retry_after)
 
     def _interpret(self, status: int, retry_after: str | None, raw: bytes, model: str,
@@ -328,7 +336,7 @@ class Activator:
             except ValidationError as exc:
                 raise ActivationFailed(
                     f"Model '{model}': the lease controller's answer is not understood.",
-                    code="bad_activation_answer", retry_after=self._retry_after) from exc
+                    code=Code.BAD_ACTIVATION_ANSWER, retry_after=self._retry_after) from exc
             if answer.switched:
                 self.learned(answer.model, answer.timings)
             return answer
@@ -337,10 +345,10 @@ class Activator:
             log.error("the lease controller refused the activation token",
                       extra={"model": model, "claim": claim, "upstream": url,
                              "status": status})
-            kind = "activation_unauthorized"
+            kind = Code.ACTIVATION_UNAUTHORIZED
         reason = _label(kind) if kind else _http_label(status)
         detail = message or raw[:200].decode(errors="replace") or f"HTTP {status}"
-        said = f" ({_cleaned(kind)})" if kind and reason == "other" else ""
+        said = f" ({_cleaned(kind)})" if kind and reason == Code.OTHER else ""
         raise ActivationFailed(f"Model '{model}' could not be woken: {reason}{said}: {detail}",
                                code=reason, refused=asks_again(_cleaned(kind) if kind else None,
                                                                status),

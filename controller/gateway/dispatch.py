@@ -60,7 +60,13 @@ from controller.gateway import proxy
 from controller.gateway.activation import ActivationFailed, Activator, Expectation
 from controller.gateway.downstream import PROGRESS_HEADER, Downstream, Held
 from controller.gateway.engine_keys import EngineKeys
-from controller.gateway.errors import GatewayError, ModelNotFound, Unavailable
+from controller.gateway.errors import (
+    Code,
+    EngineRefused,
+    GatewayError,
+    ModelNotFound,
+    Unavailable,
+)
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.places import ModelPlaces
 from controller.gateway.routing import Action, Decision, RoutingState
@@ -71,7 +77,7 @@ __all__ = ["Dispatcher", "ModelRequest"]
 
 log = logging.getLogger(__name__)
 
-_WAIT_CODES = frozenset({"no_controller", "controller_lost"})
+_WAIT_CODES = frozenset({Code.NO_CONTROLLER, Code.CONTROLLER_LOST})
 """Reasons to wait that name the 503 when the wait runs out (else ``switch_timeout``)."""
 _EXPECTATION_GRACE_S = 0.25
 """How long a request whose switch is done waits for the controller's expectation (for its
@@ -159,7 +165,7 @@ class Dispatcher:
                 raise  # aiohttp's 500
             log.exception("request failed inside its started stream", extra=extra)
             failure = GatewayError("The gateway failed to serve this request.",
-                                   code="internal_error")
+                                   code=Code.INTERNAL_ERROR)
             count_refusal(self.metrics, gen.model, failure)
             return await downstream.fail(failure)
         finally:
@@ -259,24 +265,25 @@ class Dispatcher:
 
         Raises:
             Unavailable: the engine gave its GPU up before it answered (``lost_gpu``, on
-                every attempt); the engine could not be reached; or the answer has begun as an
-                event stream, so the refusal (its words, ``upstream_<status>``, its
-                Retry-After) can only be that stream's last event.
+                every attempt); the engine could not be reached.
+            EngineRefused: the answer has begun as an event stream, so the refusal (its
+                words, ``upstream_<status>``, its Retry-After) can only be that stream's
+                last event.
         """
         if refused.reason == "lost_gpu":
             raise Unavailable(f"The engine serving model '{gen.model}' gave its GPU to "
                               "another model before it answered; try again.",
-                              code="lost_gpu")
+                              code=Code.LOST_GPU)
         if refused.status is None:
             raise Unavailable(f"The engine serving model '{gen.model}' cannot be reached.",
-                              code="upstream_unreachable")
+                              code=Code.UPSTREAM_UNREACHABLE)
         headers = refused.headers
         hint = headers.get("Retry-After", "")
         if await downstream.started_early():
-            raise Unavailable(
+            raise EngineRefused(
                 f"The engine serving model '{gen.model}' refused the request "
                 f"(HTTP {refused.status}): {_engine_message(refused)}",
-                code=f"upstream_{refused.status}",
+                status=refused.status,
                 retry_after=int(hint) if hint.isascii() and hint.isdigit() else None)
         self.metrics.requests.labels(gen.model, f"upstream_{refused.status}").inc()
         headers.setdefault("Retry-After", str(max(1, math.ceil(
@@ -285,7 +292,7 @@ class Dispatcher:
         return web.Response(status=refused.status, body=refused.body, headers=headers)
 
     async def _wait(self, model: str, until: float, deadline: float, what: str, *,
-                    code: str = "switch_timeout") -> None:
+                    code: str = Code.SWITCH_TIMEOUT) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
         if now >= deadline:
@@ -328,12 +335,13 @@ class Dispatcher:
                 why = decision.reason or "declined for now"
                 downstream.note = f"model '{model}' is being switched in ({why})"
                 until = deadline if decision.action is Action.WAIT else declined_until
-                code = decision.reason if decision.reason in _WAIT_CODES else "switch_timeout"
+                code = decision.reason if decision.reason in _WAIT_CODES \
+                    else Code.SWITCH_TIMEOUT
                 await self._wait(model, until, deadline, why, code=code)
                 continue
             if not (decision.activation_url and decision.claim):
                 raise Unavailable(f"Model '{model}' has no engine to wake.",
-                                  code="no_serving_engine")
+                                  code=Code.NO_SERVING_ENGINE)
             downstream.note = f"model '{model}' is being woken"
             expecting = asyncio.create_task(self.activator.expect(
                 decision.activation_url, model, decision.claim), name=f"expect {model}")

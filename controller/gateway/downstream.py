@@ -60,7 +60,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from controller.gateway.errors import GatewayError, error_body
+from controller.gateway.errors import EngineRefused, GatewayError, error_body
 
 __all__ = ["PROGRESS_HEADER", "Downstream", "Held"]
 
@@ -276,7 +276,8 @@ class Downstream:
             payload = None
         if not (isinstance(payload, dict) and isinstance(payload.get("error"), dict)):
             text = body[:512].decode(errors="replace") or f"HTTP {status}"
-            payload = error_body(text, type_="upstream_error", code=f"upstream_{status}")
+            refused = EngineRefused(text, status=status)
+            payload = error_body(refused.message, type_=refused.type, code=refused.code)
         assert self.response is not None
         await self.response.write(_closing(payload, self.dialect))
         await self.response.write_eof()

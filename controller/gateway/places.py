@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
-from controller.gateway.errors import Overloaded, Unavailable
+from controller.gateway.errors import Code, Overloaded, Unavailable
 
 __all__ = ["GateCounts", "ModelGate", "ModelPlaces"]
 
@@ -78,7 +78,7 @@ class ModelGate:
         if len(self._queue) >= self.queue_size:
             raise Overloaded(
                 f"Too many requests for model '{self.model}'; {self.queue_size} are already "
-                "waiting.", code="queue_full")
+                "waiting.", code=Code.QUEUE_FULL)
         place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.append(place)
         granted = False
@@ -89,7 +89,7 @@ class ModelGate:
         except TimeoutError:
             raise Unavailable(
                 f"Waited too long for a place to serve model '{self.model}'.",
-                code="queue_timeout") from None
+                code=Code.QUEUE_TIMEOUT) from None
         finally:
             if not granted:
                 try:

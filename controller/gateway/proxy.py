@@ -42,7 +42,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from controller.gateway.downstream import Downstream
-from controller.gateway.errors import GatewayTimeout, Unavailable
+from controller.gateway.errors import Code, GatewayTimeout, Unavailable
 
 __all__ = ["Delivered", "Refused", "TokenSpotter", "forward", "read_bounded"]
 
@@ -230,7 +230,7 @@ async def _broken_off(downstream: Downstream, upstream: aiohttp.ClientResponse, 
         with suppress(ConnectionError):
             await downstream.broken_off(Unavailable(
                 f"The engine broke off its answer ({type(exc).__name__}); the answer is "
-                "incomplete. Ask again.", code="engine_broke_off", retry_after=1),
+                "incomplete. Ask again.", code=Code.ENGINE_BROKE_OFF, retry_after=1),
                 at_event_boundary=tail.endswith((b"\n\n", b"\r\n\r\n")))
             return
     transport = downstream.request.transport
@@ -259,7 +259,7 @@ async def forward(downstream: Downstream, session: aiohttp.ClientSession, url: s
         raise GatewayTimeout(
             f"The engine took the request but sent nothing for "
             f"{client_timeout.sock_read:g} seconds; it was not sent again.",
-            code="upstream_timeout") from None
+            code=Code.UPSTREAM_TIMEOUT) from None
     except (aiohttp.ClientError, TimeoutError) as exc:
         return Refused("unreachable", f"engine unreachable: {exc!r:.200}")
     if isinstance(opened, str):

@@ -43,7 +43,9 @@ from controller.gateway import keys
 from controller.gateway.activation import Activator
 from controller.gateway.dispatch import ModelRequest, count_refusal
 from controller.gateway.errors import (
+    CODES,
     BadRequest,
+    Code,
     GatewayError,
     ModelNotFound,
     NotFound,
@@ -91,13 +93,13 @@ def _request_id(request: web.Request) -> str:
 def _authorize(request: web.Request) -> None:
     if not request.app[keys.API_KEYS].admits(request.headers.get("Authorization")):
         raise Unauthorized("Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+                           code=Code.INVALID_API_KEY)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
     settings = request.app[keys.SETTINGS]
-    too_large = BadRequest(f"The request body exceeds {limit} bytes.", code="request_too_large",
-                           status=413)
+    too_large = BadRequest(f"The request body exceeds {limit} bytes.",
+                           code=Code.REQUEST_TOO_LARGE)
     if request.content_length is not None and request.content_length > limit:
         raise too_large
     data = bytearray()
@@ -109,12 +111,12 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
                     raise too_large
     except TimeoutError:
         raise BadRequest(f"The request body did not arrive within {settings.body_timeout_s:g} "
-                         "seconds.", code="request_timeout", status=408) from None
+                         "seconds.", code=Code.REQUEST_TIMEOUT) from None
     except web.RequestPayloadError as exc:
         # aiohttp decodes the Content-Encoding (and the chunked framing) as it reads: a
         # body that does not decode is the client's error, not the gateway's 500.
         raise BadRequest(f"The request body could not be read: {_cause(exc)}",
-                         code="invalid_body") from None
+                         code=Code.INVALID_BODY) from None
     return bytes(data)
 
 
@@ -135,17 +137,17 @@ def _parse_form(raw: bytes, content_type: str) -> _Envelope:
         fields = form_fields(raw, content_type, ("model", "stream"))
     except FormError as exc:
         raise BadRequest(f"The body is not a readable form: {exc}.",
-                         code="invalid_form") from None
+                         code=Code.INVALID_FORM) from None
     model = fields.get("model", "").strip()
     if not model:
         raise BadRequest("The 'model' form field is required (a non-empty string).",
-                         code="missing_model", param="model")
+                         code=Code.MISSING_MODEL, param="model")
     try:
         return _Envelope(model=model,
                          stream=fields.get("stream", "").strip().lower() in _TRUE)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
-        raise BadRequest(f"Invalid request: model: {err['msg']}", code="invalid_value",
+        raise BadRequest(f"Invalid request: model: {err['msg']}", code=Code.INVALID_VALUE,
                          param="model") from None
 
 
@@ -153,22 +155,22 @@ def _parse(raw: bytes) -> _Envelope:
     try:
         obj: Any = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"The body is not valid JSON: {exc}", code="invalid_json") from None
+        raise BadRequest(f"The body is not valid JSON: {exc}", code=Code.INVALID_JSON) from None
     except RecursionError:
-        raise BadRequest("The body is nested too deeply.", code="invalid_json") from None
+        raise BadRequest("The body is nested too deeply.", code=Code.INVALID_JSON) from None
     if not isinstance(obj, dict):
-        raise BadRequest("The body must be a JSON object.", code="invalid_json")
+        raise BadRequest("The body must be a JSON object.", code=Code.INVALID_JSON)
     if not isinstance(obj.get("model"), str) or not obj["model"]:
         raise BadRequest("The 'model' field is required (a non-empty string).",
-                         code="missing_model", param="model")
+                         code=Code.MISSING_MODEL, param="model")
     try:
         return _Envelope.model_validate(obj)
     except RecursionError:
-        raise BadRequest("The body is nested too deeply.", code="invalid_json") from None
+        raise BadRequest("The body is nested too deeply.", code=Code.INVALID_JSON) from None
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         param = ".".join(str(p) for p in err["loc"]) or None
-        raise BadRequest(f"Invalid request: {param}: {err['msg']}", code="invalid_value",
+        raise BadRequest(f"Invalid request: {param}: {err['msg']}", code=Code.INVALID_VALUE,
                          param=param) from None
 
 
@@ -212,7 +214,7 @@ async def _model_request(request: web.Request, route: Routed) -> web.StreamRespo
         if not state.knows(envelope.model):
             if not state.synced:
                 raise Unavailable("The gateway has not yet learned where models live.",
-                                  code="not_ready",
+                                  code=Code.NOT_READY,
                                   retry_after=request.app[keys.SETTINGS].retry_after_s)
             raise ModelNotFound(envelope.model)
         model = envelope.model
@@ -249,7 +251,7 @@ def _not_routed(path: str, reasons: dict[str, str]) -> Handler:
         reason = reasons.get(method) or next(iter(reasons.values()))
         return error_response(
             NotFound(f"The gateway does not route {request.method} {path}: {reason}.",
-                     code="route_not_routed"), request_id=_request_id(request))
+                     code=Code.ROUTE_NOT_ROUTED), request_id=_request_id(request))
 
     handle.__name__ = "not_routed_" + path.strip("/").replace("/", "_")
     return handle
@@ -347,12 +349,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except web.HTTPNotFound:
-        return error_response(NotFound(f"Not found: {request.path[:200]}", code="not_found"))
+        return error_response(NotFound(f"Not found: {request.path[:200]}", code=Code.NOT_FOUND))
     except web.HTTPMethodNotAllowed as exc:
         return web.json_response(
             error_body(f"Method {request.method} not allowed here.",
-                       type_="invalid_request_error", code="method_not_allowed"),
-            status=405, headers={"Allow": ",".join(sorted(exc.allowed_methods))})
+                       type_=CODES[Code.METHOD_NOT_ALLOWED].type,
+                       code=Code.METHOD_NOT_ALLOWED),
+            status=CODES[Code.METHOD_NOT_ALLOWED].status,
+            headers={"Allow": ",".join(sorted(exc.allowed_methods))})
 
 
 def routes() -> list[web.RouteDef]:
