@@ -7,7 +7,10 @@ the claim's namespace; ``key`` defaults to ``api-key``). The gateway reads that 
 by name when it first forwards to the claimant (it never lists or watches Secrets), keeps
 it for ``ttl_s`` (a rotated Secret takes effect within that time) and sends
 ``Authorization: Bearer <key>``. The client's own ``Authorization`` header is never passed
-on. A key that cannot be read is a 503 for the client, not a request sent without it.
+on. A key that cannot be read is a 503 for the client, not a request sent without it; so
+is a placeholder someone forgot to replace (:func:`controller.credentials.placeholder_reason`:
+``changeme``, ``<your-key>``...), ``engine_key_placeholder``, whose message says how to
+make a real one: sending it would give the engine's 401 and hide why.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import logging
 import time
 from typing import Any, Protocol
 
-from controller.gateway.errors import Unavailable
+from controller.credentials import FIX, placeholder_reason
+from controller.gateway.errors import Code, Unavailable
 
 __all__ = ["EngineKeys", "KubeSecretReader", "SecretReader", "StaticSecrets"]
 
@@ -89,13 +93,15 @@ class EngineKeys:
     def __init__(self, reader: SecretReader | None, *, ttl_s: float) -> None:
         self._reader = reader
         self._ttl_s = ttl_s
-        self._cache: dict[tuple[str, str, str], tuple[float, str]] = {}
+        self._cache: dict[tuple[str, str, str], tuple[float, str | Unavailable]] = {}
+        """A key, or the refusal of a placeholder (kept as long: a Secret read and an error
+        log per ``ttl_s``, not per request)."""
 
     async def key_for(self, namespace: str | None, ref: tuple[str, str] | None) -> str | None:
         """The key to send, None when the claimant's engine needs none.
 
         Raises:
-            Unavailable: the Secret or its key cannot be read.
+            Unavailable: the Secret or its key cannot be read, or the key is a placeholder.
         """
         if ref is None or namespace is None:
             return None
@@ -103,16 +109,18 @@ class EngineKeys:
         entry = (namespace, name, key)
         cached = self._cache.get(entry)
         now = time.monotonic()
-        if cached is not None and now - cached[0] < self._ttl_s:
-            return cached[1]
-        value = await self._read(namespace, name, key)
-        self._cache[entry] = (now, value)
-        return value
+        if cached is None or now - cached[0] >= self._ttl_s:
+            cached = (now, _refused_placeholder(await self._read(namespace, name, key),
+                                                namespace, name, key))
+            self._cache[entry] = cached
+        if isinstance(cached[1], Unavailable):
+            raise cached[1]
+        return cached[1]
 
     async def _read(self, namespace: str, name: str, key: str) -> str:
         extra = {"namespace": namespace, "secret": name, "key": key}
         problem = Unavailable(f"The engine's API key (Secret {namespace}/{name}, key '{key}') "
-                              "cannot be read.", code="engine_key_unavailable")
+                              "cannot be read.", code=Code.ENGINE_KEY_UNAVAILABLE)
         if self._reader is None:
             raise problem
         try:
@@ -132,3 +140,18 @@ class EngineKeys:
         if not value:
             raise problem
         return value
+
+
+def _refused_placeholder(value: str, namespace: str, name: str,
+                         key: str) -> str | Unavailable:
+    """``value``, or the refusal to send it when it is a placeholder (logged as an error:
+    an engine no request can reach until someone puts a real key in the Secret)."""
+    reason = placeholder_reason(value)
+    if reason is None:
+        return value
+    log.error("an engine's API key is a placeholder; requests for it are refused", extra={
+        "namespace": namespace, "secret": name, "key": key, "reason": reason})
+    return Unavailable(f"The engine's API key (Secret {namespace}/{name}, key '{key}') is "
+                       f"{reason}; requests for this engine are refused until the Secret "
+                       f"holds a real key (the engine's --api-key the same): {FIX}.",
+                       code=Code.ENGINE_KEY_PLACEHOLDER)
