@@ -34,7 +34,10 @@ Optional sections:
 - ``omniStageIds`` (required for ``adapter: vllm-omni``): the pipeline's stages.
 - Switch policy (``controller/lease/policy.py``): ``priority``, ``keepAliveSeconds``,
   ``maxWaitSeconds``, ``shareWeight``, ``home``; each absent field takes the lease
-  controller's node-wide default.
+  controller's node-wide default. Each buys GPU time, so the lease controller holds each,
+  set or not, to what the admin allows the claim's namespace
+  (``controller/lease/tenants.py``) before its policy reads it; the ranges here only
+  check the values are meaningful.
 
 ``adapter: vllm-omni`` takes ``sleepLevel: 1`` only: vLLM-Omni 0.26 and 0.30 cannot wake
 after a level-2 sleep (501, and the engine stays asleep until restarted).
@@ -221,7 +224,8 @@ class EngineConfig(_Model):
     max_wait_seconds: float | None = Field(default=None, gt=0, le=3600)
     """Switch policy: the bound on a request's wait for a switch while the GPU serves
     other models (anti-starvation); it is served before this bound even against a
-    busy holder of higher priority. Absent: the node's default."""
+    busy holder of higher priority. Absent: the node's default. Never shorter than the
+    admin allows the claim's namespace (5 s when the admin bound nothing)."""
     share_weight: float | None = Field(default=None, gt=0, le=1000)
     """Switch policy: this model's weight in the fair share of the GPU under sustained
     contention. Absent: the node's default (1)."""

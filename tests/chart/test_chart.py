@@ -521,12 +521,14 @@ def test_the_switch_policy_and_the_gateways_places_are_chart_values(
         default: Rendered, chart_bin: Path, tmp_path: Path) -> None:
     from controller.gateway.settings import load as gateway_settings
     from controller.lease.settings import LeaseSettings
+    from controller.lease.tenants import TenantLimits
 
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({"controller": {"policy": {
         "mode": "first-come", "quantumFactor": 2.5, "minQuantumSeconds": 3, "maxWaitSeconds": 12,
         "keepAliveSeconds": 90, "priority": 5, "shareWeight": 2,
-        "priorityCeilings": {"prod": 100, "team-*": 10}, "homeModel": "org/chat",
+        "priorityCeilings": {"prod": 100, "team-*": {"priority": 10, "maxWaitSeconds": 60,
+                                                     "home": True}}, "homeModel": "org/chat",
         "homeIdleSeconds": 30}},
         "gateway": {"maxConcurrencyPerEngine": 16, "queueSize": 32}}))
     set_ = render(set_values=MINIMAL, values_files=[values], bin_dir=chart_bin)
@@ -534,7 +536,8 @@ def test_the_switch_policy_and_the_gateways_places_are_chart_values(
     assert (s.policy_quantum_factor, s.policy_min_quantum_s, s.policy_max_wait_s,
             s.policy_keep_alive_s, s.policy_priority, s.policy_share_weight) == (
         2.5, 3, 12, 90, 5, 2)
-    assert s.policy_priority_ceilings.root == {"prod": 100, "team-*": 10}
+    assert s.policy_priority_ceilings.root == {"prod": 100, "team-*": TenantLimits(
+        priority=10, max_wait_seconds=60, home=True)}
     assert list(s.policy_priority_ceilings.root) == ["prod", "team-*"]
     assert (s.home_model, s.home_idle_s) == ("org/chat", 30)
     assert s.policy_mode == "first-come"

@@ -346,7 +346,8 @@ async def test_a_tenant_held_to_priority_0_cannot_preempt_with_a_tiny_bound() ->
     assert node.switcher.switches == [], "a busy priority-100 holder is not preempted"
     node.clock.now += 28.0  # the bound (30 s) less the 1.2 s switch is not reached yet
     await node.worker._serve_next(stop)
-    assert node.switcher.switches == [] and not task.done()
+    assert node.switcher.switches == []
+    assert not task.done()
     before = _count("bounded_wait")
     node.clock.now += 1.0
     await node.worker._serve_next(stop)
