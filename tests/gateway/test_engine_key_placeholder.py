@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller.credentials import FIX
 from controller.gateway import keys
 from controller.gateway.app import make_app
 from controller.gateway.engine_keys import EngineKeys, StaticSecrets
@@ -102,7 +101,7 @@ async def test_a_placeholder_engine_key_is_a_503_that_says_what_to_do(
     assert error["code"] == "engine_key_placeholder"
     assert error["type"] == "service_unavailable"
     assert f"Secret {NAMESPACE}/{SECRET}" in error["message"]
-    assert FIX in error["message"]
+    assert "openssl rand -hex 32" in error["message"]  # the command that makes a real one
     assert value not in error["message"]
     logged = [r for r in caplog.records if "placeholder" in r.getMessage()]
     assert logged
