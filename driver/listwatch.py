@@ -507,6 +507,11 @@ class ListWatch:
                     self._skip(event.error)
             self._backoff.reset()  # a watch the server ended in time: the link is good
 
+    def _hand_over(self, items: list[Obj]) -> None:
+        """A whole list, which replaces the caller's state."""
+        self._kept = {self._uid(o) for o in items}
+        self._deliver(self._replaced, items)
+
     def _hand_on(self, event: _Event) -> None:
         """One change, as the caller sees it: an object that stops matching ``keep``, or
         that can no longer be decoded or read, is gone from its view (DELETED)."""
@@ -536,8 +541,7 @@ class ListWatch:
                 if not self._version:
                     items, self._version = self._list()
                     listed_at = time.monotonic()
-                    self._kept = {self._uid(o) for o in items}
-                    self._deliver(self._replaced, items)
+                    self._hand_over(items)
                     self._backoff.reset()
                     self._forbidden_backoff.reset()
                 self._watch(listed_at)

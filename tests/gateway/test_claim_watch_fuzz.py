@@ -143,7 +143,7 @@ def test_every_claim_is_followed_or_skipped_and_reported(
 
     # One list page: the good claims around the fuzzed ones are followed.
     page = decode_page(_page([_good(0), *(text for text, _ in listed), _good(1)]))
-    follow._deliver(follow._replaced, list(follow._take(page.items)))
+    follow._hand_over(list(follow._take(page.items)))
     assert state.knows(GOOD[0])
     assert state.knows(GOOD[1])
     deep = sum(1 for _, depth in listed if depth > MAX_DEPTH)
@@ -165,3 +165,17 @@ def test_every_claim_is_followed_or_skipped_and_reported(
     assert not state.knows(FUZZED_MODEL)
     assert all(state.knows(model) for model in GOOD)
     assert set(undecodable) <= {"resourceclaims"}
+
+
+def test_a_followed_claim_that_becomes_undecodable_is_dropped() -> None:
+    """A MODIFIED event that cannot be decoded takes back what was handed on (DELETED):
+    the state never keeps a version the watch could not read."""
+    state = RoutingState(binding=ModelBinding(namespaces=("*",)))
+    undecodable: list[str] = []
+    follow = _stream(state, undecodable)._follow
+    follow._hand_over(list(follow._take(decode_page(_page([_good(0)])).items)))
+    assert state.knows(GOOD[0])
+    deep = _good(0).replace('"sleepLevel": 1', '"sleepLevel": ' + "[" * 1_100 + "]" * 1_100)
+    follow._hand_on(decode_event(_event("MODIFIED", deep)))
+    assert not state.knows(GOOD[0])
+    assert undecodable == ["resourceclaims"]
