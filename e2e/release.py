@@ -220,11 +220,10 @@ def stage_source(repo: Path, dest: Path, python: str) -> Path:
     listed = _run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others",
                    "--exclude-standard"])
     for name in filter(None, listed.split("\0")):
-        source = repo / name
-        if source.is_file() and not source.is_symlink():
-            target = dest / name
+        source, target = repo / name, dest / name
+        if source.is_symlink() or source.is_file():  # a file deleted in the tree is left out
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
+            shutil.copy2(source, target, follow_symlinks=False)
     pyproject = dest / "pyproject.toml"
     pyproject.write_text(_set_line(pyproject.read_text(), r'^version = ".*"$',
                                    f'version = "{python}"'))
