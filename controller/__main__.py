@@ -8,9 +8,9 @@ import asyncio
 import sys
 
 from driver.errors import ConfigError
+from driver.kube import check_kubeconfig
 from driver.kube_client import version
 from driver.logs import configure
-from driver.settings import check_kubeconfig
 
 PROG = "rota-controller"
 USAGE = f"""usage: {PROG} {{lease,gateway}} [--help] [--version] [flags]

@@ -57,8 +57,8 @@ from controller.api.controller_lease import ControllerLease
 from controller.api.gpu_lease import GpuLease, micro_time
 from controller.claimants import claimants_from
 from driver.errors import ConfigError
+from driver.kube import check_kubeconfig
 from driver.kube_client import version
-from driver.settings import check_kubeconfig
 
 __all__ = ["Answer", "ControllerInfo", "Direct", "GpuRow", "SwitchOutcome", "ThroughApiServer",
            "Unreachable", "api_server_refusal", "controllers_from", "find_claimant",

@@ -6,14 +6,14 @@ import asyncio
 import logging
 import sys
 
-from driver import app, kube_client, logs, settings
+from driver import app, kube, kube_client, logs, settings
 from driver.errors import ConfigError, RotaDriverError
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         config = settings.load(argv)
-        settings.check_kubeconfig(config.kubeconfig)
+        kube.check_kubeconfig(config.kubeconfig)
     except ConfigError as exc:
         print(f"rota-driver: {exc}", file=sys.stderr)
         return 2

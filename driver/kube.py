@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kubernetes import client, config
 
 from driver import kube_client
-from driver.errors import KubeConflictError, KubeError, KubeNotFoundError
+from driver.errors import ConfigError, KubeConflictError, KubeError, KubeNotFoundError
 from driver.listwatch import (
     ListWatch,
     Undecodable,
@@ -217,3 +219,37 @@ class Kube:
                          on_replace=on_replace, on_event=on_event,
                          field_selector=f"spec.driver={driver},spec.nodeName={node}",
                          api_timeout_s=self.timeout_s, relist_s=relist_s, cut=_as_slice)
+
+
+def check_kubeconfig(kubeconfig: str | None, *, context: str | None = None,
+                     in_cluster: bool = True) -> None:
+    """Load the kubeconfig once, into a throwaway configuration, before anything else
+    starts: a missing file, a context that is not there or a machine outside a cluster is
+    one line for the user, not a traceback from deep inside the start. With no
+    ``kubeconfig``, ``in_cluster`` components (the driver, the controller, the gateway) use
+    the pod's service account, as :func:`driver.kube.load_api_client` does; a user's tool
+    reads ``$KUBECONFIG`` or ``~/.kube/config``, as kubectl does.
+
+    Raises:
+        ConfigError: it cannot be loaded; the message says which and why.
+    """
+    import yaml
+    from kubernetes.config.config_exception import ConfigException
+
+    if kubeconfig is not None and not Path(kubeconfig).is_file():
+        raise ConfigError(f"cannot load kubeconfig {kubeconfig}: no such file")
+    target = client.Configuration()
+    service_account = kubeconfig is None and in_cluster
+    try:
+        if service_account:
+            config.load_incluster_config(client_configuration=target)
+        else:
+            config.load_kube_config(config_file=kubeconfig, context=context,
+                                    client_configuration=target)
+    except (ConfigException, OSError, ValueError, TypeError, AttributeError,
+            yaml.YAMLError) as exc:
+        named = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        where = ("the pod's service account (not in a cluster? pass --kubeconfig)"
+                 if service_account else f"kubeconfig {named}")
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(f"cannot load {where}: {detail}") from None

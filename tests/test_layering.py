@@ -20,6 +20,7 @@ PURE = ["driver/quantity.py", "driver/opaque.py", "driver/claims.py", "driver/bu
         "controller/lease/reconcile.py", "driver/aio.py", "driver/startgate.py",
         *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "controller" / "api").rglob("*.py"))]
 SHARED_FROM_DRIVER = {"driver.aio", "driver.claims", "driver.errors", "driver.kube",
+                      "driver.kube_client",
                       "driver.listen", "driver.listwatch", "driver.logs", "driver.metrics_registry",
                       "driver.opaque", "driver.quantity",
                       "driver.settings", "driver.slices", "driver.start_contract",

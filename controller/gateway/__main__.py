@@ -11,7 +11,7 @@ from typing import Any
 from controller.gateway import app
 from controller.gateway.settings import PROG, SettingsError, load
 from driver import logs
-from driver.settings import check_kubeconfig
+from driver.kube import check_kubeconfig
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
