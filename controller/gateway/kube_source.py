@@ -7,8 +7,10 @@ as the API's JSON (dicts).
 
 What is watched:
 
-- ResourceClaims (``resource.k8s.io/v1``) in all namespaces; the state keeps those
-  allocated by ``gpu.rota.dev``.
+- ResourceClaims (``resource.k8s.io/v1``) in all namespaces, or, with
+  ``--claim-namespaces`` (the chart sets its ``engineNamespaces``), one watch per named
+  namespace, which a Role in each allows instead of a ClusterRole; the state keeps those
+  allocated by ``gpu.rota.dev``. The state is synced once every claim watch has listed.
 - Pods, only in the namespaces that hold such claims: one watch per namespace, started
   when its first rota claim appears and stopped when its last one goes. Pods cannot be
   selected by the claims they use (no label or field selector says so), and watching every
@@ -223,17 +225,21 @@ class KubeSource:
             return make("pods", "pod", namespace, core.list_namespaced_pod, namespace,
                         on_forbidden=self._pods_forbidden)
 
-        claims = make("resourceclaims", "claim", None, objects.list_cluster_custom_object,
-                      GROUP, VERSION, "resourceclaims", after=namespaces_changed.set)
+        claim_watches = [
+            make("resourceclaims", "claim", namespace, objects.list_namespaced_custom_object,
+                 GROUP, VERSION, namespace, "resourceclaims", after=namespaces_changed.set)
+            for namespace in self._settings.claim_namespaces
+        ] or [make("resourceclaims", "claim", None, objects.list_cluster_custom_object,
+                   GROUP, VERSION, "resourceclaims", after=namespaces_changed.set)]
         lease_watch = make("leases", "lease", None, leases.list_namespaced_lease,
                            self._settings.controller_namespace,
                            label_selector=f"{naming.LABEL_MANAGED_BY}={naming.MANAGED_BY}")
-        watches = [claims, lease_watch]
+        watches = [*claim_watches, lease_watch]
         try:
             for w in watches:
                 w.start()
-            await claims.listed.wait()
-            await lease_watch.listed.wait()
+            for w in watches:
+                await w.listed.wait()
             self._reconcile_pods(state, pods)
             for pod_watch in list(self._pods.values()):
                 # A namespace whose pods may not be listed holds nobody up.

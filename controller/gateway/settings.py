@@ -59,6 +59,12 @@ class GatewaySettings(BaseModel):
                                 "all) whose claimants may serve any model name that the "
                                 "model binding file does not bind. Claimants elsewhere are "
                                 "never routed to.")
+    claim_namespaces: tuple[str, ...] = Field(
+        default=(), description="Comma-separated namespaces to watch ResourceClaims in, one "
+                                "watch each (what a Role per namespace allows; the chart "
+                                "sets its engineNamespaces). Empty: every namespace, one "
+                                "cluster-wide watch (a ClusterRole). Claims elsewhere are "
+                                "never seen, so never served.")
     model_binding_file: Path | None = Field(
         default=None, description="YAML file (a mounted ConfigMap) binding model names to "
                                   "the only namespaces that may serve them: 'models: "
@@ -132,7 +138,7 @@ class GatewaySettings(BaseModel):
         default="info", description="debug | info | warning | error")
 
 
-    @field_validator("serving_namespaces", mode="before")
+    @field_validator("serving_namespaces", "claim_namespaces", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):

@@ -187,6 +187,7 @@ def _expected(release: Release) -> dict[str, dict[str, set[Rule]]]:
                   (core, "pods", "patch", ""),
                   (ev, "events", "create", ""), (ev, "events", "patch", "")}
     leases_rw = {(coord, "leases", v, "") for v in ("get", "list", "watch", "create", "update")}
+    # Claims only in engineNamespaces, as pods (a Role each; no ClusterRole).
     gateway = {(rs, "resourceclaims", "list", ""), (rs, "resourceclaims", "watch", "")}
     leases_ro = {(coord, "leases", v, "") for v in ("list", "watch")}
     pods_ro = {(core, "pods", v, "") for v in ("list", "watch")}
@@ -194,9 +195,9 @@ def _expected(release: Release) -> dict[str, dict[str, set[Rule]]]:
         "driver": {release.namespace: driver, release.engines: driver, "default": driver},
         "controller": {release.namespace: controller | leases_rw,
                        release.engines: controller, "default": controller},
-        "gateway": {release.namespace: gateway | leases_ro,
+        "gateway": {release.namespace: leases_ro,
                     release.engines: gateway | pods_ro | {(core, "secrets", "get", ENGINE_KEY)},
-                    "default": gateway},
+                    "default": set()},
     }
 
 
@@ -247,7 +248,9 @@ CAN_I: list[tuple[str, str, str, str, str, bool]] = [
     ("controller", "create", "resource.k8s.io", "resourceslices", "", False),
     ("controller", "create", "events.k8s.io", "events", "+", True),
     ("controller", "create", "", "namespaces", "", False),
-    ("gateway", "watch", "resource.k8s.io", "resourceclaims", "", True),
+    ("gateway", "watch", "resource.k8s.io", "resourceclaims", "", False),
+    ("gateway", "watch", "resource.k8s.io", "resourceclaims", "+", True),
+    ("gateway", "list", "resource.k8s.io", "resourceclaims", "default", False),
     ("gateway", "watch", "", "pods", "+", True),
     ("gateway", "list", "", "pods", "default", False),
     ("gateway", "watch", "coordination.k8s.io", "leases", "@", True),
