@@ -13,7 +13,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from e2e.engine_simulator.control_api import control_routes, health_routes
+from e2e.engine_simulator.control_api import control_routes, health_routes, release_routes
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.errors import error_middleware
 from e2e.engine_simulator.extra_api import extra_routes
@@ -77,6 +77,7 @@ def create_app(
     app.middlewares.extend(middlewares)
     app[ENGINE_KEY] = Engine(settings, holder, pid=pid, exit_process=exit_process)
     app.add_routes(health_routes())
+    app.add_routes(release_routes())
     if settings.dev_mode:  # VLLM_SERVER_DEV_MODE=1
         app.add_routes(control_routes())
     app.add_routes(metrics_routes())

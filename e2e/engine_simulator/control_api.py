@@ -14,6 +14,14 @@ Served only with ``VLLM_SERVER_DEV_MODE=1`` (``dev_mode``); never authenticated.
 - ``POST /reset_prefix_cache`` answers ``{"success": bool}`` (false while requests run).
 - ``GET /health`` (always served) answers 200 even while asleep: it proves nothing about
   a wake; 503 once the engine core is dead.
+
+Each release speaks its own surface (``--vllm-version``, from the committed surfaces that
+``e2e/vllm_routes.py`` read from the wheels): ``GET /version`` (always served) names it;
+``GET /openapi.json`` lists its routes (the development ones only in dev mode) with the
+query parameters its handlers declare (0.26-0.31 read ``/sleep``'s raw, so none);
+from 0.32 ``/sleep`` answers ``{"status": "sleeping", "level": N}`` and ``/wake_up``
+``{"status": "awake"|"sleeping", "tags": ...}``. ``--sleep-ignores-requests`` (vLLM RFC
+#51476): ``/sleep`` declares ``level`` only and sleeps under running requests.
 """
 
 from __future__ import annotations
@@ -26,13 +34,20 @@ from typing import Any, cast
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from controller.lease.engines.surfaces import Surface, surface_for
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.errors import SimError
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.state import Tag
 from e2e.engine_simulator.traffic import PauseMode
 
-__all__ = ["control_routes", "health_routes", "respond_then_crash"]
+__all__ = [
+    "control_routes",
+    "health_routes",
+    "openapi",
+    "release_routes",
+    "respond_then_crash",
+]
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +122,33 @@ async def sleep(request: web.Request) -> web.Response:
         raise SimError(f"sleep level must be 0, 1 or 2, not {level}")
     engine = _engine(request)
     await engine.sleep(level=level, mode=_mode(request), request=request)
+    body = {"status": "sleeping", "level": level} if _answers(request, "/sleep") else None
     if engine.faults.crash_on_sleep:
-        return await respond_then_crash(request, "crash_on_sleep")
-    return _empty_ok()
+        return await respond_then_crash(request, "crash_on_sleep", body)
+    return _empty_ok() if body is None else web.json_response(body)
 
 
 async def wake_up(request: web.Request) -> web.Response:
     _omni_refuses(request, "wake_up")
-    await _engine(request).wake(tags=_tags(request), request=request)
-    return _empty_ok()
+    engine = _engine(request)
+    tags = _tags(request)
+    await engine.wake(tags=tags, request=request)
+    if not _answers(request, "/wake_up"):
+        return _empty_ok()
+    return web.json_response({"status": "sleeping" if engine.state.is_sleeping else "awake",
+                              "tags": [t.value for t in tags] if tags else None})
+
+
+def _surface(request: web.Request) -> Surface:
+    surface = surface_for(_engine(request).settings.vllm_version)
+    assert surface is not None  # Settings checked it
+    return surface
+
+
+def _answers(request: web.Request, path: str) -> bool:
+    """Whether this release's ``path`` answers a JSON body (0.32 on)."""
+    control = _surface(request).control(path)
+    return control is not None and any(r.body == "json" for r in control.replies)
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
@@ -194,3 +227,43 @@ def control_routes() -> list[web.RouteDef]:
 
 def health_routes() -> list[web.RouteDef]:
     return [web.get("/health", health)]
+
+
+_DEV_ROUTES = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/collective_rpc",
+                         "/reset_prefix_cache", "/release_kv_cache_memory", "/pause",
+                         "/resume", "/is_paused", "/abort_requests"})
+_RAW_TYPES = frozenset({"str", "list[str]", "json"})
+"""Parameters a handler reads itself (``query_params.get``): FastAPI does not list them."""
+
+
+def openapi(surface: Surface, *, dev_mode: bool, sleep_ignores_requests: bool
+            ) -> dict[str, Any]:
+    """The OpenAPI document FastAPI would serve for ``surface``: paths, methods and the
+    query parameters each handler declares."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in surface.routes:
+        if route.method == "WEBSOCKET" or (route.path in _DEV_ROUTES and not dev_mode):
+            continue
+        control = surface.control(route.path)
+        params = [{"name": p.name, "in": "query"} for p in (control.params if control else ())
+                  if p.where == "query" and p.type not in _RAW_TYPES]
+        if route.path == "/sleep" and sleep_ignores_requests:
+            params = [{"name": "level", "in": "query"}]  # RFC #51476: no mode
+        paths.setdefault(route.path, {})[route.method.lower()] = {"parameters": params}
+    return {"openapi": "3.1.0", "info": {"title": "FastAPI", "version": surface.version},
+            "paths": paths}
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": _engine(request).settings.vllm_version})
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    settings = _engine(request).settings
+    return web.json_response(openapi(_surface(request), dev_mode=settings.dev_mode,
+                                     sleep_ignores_requests=settings.sleep_ignores_requests))
+
+
+def release_routes() -> list[web.RouteDef]:
+    """``/version`` and ``/openapi.json``: always served, as by vLLM."""
+    return [web.get("/version", version), web.get("/openapi.json", openapi_json)]

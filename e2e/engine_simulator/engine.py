@@ -226,7 +226,8 @@ class Engine(Traffic):
         while True:
             async with self._changed:
                 await self._changed.wait_for(
-                    lambda: bool(self._pending) and self._idle() and self.dead is None)
+                    lambda: bool(self._pending) and self.dead is None and (
+                        self._idle() or self.settings.sleep_ignores_requests))
                 due = list(self._pending)
             await self._fire(due)
 
@@ -234,6 +235,7 @@ class Engine(Traffic):
         async with self._control:
             for pending in due:
                 began = time.monotonic()
+                running = len(self._running)
                 if pending not in self._pending:
                     continue  # dropped with its client (kinder fault)
                 async with self._changed:
@@ -261,7 +263,7 @@ class Engine(Traffic):
                     "seconds": seconds, "copy_seconds": _sum_copy(transfers), "first": first,
                     "lied": lied, "noop": not ops, "abandoned": pending.abandoned,
                     "waited_seconds": time.monotonic() - pending.registered_at,
-                    "transfers": [t.as_dict() for t in transfers],
+                    "transfers": [t.as_dict() for t in transfers], "running": running,
                 })
                 log.info("slept", extra={"sleep_level": pending.level, "mode": pending.mode,
                                          "seconds": round(seconds, 6), "first": first,
@@ -282,6 +284,8 @@ class Engine(Traffic):
             self.ignored_calls += 1
             log.warning("sleep ignored (simulated fault sleep_ignored)")
             return []
+        if self.settings.sleep_ignores_requests:
+            mode = "keep"  # RFC #51476: a memory step; running requests freeze under it
         await self._pause_scheduler(mode, for_sleep=level > 0)
         if level == 0:
             return []

@@ -36,6 +36,8 @@ from pydantic import (
     model_validator,
 )
 
+from controller.lease.engines.surfaces import supported, surface_for
+
 __all__ = [
     "DEFAULT_GPU_UUID",
     "Faults",
@@ -225,6 +227,15 @@ class Settings(BaseModel):
     omni_stages: int = Field(default=3, ge=1, le=64)
     """Stages of the Omni pipeline (Qwen2.5-Omni and Qwen3-Omni have three)."""
 
+    vllm_version: str = "0.26.0"
+    """The vLLM release whose surface the simulator speaks (``/version``, the route table at
+    ``/openapi.json``, the answers of ``/sleep`` and ``/wake_up``): one rota has a surface
+    for (``controller/lease/engines/vllm_surfaces``)."""
+    sleep_ignores_requests: bool = False
+    """vLLM RFC #51476: ``/sleep`` is a pure memory step; it takes no ``mode`` (its route
+    table says so), does not wait for running requests and sleeps under them (they are
+    frozen). Each sleep records how many requests ran under it (``running``)."""
+
     dev_mode: bool = False
     """``VLLM_SERVER_DEV_MODE=1``: serve vLLM's development routes (``/sleep``,
     ``/wake_up``, ``/is_sleeping``, ``/collective_rpc``, ``/reset_prefix_cache``,
@@ -282,6 +293,13 @@ class Settings(BaseModel):
     def worker_gpus(self) -> tuple[str, ...]:
         """The GPU of each tensor-parallel rank (rank 0 first)."""
         return self.gpus[:self.tensor_parallel_size]
+
+    @model_validator(mode="after")
+    def _known_release(self) -> Settings:
+        if surface_for(self.vllm_version) is None:
+            raise ValueError(f"vllm_version {self.vllm_version!r}: the simulator speaks "
+                             f"{', '.join(supported())}")
+        return self
 
     @model_validator(mode="after")
     def _memory_fits(self) -> Settings:
@@ -360,6 +378,11 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
     ("omni", "--omni", "ROTA_SIM_OMNI",
      "behave like vLLM-Omni (stage-aware /v1/omni/sleep and /v1/omni/wakeup)"),
     ("omni_stages", "--omni-stages", "ROTA_SIM_OMNI_STAGES", "number of Omni stages"),
+    ("vllm_version", "--vllm-version", "ROTA_SIM_VLLM_VERSION",
+     "the vLLM release whose surface to speak (routes, /version, /openapi.json, the "
+     "answers of /sleep and /wake_up); default 0.26.0"),
+    ("sleep_ignores_requests", "--sleep-ignores-requests", "ROTA_SIM_SLEEP_IGNORES_REQUESTS",
+     "vLLM RFC #51476: /sleep takes no mode and sleeps under running requests"),
     ("dev_mode", "--dev-mode", "VLLM_SERVER_DEV_MODE",
      "serve vLLM's development routes (sleep, wake_up, is_sleeping, collective_rpc, "
      "reset_prefix_cache, pause, resume, is_paused); without it they answer 404"),
@@ -381,7 +404,7 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 _BOOLEAN_KNOBS = frozenset({"omni", "dev_mode", "disable_log_stats",
-                            "keep_alive_on_engine_death"})
+                            "keep_alive_on_engine_death", "sleep_ignores_requests"})
 _METAVARS = {
     "model": "NAME", "host": "HOST", "port": "PORT", "port_file": "FILE",
     "tokens_per_second": "RATE", "awake_memory_bytes": "BYTES",
@@ -389,7 +412,8 @@ _METAVARS = {
     "gpu_memory_bytes": "BYTES",
     "gpu_uuid": "UUID[,UUID...]", "tensor_parallel_size": "N", "fake_nvml_dir": "DIR",
     "nvml_pid": "PID", "omni_stages": "N",
-    "log_level": "LEVEL", "api_key": "KEY", "load_format": "{auto,dummy}",
+    "log_level": "LEVEL", "vllm_version": "VERSION", "api_key": "KEY",
+    "load_format": "{auto,dummy}",
 }
 
 _DESCRIPTION = """\
