@@ -60,13 +60,14 @@ OTHER_REASON = "other"
 """The failure label of an error no reason below names (its text stays in the Lease's
 ``last_error`` and the log)."""
 PROBE_REASONS = frozenset({"wrong_content", "no_done", "no_usage", "stream_error", "timeout",
-                           "http_error", "unreachable"})
+                           "http_error", "unreachable", "unsupported_engine"})
 """The values of :class:`controller.lease.engines.probe.ProbeReason` (a test keeps them equal;
 this module imports no process)."""
 SWITCH_FAILURE_REASONS = frozenset({
     # The engine errors (controller.lease.engines.errors).
     "unreachable", "timeout", "rejected", "gpu_oom", "host_oom", "unauthorized", "ack_error",
     "engine_dead", "state_unknown", "lied", "bad_response", "engine_error",
+    "unsupported_engine",
     # The correctness probe (controller.lease.engines.probe; a probe with no reason is "failed").
     *(f"probe_{reason}" for reason in PROBE_REASONS), "probe_failed",
     # The NVML check before a wake (controller.lease.device; inspect_failed: the read failed).

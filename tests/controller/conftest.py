@@ -19,6 +19,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from controller.lease.engines.base import EngineEndpoint
+from controller.lease.engines.dialect import forget_all
 from e2e.engine_simulator import Settings, create_app
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.keys import ENGINE_KEY
@@ -105,3 +106,9 @@ async def engine_sim_factory() -> AsyncIterator[EngineSimFactory]:
 async def engine_sim(engine_sim_factory: EngineSimFactory) -> EngineSim:
     return await engine_sim_factory()
 
+
+
+@pytest.fixture(autouse=True)
+def _engine_releases_forgotten() -> None:
+    """Adapters remember each engine's release by address; tests reuse ports."""
+    forget_all()

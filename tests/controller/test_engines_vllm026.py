@@ -25,6 +25,7 @@ from controller.lease.engines import (
     EngineProtocolError,
     EngineRejected,
     EngineStateUnknown,
+    EngineUnsupported,
     ProbeReason,
     SleepStateKind,
     Timeouts,
@@ -147,7 +148,11 @@ async def scripted() -> AsyncIterator[Scripted]:
         await response.write_eof()
         return response
 
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.26.0"})  # every vLLM serves it
+
     app = web.Application(middlewares=[record])
+    app.router.add_get("/version", version)
     app.router.add_post("/sleep", sleep)
     app.router.add_post("/wake_up", wake_up)
     app.router.add_get("/is_sleeping", is_sleeping)
@@ -521,10 +526,9 @@ async def test_an_engine_without_dev_mode_is_told_apart(
     """vLLM and vLLM-Omni serve /sleep, /is_sleeping, /reset_prefix_cache... only with
     VLLM_SERVER_DEV_MODE=1; without it every call is a bare 404."""
     sim = await engine_sim_factory(dev_mode=False)
-    with pytest.raises(EngineRejected) as caught:
+    with pytest.raises(EngineUnsupported) as unsupported:  # its route table says so
         await vllm(sim, engine_session).sleep(1)
-    assert caught.value.status == 404
-    assert "VLLM_SERVER_DEV_MODE=1" in str(caught.value)
+    assert "VLLM_SERVER_DEV_MODE=1" in str(unsupported.value)
     omni = await engine_sim_factory(dev_mode=False, omni=True, omni_stages=1)
     adapter = VllmOmniAdapter(omni.endpoint(), engine_session, Timeouts(), stage_ids=[0])
     with pytest.raises(EngineRejected) as confirm:  # /v1/omni/sleep works, /is_sleeping not

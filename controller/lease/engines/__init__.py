@@ -30,6 +30,7 @@ from controller.lease.engines.errors import (
     EngineStateUnknown,
     EngineTimeout,
     EngineUnreachable,
+    EngineUnsupported,
     ProbeFailed,
 )
 from controller.lease.engines.http import HttpAdapter
@@ -50,6 +51,7 @@ __all__ = [
     "EngineStateUnknown",
     "EngineTimeout",
     "EngineUnreachable",
+    "EngineUnsupported",
     "HttpAdapter",
     "ProbeFailed",
     "ProbeMode",

@@ -52,8 +52,9 @@ from controller.lease.engines.errors import (
     EngineStateUnknown,
     EngineTimeout,
     EngineUnreachable,
+    EngineUnsupported,
 )
-from controller.lease.engines.probe import ProbeResult, run_probe
+from controller.lease.engines.probe import ProbeMode, ProbeReason, ProbeResult, run_probe
 from controller.lease.engines.prom import label_values_at_one, sum_samples
 from controller.lease.engines.transport import Answer, EngineHttp
 from driver.aio import both
@@ -191,8 +192,27 @@ class HttpEngineAdapter:
         return True
 
     async def probe(self) -> ProbeResult:
+        """The correctness request, after :meth:`preflight` (the claim's first probe finds
+        an engine rota cannot drive, before any switch depends on it)."""
+        began = time.monotonic()
+        try:
+            await self.preflight()
+        except EngineUnsupported as exc:
+            log.error("engine not supported", extra=self.endpoint.log_fields() | {
+                "reason": exc.reason, "error": str(exc)})
+            return ProbeResult(ok=False, mode=ProbeMode(self.probe_config.mode),
+                               reason=ProbeReason.UNSUPPORTED_ENGINE, content="", ttft_s=None,
+                               total_s=time.monotonic() - began, usage=None, detail=str(exc))
+        except EngineError as exc:
+            # unreadable now: the probe below says what is wrong; read again next time
+            log.warning("engine release not read", extra=self.endpoint.log_fields() | {
+                "reason": exc.reason, "error": str(exc)})
         return await run_probe(self._http.session, self.endpoint, self.timeouts,
                                config=self.probe_config)
+
+    async def preflight(self) -> None:
+        """Check that this engine is one this adapter can drive (subclasses: its release
+        and its routes); raises :class:`EngineUnsupported` when not."""
 
     async def sleep_state(self, unfinished: UnfinishedWake | None = None) -> SleepState:
         """See :meth:`~controller.lease.engines.base.EngineAdapter.sleep_state`."""

@@ -27,10 +27,13 @@ as a Prometheus label value as is. The reasons, all distinct:
                      ``/sleep?mode=wait`` registered and fires it when the engine idles).
 ``lied``             :class:`EngineLied`: a 200 answer, then ``/is_sleeping`` contradicts it.
 ``bad_response``     :class:`EngineProtocolError`: a 2xx answer that cannot be parsed.
+``unsupported_engine`` :class:`EngineUnsupported`: the engine's release is outside the range
+                     rota supports, or it does not serve a route the adapter needs (vLLM
+                     without ``VLLM_SERVER_DEV_MODE=1``); found at the claim's first probe.
 ``probe_<reason>``   :class:`ProbeFailed`: the correctness probe failed; ``<reason>`` is one
                      of :class:`~controller.lease.engines.probe.ProbeReason` (``wrong_content``,
                      ``no_done``, ``no_usage``, ``stream_error``, ``timeout``,
-                     ``http_error``, ``unreachable``).
+                     ``http_error``, ``unreachable``, ``unsupported_engine``).
 ===================  ====================================================================
 
 Bodies quoted in errors are cut to :data:`MAX_BODY_CHARS` characters so that a large or
@@ -62,6 +65,7 @@ __all__ = [
     "EngineStateUnknown",
     "EngineTimeout",
     "EngineUnreachable",
+    "EngineUnsupported",
     "ProbeFailed",
     "error_message",
     "is_engine_dead",
@@ -249,3 +253,11 @@ class ProbeFailed(EngineError):
         super().__init__(message, step="probe")
         self.probe_reason = probe_reason
         self.reason = f"probe_{probe_reason}"
+
+
+class EngineUnsupported(EngineError):
+    """The engine is a release (or a configuration) rota cannot drive: its version is
+    outside the supported range, or it lacks a route the adapter calls. Nothing was sent
+    that changes the engine; only a change of the engine's image or flags helps."""
+
+    reason = "unsupported_engine"

@@ -95,6 +95,9 @@ class ProbeReason(enum.StrEnum):
     TIMEOUT = "timeout"
     HTTP_ERROR = "http_error"
     UNREACHABLE = "unreachable"
+    UNSUPPORTED_ENGINE = "unsupported_engine"
+    """The engine's release or configuration is one rota cannot drive (found before any
+    generation is sent: see :mod:`controller.lease.engines.dialect`)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,11 @@
-"""The adapter for vLLM's OpenAI server with sleep mode, on vLLM 0.26's exact wire behaviour.
+"""The adapter for vLLM's OpenAI server with sleep mode, vLLM 0.26 through 0.34.
+
+It reads the engine's release first (:mod:`.dialect`) and speaks that release's surface:
+0.32 on answer ``/sleep`` with ``{"status": "sleeping", "level": N}`` and ``/wake_up`` with
+``{"status": "awake"|"sleeping", ...}``, checked here (``sleeping`` after the wake call that
+should have woken the last tag is a partial wake: not awake); an engine whose ``/sleep`` no
+longer handles running requests (RFC #51476) is paused with ``mode=wait`` first and
+resumed after its wake. Below, 0.26's wire behaviour, which every release keeps.
 
 vLLM serves its sleep controls only with ``VLLM_SERVER_DEV_MODE=1`` (and sleep needs
 ``--enable-sleep-mode``). These routes are **never authenticated** by vLLM, ``--api-key``
@@ -34,16 +41,22 @@ adapter sends is checked by the guard alone. Its traps, and what this adapter do
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
-from controller.lease.engines.base import SleepOutcome, check_level
+from controller.lease.engines.base import SleepOutcome, WakeOutcome, check_level
 from controller.lease.engines.common import ALL_TAGS, HttpEngineAdapter, Step
-from controller.lease.engines.errors import EngineProtocolError, EngineRejected
+from controller.lease.engines.dialect import Dialect, check_calls, detect
+from controller.lease.engines.errors import (
+    EngineProtocolError,
+    EngineRejected,
+)
 from controller.lease.engines.transport import Answer
 
-__all__ = ["LEVEL1_WAKE", "LEVEL2_WAKE", "VllmAdapter", "check_rpc_answer"]
+__all__ = ["LEVEL1_WAKE", "LEVEL2_WAKE", "VllmAdapter", "calls", "check_rpc_answer"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +73,48 @@ LEVEL2_WAKE: tuple[Step, ...] = (
     Step("wake_up_kv_cache", "/wake_up", params=(("tags", "kv_cache"),), wakes=("kv_cache",)),
 )
 """Level 2: map the weights, load them from disk, drop stale hashes, map the KV cache."""
+FULL_WAKES = frozenset({"wake_up", "wake_up_kv_cache"})
+"""The wake calls after which every tag must be awake (0.32 on say so in ``status``)."""
+PAUSE = Step("pause", "/pause", params=(("mode", "wait"),))
+"""Before a sleep that does not handle requests itself: finish the running ones, hold new
+ones (``wait``, never ``abort``)."""
+RESUME = Step("resume", "/resume")
+
+
+class _SleepAnswer(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    status: Literal["sleeping"]
+    level: StrictInt
+
+
+class _WakeAnswer(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    status: Literal["awake", "sleeping"]
+
+
+def _wake_steps(level: int, dialect: Dialect) -> tuple[Step, ...]:
+    steps = LEVEL1_WAKE if check_level(level) == 1 else LEVEL2_WAKE
+    return steps if dialect.sleep_handles_requests else (*steps, RESUME)
+
+
+def _sleep_step(level: int, dialect: Dialect) -> Step:
+    params: tuple[tuple[str, str], ...] = (("level", str(level)),)
+    if dialect.sleep_handles_requests:
+        params += (("mode", "wait"),)
+    return Step("sleep", "/sleep", params=params)
+
+
+def calls(dialect: Dialect, levels: tuple[int, ...] = (1, 2)) -> frozenset[tuple[str, str]]:
+    """Every (method, path) the adapter calls on an engine of ``dialect``."""
+    found = {("GET", "/version"), ("GET", "/is_sleeping"), ("GET", "/health"),
+             ("POST", "/sleep")}
+    if not dialect.sleep_handles_requests:
+        found.add(("POST", PAUSE.path))  # required: without it no sleep would be safe
+    for level in levels:
+        found |= {("POST", step.path) for step in _wake_steps(level, dialect)}
+    return frozenset(found)
 
 
 class _RpcResults(BaseModel):
@@ -102,24 +157,82 @@ def check_reset_answer(step: str, answer: Answer) -> None:
                              step=step, status=answer.status, body=answer.body)
 
 
+def check_sleep_answer(answer: Answer, level: int) -> None:
+    """0.32 on: ``{"status": "sleeping", "level": N}`` with the level asked for."""
+    try:
+        said = _SleepAnswer.model_validate(answer.json("sleep"))
+    except ValidationError as exc:
+        raise EngineProtocolError('sleep: the answer is not {"status": "sleeping", "level": N}',
+                                  step="sleep", body=answer.body) from exc
+    if said.level != level:
+        raise EngineProtocolError(f"sleep: asked for level {level}, the engine slept at "
+                                  f"level {said.level}", step="sleep", body=answer.body)
+
+
+def check_wake_answer(step: str, answer: Answer, *, full: bool) -> None:
+    """0.32 on: ``{"status": "awake"|"sleeping"}``; ``sleeping`` after the call that should
+    have woken every tag is a partial wake, which fails the step (not awake)."""
+    try:
+        said = _WakeAnswer.model_validate(answer.json(step))
+    except ValidationError as exc:
+        raise EngineProtocolError(f'{step}: the answer is not {{"status": "awake"|"sleeping"}}',
+                                  step=step, body=answer.body) from exc
+    if full and said.status != "awake":
+        raise EngineRejected(f"{step}: the engine says it is still sleeping (some memory "
+                             "tags were not woken): a partial wake is not awake",
+                             step=step, status=answer.status, body=answer.body)
+
+
 class VllmAdapter(HttpEngineAdapter):
-    """Drives a vLLM engine (levels 1 and 2)."""
+    """Drives a vLLM engine (levels 1 and 2) of any supported release."""
+
+    _dialect: Dialect | None = None
+
+    async def dialect(self) -> Dialect:
+        """The engine's dialect, checked against the calls this adapter makes."""
+        if self._dialect is None:
+            dialect = await detect(self._http)
+            check_calls(dialect, calls(dialect), self.endpoint)
+            self._dialect = dialect
+        return self._dialect
+
+    async def preflight(self) -> None:
+        await self.dialect()
 
     async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
         check_level(level)
-        step = Step("sleep", "/sleep", params=(("level", str(level)), ("mode", "wait")))
-        sleep_s, _ = await self._sleep_call(step, budget_s=self.timeouts.sleep_s)
+        dialect = await self.dialect()
+        began = time.monotonic()
+        if not dialect.sleep_handles_requests:
+            # RFC #51476: /sleep is a pure memory step; running requests finish first
+            await self._sleep_call(PAUSE, budget_s=self.timeouts.sleep_s)
+        step = _sleep_step(level, dialect)
+        budget_s = self.timeouts.sleep_s - (time.monotonic() - began)
+        sleep_s, answer = await self._sleep_call(step, budget_s=budget_s)
+        if dialect.sleep_answers_json:
+            check_sleep_answer(answer, level)
         if confirm:
             await self.confirm_asleep(level)
         log.info("engine asleep", extra=self.endpoint.log_fields() | {
-            "sleep_level": level, "seconds": round(sleep_s, 6), "confirmed": confirm})
+            "sleep_level": level, "seconds": round(sleep_s, 6), "confirmed": confirm,
+            "vllm_version": dialect.version})
         return SleepOutcome(level=level, sleep_s=sleep_s)
 
     def _wake_steps(self, level: int) -> Sequence[Step]:
-        return LEVEL1_WAKE if check_level(level) == 1 else LEVEL2_WAKE
+        if self._dialect is None:
+            return LEVEL1_WAKE if check_level(level) == 1 else LEVEL2_WAKE
+        return _wake_steps(level, self._dialect)
+
+    async def _wake_from(self, level: int, start: int, *, confirm: bool = True
+                         ) -> WakeOutcome:
+        await self.dialect()
+        return await super()._wake_from(level, start, confirm=confirm)
 
     def _check_answer(self, step: Step, answer: Answer) -> None:
         if step.name == RELOAD_WEIGHTS:
             check_rpc_answer(step.name, answer)
         elif step.name == RESET_PREFIX_CACHE:
             check_reset_answer(step.name, answer)
+        elif step.path == "/wake_up" and self._dialect is not None \
+                and self._dialect.wake_answers_status:
+            check_wake_answer(step.name, answer, full=step.name in FULL_WAKES)

@@ -43,6 +43,7 @@ from controller.lease.engines.base import (
     check_level,
 )
 from controller.lease.engines.common import ALL_TAGS, HttpEngineAdapter, Step
+from controller.lease.engines.dialect import detect
 from controller.lease.engines.errors import (
     EngineProtocolError,
     EngineRejected,
@@ -167,6 +168,10 @@ class VllmOmniAdapter(HttpEngineAdapter):
         self._wakeup = Step("omni_wakeup", "/v1/omni/wakeup",
                             json_body={"stage_ids": list(chosen)}, wakes=ALL_TAGS)
         self._reset = Step(RESET_PREFIX_CACHE, "/reset_prefix_cache")
+
+    async def preflight(self) -> None:
+        """The vLLM under vLLM-Omni must be a release rota supports (:mod:`.dialect`)."""
+        await detect(self._http, "vllm-omni")
 
     async def drain(self, *, deadline: float) -> bool:
         """Wait until the engine's gauges say no request runs or waits; True when drained,
