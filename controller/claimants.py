@@ -65,6 +65,10 @@ class Claimant:
     resident_on_gpu: tuple[tuple[str, int], ...] = ()
     """Every physical GPU the claim holds on its node with its resident footprint there,
     in GPU order; empty means the one GPU of :attr:`device` at :attr:`resident_bytes`."""
+    restarts: int = 0
+    """How often the containers of its pod restarted (the sum of their ``restartCount``):
+    with :attr:`pod_uid`, which run of the engine's container this is. A start gate is
+    granted once per run (:mod:`controller.lease.gpu`)."""
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -115,6 +119,12 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
         if condition.get("type") == "Ready":
             return bool(condition.get("status") == "True")
     return False
+
+
+def _restarts(pod: Mapping[str, Any]) -> int:
+    """The sum of the restart counts of the pod's containers (0 before any status)."""
+    statuses = (pod.get("status", {}) or {}).get("containerStatuses") or []
+    return sum(int(s.get("restartCount") or 0) for s in statuses)
 
 
 def _override(config: EngineConfig, pod: Mapping[str, Any] | None) -> tuple[str, int, int]:
@@ -257,5 +267,6 @@ def claimants_from(claims: Iterable[Mapping[str, Any]],
             pod_ready=_pod_ready(pod or {}),
             pod_deleting=bool(pod_meta.get("deletionTimestamp")),
             resident_on_gpu=tuple(sorted(on_gpu.items(), key=lambda kv: gpu_order(kv[0]))),
+            restarts=_restarts(pod or {}),
         ))
     return sorted(found, key=lambda c: (c.node, c.device, c.namespace, c.claim_name))

@@ -32,6 +32,20 @@ def parse_micro_time(value: str | None) -> dt.datetime | None:
         return None
 
 
+def _start_granted(value: str) -> tuple[str, dt.datetime | None]:
+    """The claim uid and time of :data:`naming.START_GRANTED` (("", None) when absent or
+    malformed)."""
+    uid, _, moment = value.partition(" ")
+    at = parse_micro_time(moment)
+    return (uid, at) if uid and at is not None else ("", None)
+
+
+def _render_start(lease: GpuLease) -> str:
+    if not lease.start_claim_uid or lease.start_granted is None:
+        return ""
+    return f"{lease.start_claim_uid} {micro_time(lease.start_granted)}"
+
+
 def _state(value: str) -> naming.LeaseState:
     """The state a Lease carries: none is ``idle``; one this reader does not know (a newer
     writer's) is read as ``switching``, the state whose finder reconciles before anything
@@ -63,6 +77,11 @@ class GpuLease:
     gpu_uuid: str = ""
     gang: str = ""
     """:data:`naming.GANG`: the holder's (or the target's) GPUs when it spans several."""
+    start_claim_uid: str = ""
+    """:data:`naming.START_GRANTED`: the newcomer whose start gate was given its go ("":
+    no start granted and unsettled)."""
+    start_granted: dt.datetime | None = None
+    """When that go was given (the start's limit runs from here)."""
     renewed: dt.datetime | None = None
     resource_version: str | None = None
     extra_annotations: dict[str, str] = field(default_factory=dict)
@@ -79,6 +98,7 @@ class GpuLease:
         # Written by controllers before 0.2 (traffic never follows a Lease): dropped, so
         # the next write removes it.
         annotations.pop(naming.HOLDER_ENDPOINT, None)
+        start_uid, start_at = _start_granted(pop(naming.START_GRANTED))
         return cls(
             name=meta["name"], node=str(labels.get(naming.LABEL_NODE, "")),
             device=str(labels.get(naming.LABEL_DEVICE, "")),
@@ -89,7 +109,7 @@ class GpuLease:
             target_model=pop(naming.TARGET_MODEL),
             draining_model=pop(naming.DRAINING_MODEL), last_error=pop(naming.LAST_ERROR),
             controller=pop(naming.ACTING_CONTROLLER), gpu_uuid=pop(naming.GPU_UUID),
-            gang=pop(naming.GANG),
+            gang=pop(naming.GANG), start_claim_uid=start_uid, start_granted=start_at,
             renewed=parse_micro_time(spec.get("renewTime")),
             resource_version=meta.get("resourceVersion"), extra_annotations=annotations,
         )
@@ -110,7 +130,15 @@ class GpuLease:
             raise ValueError(f"a switch opens as switching or starting, not {state}")
         return replace(self, state=state, fence=self.fence + 1, controller=controller,
                        target_model=target_model, draining_model=draining_model,
-                       gang=self.gang if gang is None else gang, last_error="")
+                       gang=self.gang if gang is None else gang, last_error="",
+                       start_claim_uid="", start_granted=None)
+
+    def granted(self, claim_uid: str, at: dt.datetime) -> GpuLease:
+        """The start gate of ``claim_uid`` is given its go at ``at`` (state unchanged):
+        written before the go is handed over, so that whoever takes over knows an engine
+        may be coming up. Also how reconciliation keeps a start that is not settled yet
+        on the Lease it writes."""
+        return replace(self, start_claim_uid=claim_uid, start_granted=at)
 
     def new_term(self, controller: str) -> GpuLease:
         """This controller takes over the GPU: a new fencing number, nothing else."""
@@ -122,13 +150,14 @@ class GpuLease:
         return replace(self, state=naming.LeaseState.AWAKE, holder=holder,
                        holder_model=model, holder_claim_uid=claim_uid, gang=gang,
                        target_model="", draining_model="", last_error=last_error,
+                       start_claim_uid="", start_granted=None,
                        controller=self.controller if controller is None else controller)
 
     def idle(self, *, controller: str | None = None, last_error: str = "") -> GpuLease:
         """Nobody is awake and nothing is under way (``idle``)."""
         return replace(self, state=naming.LeaseState.IDLE, holder="", holder_model="",
                        holder_claim_uid="", gang="", target_model="", draining_model="",
-                       last_error=last_error,
+                       last_error=last_error, start_claim_uid="", start_granted=None,
                        controller=self.controller if controller is None else controller)
 
     def failed(self, last_error: str) -> GpuLease:
@@ -136,7 +165,7 @@ class GpuLease:
         named, so that readers can tell which model did not come up."""
         return replace(self, state=naming.LeaseState.FAILED, holder="", holder_model="",
                        holder_claim_uid="", gang="", draining_model="",
-                       last_error=last_error)
+                       last_error=last_error, start_claim_uid="", start_granted=None)
 
     @property
     def gang_gpus(self) -> tuple[str, ...]:
@@ -153,7 +182,8 @@ def lease_body(lease: GpuLease, namespace: str, *, labels_node: str, labels_devi
                        (naming.DRAINING_MODEL, lease.draining_model),
                        (naming.LAST_ERROR, lease.last_error[:1024]),
                        (naming.ACTING_CONTROLLER, lease.controller),
-                       (naming.GPU_UUID, lease.gpu_uuid), (naming.GANG, lease.gang)):
+                       (naming.GPU_UUID, lease.gpu_uuid), (naming.GANG, lease.gang),
+                       (naming.START_GRANTED, _render_start(lease))):
         if value:
             annotations[key] = value
     metadata: dict[str, Any] = {

@@ -73,6 +73,13 @@ GANG = f"{DOMAIN}/gang"
 """GPU Lease annotation: the GPUs of the holder (or of the switch's target) when it holds
 more than one, comma-separated in GPU order (``gpu-0,gpu-1``): a tensor-parallel engine is
 awake only while every one of those GPU Leases names it. Absent for a one-GPU holder."""
+START_GRANTED = f"{DOMAIN}/start-granted"
+"""GPU Lease annotation: ``<claim uid> <MicroTime>``, the newcomer whose start gate was
+given its go, and when; written (compare-and-swap) before the go is handed over, and kept
+until that start is settled. An instance that takes over after a grant knows from it that
+an engine may be coming up (a real vLLM spends seconds importing before it holds GPU
+memory or answers), and wakes nobody beside it until it answers, its container asks the
+start gate again, or the start's limit has passed."""
 
 class LeaseState(StrEnum):
     """The :data:`STATE` annotation of a GPU Lease."""

@@ -28,6 +28,7 @@ crashed never comes up awake beside the holder.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -137,7 +138,7 @@ class StartSwitch:
                                          starting=True)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
-            await self.grant(sw, newcomer, ticket, fence, timings)
+            lease = await self.grant_recorded(sw, lease, newcomer, ticket, timings)
         except Fenced:
             ticket.refuse()
             raise
@@ -191,8 +192,24 @@ class StartSwitch:
     async def grant(self, sw: Switcher, newcomer: Claimant, ticket: StartTicket, fence: int,
                     timings: dict[str, float]) -> None:
         """Hand the gate its go, under ``sw``'s fencing check (the grant is an engine call
-        too); raises :class:`SwitchFailed` when the gate does not come back for it."""
+        too); raises :class:`SwitchFailed` when the gate does not come back for it. (A
+        gang start's; a one-GPU start records its go first, :meth:`grant_recorded`.)"""
         await sw.fenced_engine(newcomer, fence, timings)
+        await self._hand_over(newcomer, ticket)
+
+    async def grant_recorded(self, sw: Switcher, lease: GpuLease, newcomer: Claimant,
+                             ticket: StartTicket, timings: dict[str, float]) -> GpuLease:
+        """:meth:`grant`, the go first recorded on the Lease (:meth:`GpuLease.granted`) by
+        a compare-and-swap write, which is the fencing check: an instance that takes over
+        after this point learns that an engine may be coming up, and wakes nobody beside
+        it until the engine is known (see :mod:`controller.lease.gpu`). Returns the Lease
+        as written."""
+        lease = await sw.write(lease.granted(newcomer.claim_uid, dt.datetime.now(dt.UTC)),
+                               timings)
+        await self._hand_over(newcomer, ticket)
+        return lease
+
+    async def _hand_over(self, newcomer: Claimant, ticket: StartTicket) -> None:
         if not await ticket.grant(self.limits.grant_s):
             raise SwitchFailed("start_not_taken", f"the start gate of {newcomer.ref} did not "
                                f"come back for its grant within {self.limits.grant_s:.0f} s")
@@ -236,8 +253,13 @@ class StartSwitch:
             except Fenced:
                 raise
             except SleepUnknown as unknown:
-                return await sw.fail(lease, reason, f"{message}; {unknown}", restored=None,
-                                     timings=timings, unsettled=(current,))
+                # Unreachable and no process on the GPU: not running, so neither awake nor
+                # able to fire a sleep later (the switch's back-out decides it the same way).
+                if not await sw.unreachable_and_gone(unknown, timings):
+                    return await sw.fail(lease, reason, f"{message}; {unknown}",
+                                         restored=None, timings=timings, unsettled=(current,))
+                log.info("the failed newcomer is gone (no process on the GPU)",
+                         extra={"claim": newcomer.ref, "device": lease.device})
             except Exception as sleep_exc:
                 log.info("the failed newcomer does not take a sleep; waiting for its "
                          "memory to go", extra={"claim": newcomer.ref, "error": str(sleep_exc)})

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from controller.api import naming
@@ -38,7 +39,7 @@ from controller.api.gpu_lease import GpuLease, lease_body
 from controller.claimants import Claimant
 from controller.lease import metrics, tenants
 from controller.lease import policy as switch_policy
-from controller.lease.admission import StartSwitch, StartTicket
+from controller.lease.admission import StartLimits, StartSwitch, StartTicket
 from controller.lease.engines.base import EngineAdapter
 from controller.lease.engines.errors import EngineError
 from controller.lease.gang import (
@@ -82,10 +83,29 @@ def _failed_step_backoff() -> Backoff:
     return Backoff(first_s=0.2, max_s=10.0)
 
 
-def _failed_start_backoff() -> Backoff:
-    """After a failed start, the claim's next start waits this long (growing): a
-    crash-looping engine must not keep the holder asleep; it serves its waiters between."""
+def _start_backoff() -> Backoff:
+    """After each start of a claim, failed or not, its next start waits this long
+    (growing, jittered): a crash-looping engine, or a tenant that restarts its container
+    again and again, must not keep the holder asleep; the holder serves its waiters
+    between. Starts over after :data:`START_QUIET_S` without a start."""
     return Backoff(first_s=5.0, max_s=300.0)
+
+
+START_QUIET_S = 600.0
+"""A claim with no start for this long (after its back-off allowed one) starts its
+back-off over."""
+
+
+def _run_of(claimant: Claimant) -> tuple[str | None, int]:
+    """Which run of the claimant's container this is: its pod and the restarts of the
+    pod's containers. A start gate is granted once per run: the gate asks again only
+    when its container (re)starts, so a question from a run whose engine came up is not
+    an engine starting (it is a tenant asking with its own token)."""
+    return claimant.pod_uid, claimant.restarts
+
+
+def _utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
 
 
 @dataclass(frozen=True)
@@ -203,7 +223,10 @@ class GpuWorker:
         self.starter = starter
         self._starts: dict[str, StartTicket] = {}
         self._start_backoff: dict[str, tuple[float, Backoff]] = {}
-        """Claims whose last start failed: not before this time, and their pauses."""
+        """Claims started before: their next start not before this time, and its pauses."""
+        self._started: dict[str, tuple[str | None, int]] = {}
+        """The run (:func:`_run_of`) of each claim's container whose engine came up in a
+        start: its gate is not granted again in that run."""
         self.claimants = claimants
         self.engine = engine
         self.policy = policy
@@ -353,6 +376,11 @@ class GpuWorker:
         if ticket is None:
             ticket = StartTicket(claimant.claim_uid, created=now, last_poll=now)
             self._starts[claimant.claim_uid] = ticket
+            if not self._really_starting(claimant.claim_uid):
+                log.warning("a start gate asks again in the run of its container whose "
+                            "engine came up; held until its container restarts", extra={
+                                "device": self.gpu, "claim": claimant.ref,
+                                "restarts": claimant.restarts})
             log.info("engine waiting at the start gate", extra={
                 "device": self.gpu, "claim": claimant.ref, "model": claimant.model})
             if self.visibility is not None:
@@ -478,8 +506,7 @@ class GpuWorker:
     # -- reconciliation --------------------------------------------------------------------
 
     async def _sleeping(self, claimant: Claimant) -> bool | None:
-        ticket = self._starts.get(claimant.claim_uid)
-        if ticket is not None and not ticket.granted:
+        if self._at_gate(claimant.claim_uid):
             return None  # held at its start gate: no engine runs yet
         try:
             return await self.engine(claimant).is_sleeping()
@@ -513,8 +540,11 @@ class GpuWorker:
                                       resident_bytes=c.resident_on(self.gpu),
                                       tolerance_bytes=self.policy.tolerance_bytes)
                 for c, answer in zip(on_gpu, answers, strict=True)}
+        coming = self._coming_up(lease, on_gpu, answers)
         suspects = {c.claim_uid for c in on_gpu if unfinished and c.model and c.model in (
             lease.target_model, lease.draining_model)} | set(self.unsettled)
+        if coming is not None:
+            suspects.add(coming.claim_uid)
         decision = plan(on_gpu, seen, lease.holder, suspects=suspects,
                         may_not_keep=await self._gangs_held_elsewhere(on_gpu))
         asleep_holding = (decision.keep is not None and decision.keep.ref == lease.holder
@@ -534,17 +564,24 @@ class GpuWorker:
         keep = decision.keep
         if keep is not None and asleep_holding:
             seen[keep.claim_uid] = await self._wake_back(keep, lease.fence, on_gpu, seen)
-        # A suspect stays unsettled until a sleep of ours completed (it is then ASLEEP).
+        # A suspect stays unsettled until a sleep of ours completed (it is then ASLEEP);
+        # an engine granted a start that may still come up, until it is known.
         self.unsettled = {c.claim_uid: c for c in on_gpu if c is not keep and (
-            seen[c.claim_uid] is Seen.UNKNOWN
+            seen[c.claim_uid] is Seen.UNKNOWN or c is coming
             or (c.claim_uid in suspects and c not in decision.put_to_sleep
                 and seen[c.claim_uid] is not Seen.ABSENT))}
         wanted = (keep.ref if keep else "", naming.STATE_AWAKE if keep else naming.STATE_IDLE)
-        if (lease.holder, lease.state) != wanted or unfinished:
+        start = ((lease.start_claim_uid, lease.start_granted) if coming is not None
+                 else ("", None))
+        if ((lease.holder, lease.state) != wanted or unfinished
+                or (lease.start_claim_uid, lease.start_granted) != start):
             if keep:
                 lease = Switcher.serving(lease, keep, controller=self.identity)
             else:
                 lease = lease.idle(controller=self.identity)
+            if coming is not None and start[1] is not None:
+                # Kept on the Lease until it is known: a next instance must know it too.
+                lease = lease.granted(start[0], start[1])
             lease = await self.switcher.write(lease, timings)
             log.info("lease reconciled", extra={"device": self.gpu, "holder": wanted[0],
                                                 "state": wanted[1], "fence": lease.fence})
@@ -561,6 +598,40 @@ class GpuWorker:
         else:
             self._unsettled_pauses = _unsettled_backoff()
             self._next_reconcile = self.clock() + self.policy.resync_s
+
+    def _start_limit_s(self) -> float:
+        """How long after its grant a start may still bring its engine up: the grant's
+        wait for the gate's poll and the start's own limit."""
+        limits = self.starter.limits if self.starter is not None else StartLimits()
+        return limits.grant_s + limits.start_s
+
+    def _coming_up(self, lease: GpuLease, on_gpu: list[Claimant],
+                   answers: Sequence[bool | None]) -> Claimant | None:
+        """The engine whose start gate the Lease says was given its go, if it may still
+        come up awake (as every engine starts) beside whoever is woken next: it does not
+        answer yet (a real vLLM imports for seconds before it holds GPU memory or
+        listens), its container does not ask its start gate again (a restart: nothing of
+        it runs), and the start's limit since the grant has not passed. An instance that
+        takes over after another one granted a start finds it so."""
+        uid, granted = lease.start_claim_uid, lease.start_granted
+        if not uid or granted is None:
+            return None
+        newcomer = next((c for c in on_gpu if c.claim_uid == uid), None)
+        if newcomer is None or answers[on_gpu.index(newcomer)] is not None:
+            return None
+        if self._at_gate(uid):
+            return None
+        if _utc_now() >= granted + dt.timedelta(seconds=self._start_limit_s()):
+            log.warning("a start granted earlier did not come up within its limit; its "
+                        "engine is judged by what the GPU shows", extra={
+                            "device": self.gpu, "claim": newcomer.ref,
+                            "granted": granted.isoformat()})
+            return None
+        log.warning("an engine granted a start may still come up; no wake on this GPU "
+                    "until it answers, its container restarts or its start's limit passes",
+                    extra={"device": self.gpu, "claim": newcomer.ref,
+                           "granted": granted.isoformat()})
+        return newcomer
 
     async def _wake_back(self, holder: Claimant, fence: int, on_gpu: list[Claimant],
                          seen: dict[str, Seen]) -> Seen:
@@ -621,13 +692,31 @@ class GpuWorker:
     def _start_allowed_at(self, uid: str) -> float:
         return self._start_backoff[uid][0] if uid in self._start_backoff else 0.0
 
+    def _really_starting(self, uid: str) -> bool:
+        """Whether the claim's container is in a run (:func:`_run_of`) whose engine has not
+        come up in a start yet: only then does its gate's question mean an engine waits
+        to start (a gate asks once per run of its container)."""
+        claimant = next((c for c in self.claimants() if c.claim_uid == uid), None)
+        return claimant is None or self._started.get(uid) != _run_of(claimant)
+
+    def _at_gate(self, uid: str) -> bool:
+        """The claim's container waits at its start gate, asking this instance: no engine
+        of it runs."""
+        ticket = self._starts.get(uid)
+        return ticket is not None and not ticket.granted and self._really_starting(uid)
+
     def _start_ready(self) -> str | None:
-        """The first waiting start that its back-off lets through now."""
+        """The first waiting start of an engine really starting that its back-off lets
+        through now."""
         now = self.clock()
-        return next((uid for uid in self._starts if self._start_allowed_at(uid) <= now), None)
+        return next((uid for uid in self._starts if self._start_allowed_at(uid) <= now
+                     and self._really_starting(uid)), None)
 
     def _next_start(self) -> float:
-        return min((self._start_allowed_at(uid) for uid in self._starts), default=float("inf"))
+        """When the next waiting start may be served (a container that restarts changes
+        the claimants, which wakes the worker)."""
+        return min((self._start_allowed_at(uid) for uid in self._starts
+                    if self._really_starting(uid)), default=float("inf"))
 
     async def _serve_start(self) -> None:
         assert self.starter is not None
@@ -674,19 +763,28 @@ class GpuWorker:
                 ticket.refuse()
                 self._dirty = True
         self._switched(result, holder, newcomer, start=True)
-        self._start_done(newcomer, ok=result.ok, reason=result.reason)
+        self._start_done(newcomer, ok=result.ok, reason=result.reason,
+                         came_up="start" in result.timings)
 
-    def _start_done(self, newcomer: Claimant, *, ok: bool, reason: str) -> None:
+    def _start_done(self, newcomer: Claimant, *, ok: bool, reason: str, came_up: bool
+                    ) -> None:
+        """After a start of ``newcomer``: its run is not granted again once its engine
+        came up, and its next start waits (:func:`_start_backoff`), whatever the outcome:
+        a start puts the holder to sleep, and a successful one must not buy the next."""
         uid = newcomer.claim_uid
-        if ok:
-            self._start_backoff.pop(uid, None)
-            return
-        _, pauses = self._start_backoff.get(uid, (0.0, _failed_start_backoff()))
+        now = self.clock()
+        if came_up:
+            self._started[uid] = _run_of(newcomer)
+        allowed_at, pauses = self._start_backoff.get(uid, (now, _start_backoff()))
+        if now - allowed_at > START_QUIET_S:
+            pauses.reset()
         pause = pauses.next_delay()
-        self._start_backoff[uid] = (self.clock() + pause, pauses)
-        log.warning("start failed; its next attempt waits", extra={
-            "device": self.gpu, "claim": newcomer.ref, "reason": reason,
-            "pause_s": round(pause, 1)})
+        self._start_backoff[uid] = (now + pause, pauses)
+        log.log(logging.INFO if ok else logging.WARNING,
+                "start done; the claim's next start waits" if ok
+                else "start failed; its next attempt waits",
+                extra={"device": self.gpu, "claim": newcomer.ref, "reason": reason or None,
+                       "pause_s": round(pause, 1)})
 
     async def _serve_gang_start(self, ticket: StartTicket, newcomer: Claimant,
                                 holders: tuple[Claimant, ...]) -> None:
@@ -723,7 +821,7 @@ class GpuWorker:
             if result is None:
                 ticket.refuse()
         self._gang_switched(result, holders, newcomer, start=True)
-        self._start_done(newcomer, ok=result.ok, reason=result.reason)
+        self._start_done(newcomer, ok=result.ok, reason=result.reason, came_up=result.ok)
 
     # -- activations -----------------------------------------------------------------------
 
@@ -905,8 +1003,12 @@ class GpuWorker:
         holder_ref = lease.holder if lease is not None and lease.state == naming.STATE_AWAKE \
             else ""
         for uid, w in self._queue.items():
-            if uid not in serving or w.claimant.ref == holder_ref or self._dirty:
+            if uid not in serving or w.claimant.ref == holder_ref:
                 return uid  # answered at once (not serving, or already awake)
+        if self._dirty:
+            # News since the last reconciliation (a claimant changed while it ran): the
+            # loop reconciles first, then the policy decides. Never a switch without it.
+            return None
         holder = next((c for c in self._on_gpu() if c.ref == holder_ref), None)
         in_flight = 0
         if holder is not None:
@@ -935,6 +1037,8 @@ class GpuWorker:
         log.debug("switch policy holds", extra={"device": self.gpu, "rule": decision.rule,
                                                 "reason": decision.reason,
                                                 "wait_s": round(wait, 3)})
+        if self._dirty:  # marked while the holder's work was read: reconcile first
+            return None
         self._wakeup.clear()
         await wait_any(self._wakeup, stop, timeout_s=wait)
         return None

@@ -499,8 +499,7 @@ class Switcher:
         except Fenced:
             raise
         except SleepUnknown as unknown:
-            if not (isinstance(unknown.__cause__, EngineUnreachable)
-                    and await self.gone(target, timings)):
+            if not await self.unreachable_and_gone(unknown, timings):
                 return await self.fail(lease, reason, f"{message}; {unknown}", restored=None,
                                        timings=timings, unsettled=(target,))
             log.warning("the failed target is gone (no process on the GPU)",
@@ -511,6 +510,15 @@ class Switcher:
         # Never wake the old holder while the target's memory is not handed back: restore
         # reads the GPU first.
         return await self.restore(lease, holder, exc, timings, claimants)
+
+    async def unreachable_and_gone(self, unknown: SleepUnknown, timings: dict[str, float]
+                                   ) -> bool:
+        """True when a sleep's outcome is unknown only because its engine cannot be
+        reached and the GPU shows no process of it (:meth:`gone`): it is not running, so it
+        is not awake and no sleep of it can fire later; go on as if it slept. False: it
+        stays unsettled (a process that holds memory may be awake)."""
+        return (isinstance(unknown.__cause__, EngineUnreachable)
+                and await self.gone(unknown.claimant, timings))
 
     async def gone(self, claimant: Claimant, timings: dict[str, float],
                    within_s: float = GONE_S) -> bool:

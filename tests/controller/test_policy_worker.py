@@ -170,6 +170,8 @@ async def test_the_awake_holder_is_served_while_another_engine_is_in_an_unknown_
     assert answer.ok, answer.message
     assert not answer.switched
     assert node.switcher.switches == []
+    node.worker._dirty = False  # reconciled (a wake waits for that); b is still unknown
+    node.clock.now += 2.0  # a's callers sent nothing: a is idle, the policy lets c in
     blocked = node.ask(c)  # a wake beside the unknown engine is still refused
     await _settle()
     await node.worker._serve_next(asyncio.Event())
