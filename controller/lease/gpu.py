@@ -1005,10 +1005,6 @@ class GpuWorker:
         for uid, w in self._queue.items():
             if uid not in serving or w.claimant.ref == holder_ref:
                 return uid  # answered at once (not serving, or already awake)
-        if self._dirty:
-            # News since the last reconciliation (a claimant changed while it ran): the
-            # loop reconciles first, then the policy decides. Never a switch without it.
-            return None
         holder = next((c for c in self._on_gpu() if c.ref == holder_ref), None)
         in_flight = 0
         if holder is not None:
@@ -1037,7 +1033,7 @@ class GpuWorker:
         log.debug("switch policy holds", extra={"device": self.gpu, "rule": decision.rule,
                                                 "reason": decision.reason,
                                                 "wait_s": round(wait, 3)})
-        if self._dirty:  # marked while the holder's work was read: reconcile first
+        if self._dirty:  # news (a claimant changed): reconcile now, then decide again
             return None
         self._wakeup.clear()
         await wait_any(self._wakeup, stop, timeout_s=wait)

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from controller.api import naming
+from controller.api.gpu_lease import GpuLease, lease_body
 from e2e.engine_simulator import create_app
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.loopback import SimulatorServer
@@ -181,3 +182,20 @@ async def test_a_gate_asked_again_by_a_running_engine_puts_nobody_to_sleep(
         assert node.watch.violations == []
     finally:
         await node.close()
+
+
+def test_the_grant_survives_the_api_server_and_ends_with_its_start() -> None:
+    """The record of a grant is rendered and parsed back (what the next instance reads),
+    kept by a new term, and cleared by every transition that ends the start."""
+    at = dt.datetime(2026, 12, 6, 21, 0, 0, 123456, tzinfo=dt.UTC)
+    lease = GpuLease(name="l", node="n", device="gpu-0").granted("uid-b", at)
+    body = lease_body(lease, "ns", labels_node="n", labels_device="gpu-0")
+    parsed = GpuLease.from_object(body)
+    assert (parsed.start_claim_uid, parsed.start_granted) == ("uid-b", at)
+    assert naming.START_GRANTED not in parsed.extra_annotations
+    assert parsed.new_term("c2").start_claim_uid == "uid-b"
+    for ended in (parsed.idle(), parsed.failed("x"),
+                  parsed.serving(holder="ns/a", model="m", claim_uid="uid-a", gang=""),
+                  parsed.opening(naming.LeaseState.SWITCHING, controller="c",
+                                 target_model="m", draining_model="")):
+        assert (ended.start_claim_uid, ended.start_granted) == ("", None)
