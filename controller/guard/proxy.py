@@ -16,6 +16,17 @@ to the engine on loopback and its answer back, unbuffered.
   the engine routes on exactly the path the guard classified.
 - Credentials: the engine's API key (``Authorization``) is passed to the engine, which may
   check it too; rota's control token (``X-Rota-Control-Token``) never leaves the guard.
+- Fences: an accepted control call that carries ``X-Rota-Fence`` (the fencing numbers of
+  the GPU Leases the controller acts under, :func:`controller.api.engine_guard.parse_fences`)
+  raises the highest fence the guard remembers per Lease name; a control call whose fence
+  for a Lease is lower than that is refused (409) and never forwarded. This closes what the
+  controller's own fencing check cannot: an instance paused between reading its Lease and
+  calling the engine, whose call lands after a newer instance has taken the Lease and has
+  called this engine. A call without the header is not checked (the engine's own tooling, a
+  controller older than the header during an upgrade): only holders of the claim's control
+  token can send control calls at all, and a holder can already sleep and wake the engine
+  as it likes, so the header protects rota from its own stale calls, not from a tenant.
+  The memory lives as long as the guard: an engine that restarts starts awake anyway.
 """
 
 from __future__ import annotations
@@ -30,18 +41,25 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from controller.api.engine_guard import CONTROL_TOKEN_HEADER
+from controller.api.engine_guard import (
+    CONTROL_TOKEN_HEADER,
+    FENCE_HEADER,
+    FenceHeaderError,
+    parse_fences,
+)
 from controller.credentials import Credential, bearer
 from controller.guard.paths import Access, PathRefused, Target, classify, target
 from controller.guard.settings import GuardSettings
 
-__all__ = ["CREDENTIALS", "SESSION", "SETTINGS", "make_app"]
+__all__ = ["CREDENTIALS", "FENCES", "SESSION", "SETTINGS", "make_app"]
 
 log = logging.getLogger(__name__)
 
 SETTINGS = web.AppKey("settings", GuardSettings)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 CREDENTIALS = web.AppKey("credentials", dict[str, Credential | None])
+FENCES = web.AppKey("fences", dict[str, int])
+"""GPU Lease name to the highest fence of a control call this guard let through."""
 
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
                          "proxy-authorization", "te", "trailer", "transfer-encoding",
@@ -106,6 +124,35 @@ def _refused_path(request: web.Request, exc: PathRefused) -> web.Response:
                   "BadRequestError")
 
 
+def _fenced_off(request: web.Request, fields: dict[str, Any]) -> web.Response | None:
+    """The refusal of an authenticated control call whose fences are malformed (400) or
+    lower, for some Lease, than one already let through (409); None to forward it, with
+    its fences remembered. Check and update run without an ``await`` between them: no
+    other call can slip in between."""
+    value = request.headers.get(FENCE_HEADER)
+    if value is None:
+        return None
+    try:
+        fences = parse_fences(value)
+    except FenceHeaderError as exc:
+        log.warning("control call refused: malformed fence header", extra=fields | {
+            "error": str(exc)})
+        return _error(400, str(exc), "BadRequestError")
+    highest = request.app[FENCES]
+    stale = {name: fence for name, fence in fences.items() if fence < highest.get(name, fence)}
+    if stale:
+        seen = {name: highest[name] for name in stale}
+        log.warning("control call refused: its fence is older than one already accepted",
+                    extra=fields | {"fences": stale, "highest": seen})
+        detail = ", ".join(f"{name} {fence} < {seen[name]}" for name, fence in stale.items())
+        return _error(409, f"stale fence: a control call under a newer fence of the same GPU "
+                      f"Lease was already accepted ({detail}); the sender no longer acts for "
+                      "this GPU", "ConflictError")
+    for name, fence in fences.items():
+        highest[name] = max(fence, highest.get(name, fence))
+    return None
+
+
 async def forward(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     try:
@@ -121,6 +168,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
         log.warning("request refused: missing or wrong credential", extra=fields)
         return _unauthorized()
     control = access is Access.CONTROL
+    if control and (refused := _fenced_off(request, fields)) is not None:
+        return refused
     limit = settings.max_control_body_bytes if control else settings.max_body_bytes
     body = await _body(request, limit)
     if body is None:
@@ -190,6 +239,7 @@ def make_app(settings: GuardSettings, *, control: Credential,
                                               settings.max_control_body_bytes) + 1)
     app[SETTINGS] = settings
     app[CREDENTIALS] = {"control": control, "api_key": api_key}
+    app[FENCES] = {}
     app.cleanup_ctx.append(_session)
     app.router.add_route("*", "/{tail:.*}", forward)
     return app
