@@ -505,11 +505,13 @@ class GpuWorker:
 
     # -- reconciliation --------------------------------------------------------------------
 
-    async def _sleeping(self, claimant: Claimant) -> bool | None:
+    async def _sleeping(self, claimant: Claimant, lease: GpuLease) -> bool | None:
+        """The claimant's ``/is_sleeping``, asked under ``lease``'s fence: the engine guard
+        learns the fence from it (see :meth:`reconcile`)."""
         if self._at_gate(claimant.claim_uid):
             return None  # held at its start gate: no engine runs yet
         try:
-            return await self.engine(claimant).is_sleeping()
+            return await self.engine(claimant).fenced({lease.name: lease.fence}).is_sleeping()
         except (EngineError, TimeoutError, ValueError) as exc:
             log.warning("claimant did not say whether it sleeps",
                         extra={"claim": claimant.ref, "device": self.gpu, "error": str(exc)})
@@ -517,7 +519,17 @@ class GpuWorker:
 
     async def reconcile(self) -> None:
         """At most one engine awake on this GPU, a Lease that says who, and every engine
-        whose state is unknown remembered as possibly awake. Call with the lock held."""
+        whose state is unknown remembered as possibly awake. Call with the lock held.
+
+        Taking over (a new term, or a switch its controller never finished), the new
+        fencing number is written before the engines are read, and the reads carry it
+        (``X-Rota-Fence``): from its read on, each engine's guard refuses what an earlier
+        instance still sends under the old number (one paused between its fencing check
+        and its call). What remains is the time between this write and an engine's read:
+        a stale call the guard let through before the read is answered before it, or, if
+        it is a wake still running, belongs to a switch that was never finished, whose
+        engines are suspects and are put to sleep (the engine handles the sleep after the
+        wake). Engines without the guard never check the number."""
         timings: dict[str, float] = {}
         self._dirty = False
         lease = self.lease = await self._lease_now()
@@ -533,8 +545,13 @@ class GpuWorker:
                         extra={"device": self.gpu, "fence": lease.fence,
                                "controller": lease.controller or None,
                                "target": lease.target_model or None})
+        termed = self._new_term or unfinished
+        if termed:
+            # A new fencing number before the reads, which carry it: see the docstring.
+            lease = await self.switcher.write(lease.new_term(self.identity), timings)
+            self._new_term = False
         snapshot = await self.switcher.snapshot(self.gpu, timings)
-        answers = await asyncio.gather(*(self._sleeping(c) for c in on_gpu))
+        answers = await asyncio.gather(*(self._sleeping(c, lease) for c in on_gpu))
         seen = {c.claim_uid: classify(answer, used_bytes=snapshot.held_by(c, on_gpu),
                                       has_process=bool(snapshot.processes_of(c, on_gpu)),
                                       resident_bytes=c.resident_on(self.gpu),
@@ -550,11 +567,10 @@ class GpuWorker:
         asleep_holding = (decision.keep is not None and decision.keep.ref == lease.holder
                           and seen[decision.keep.claim_uid] is Seen.UNKNOWN
                           and answers[on_gpu.index(decision.keep)] is True)
-        if self._new_term or unfinished or decision.put_to_sleep or asleep_holding:
+        if not termed and (decision.put_to_sleep or asleep_holding):
             # A new fencing number first: whatever an earlier instance was doing is over,
             # and its next engine call is refused.
             lease = await self.switcher.write(lease.new_term(self.identity), timings)
-            self._new_term = False
         for extra in decision.put_to_sleep:
             seen[extra.claim_uid] = await self._put_to_sleep(extra, lease.fence,
                                                              seen[extra.claim_uid])

@@ -205,7 +205,11 @@ class Switcher:
     async def fenced_engine(self, claimant: Claimant, fence: int, timings: dict[str, float]
                       ) -> EngineAdapter:
         """The adapter, once the API server's copy of the Lease proves that this switch
-        still owns the GPU: the fencing check before every engine call."""
+        still owns the GPU: the fencing check before every engine call. The adapter's
+        control calls carry the fence (:data:`~controller.api.engine_guard.FENCE_HEADER`):
+        this instance may be paused between the check and the call for longer than a
+        newer instance takes to move the Lease and call the engine, and the engine guard
+        then refuses the late call."""
         self.ports.guard()
         current = await self._step("fence", self.ports.lease.read(),
                                    self.limits.timeouts.lease_s, timings)
@@ -214,7 +218,7 @@ class Switcher:
             raise Fenced(f"fence {fence} is stale: the GPU Lease {current.name} carries "
                          f"{current.fence} (written by {current.controller or 'unknown'})")
         self.ports.guard()
-        return self.ports.engine(claimant)
+        return self.ports.engine(claimant).fenced({current.name: fence})
 
     async def write(self, lease: GpuLease, timings: dict[str, float]) -> GpuLease:
         self.ports.guard()

@@ -67,9 +67,10 @@ async def test_a_lower_fence_is_refused_and_never_forwarded(
     assert stale.status == 409
     error = _error(stale)
     assert (error["type"], error["code"]) == ("ConflictError", 409)
-    assert "stale fence" in str(error["message"]) and f"{GPU0} 4 < 5" in str(error["message"])
+    assert "stale fence" in str(error["message"])
+    assert f"{GPU0} 4 < 5" in str(error["message"])
     record = next(r for r in caplog.records if "fence" in r.getMessage())
-    assert (getattr(record, "fences"), getattr(record, "highest")) == ({GPU0: 4}, {GPU0: 5})
+    assert (record.__dict__["fences"], record.__dict__["highest"]) == ({GPU0: 4}, {GPU0: 5})
 
 
 async def test_an_equal_or_higher_fence_is_accepted(guarded: GuardedRecorder) -> None:

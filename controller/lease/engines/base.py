@@ -19,13 +19,19 @@ that bound every call. Adapters live in their own modules and are chosen by
   development routes (``/sleep``, ``/wake_up``, ``/collective_rpc``, ...) are open to
   anyone who reaches the engine's port, and only the network (the engines' NetworkPolicy)
   or rota's engine guard (``rota-engine-guard``, which does check it) protects them.
+
+**Fences.** An adapter bound to the GPU Leases it acts under (:meth:`EngineAdapter.fenced`)
+sends their fencing numbers in :data:`~controller.api.engine_guard.FENCE_HEADER` on every
+control call; the engine guard refuses one whose fence is lower than one it already let
+through (a stale instance's call). vLLM ignores the header: an engine without the guard
+is not protected by it.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
@@ -79,6 +85,9 @@ class EngineEndpoint:
             yet (asked of the driver on the first control call); wins over ``token``.
         api_key: the engine's own API key (vLLM's ``--api-key``), sent as
             ``Authorization: Bearer`` on ``/v1*`` calls only. Never logged or shown.
+        fences: ``(GPU Lease name, fencing number)`` pairs sent on control calls in
+            :data:`~controller.api.engine_guard.FENCE_HEADER` (empty: no header); set by
+            :meth:`fenced`.
     """
 
     base_url: str
@@ -89,6 +98,7 @@ class EngineEndpoint:
     token_source: Callable[[], Awaitable[str]] | None = field(default=None, repr=False,
                                                                compare=False)
     api_key: str | None = field(default=None, repr=False)
+    fences: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.base_url)
@@ -105,6 +115,10 @@ class EngineEndpoint:
         if self.token_source is not None:
             return await self.token_source()
         return self.token
+
+    def fenced(self, fences: Mapping[str, int]) -> EngineEndpoint:
+        """This endpoint, its control calls sent under ``fences`` (Lease name to fence)."""
+        return replace(self, fences=tuple(sorted(fences.items())))
 
     def url(self, path: str) -> str:
         """The absolute URL of ``path`` (which starts with ``/``) on this engine."""
@@ -280,6 +294,12 @@ class EngineAdapter(Protocol):
     @property
     def endpoint(self) -> EngineEndpoint:
         """The engine this adapter talks to."""
+        ...
+
+    def fenced(self, fences: Mapping[str, int]) -> EngineAdapter:
+        """This adapter with every control call sent under ``fences`` (GPU Lease name to
+        the fencing number the caller checked): what a fenced caller uses, so that the
+        engine guard can refuse the call if a newer fence reached the engine first."""
         ...
 
     async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:

@@ -26,11 +26,12 @@ paused do not show.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
@@ -134,6 +135,14 @@ class HttpEngineAdapter:
     @property
     def endpoint(self) -> EngineEndpoint:
         return self._http.endpoint
+
+    def fenced(self, fences: Mapping[str, int]) -> Self:
+        """A copy of this adapter (subclass state included) whose control calls carry
+        ``fences``; this one is left as it was."""
+        bound = copy.copy(self)
+        bound._http = EngineHttp(self.endpoint.fenced(fences), self._http.session,
+                                 self._http.timeouts)
+        return bound
 
     @property
     def timeouts(self) -> Timeouts:

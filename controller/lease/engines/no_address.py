@@ -9,6 +9,7 @@ is unknown). It is not a fence: nobody else moved the GPU Lease.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NoReturn
 
 from controller.lease.engines.base import (
@@ -34,6 +35,10 @@ class NoAddressEngine:
     @property
     def endpoint(self) -> EngineEndpoint:
         return self._endpoint
+
+    def fenced(self, fences: Mapping[str, int]) -> NoAddressEngine:
+        """The same (nothing is ever sent), its endpoint bound to ``fences``."""
+        return NoAddressEngine(self._endpoint.fenced(fences))
 
     def _why(self) -> str:
         return f"{self._endpoint.claim}: pod {self._endpoint.pod or '?'} has no IP"

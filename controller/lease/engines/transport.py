@@ -8,9 +8,10 @@ Credentials go where the engine (or rota's engine guard) reads them, and nowhere
 the engine's API key as ``Authorization: Bearer`` on ``/v1*`` paths only (vLLM checks
 ``--api-key`` there and nowhere else), rota's control token of the endpoint's own claim in
 :data:`~controller.lease.engines.base.CONTROL_TOKEN_HEADER` on control calls (vLLM ignores it;
-the engine guard checks it). A token not known yet is asked of its source (the driver)
-before the call; when it cannot be had, the call is not sent and fails as unreachable
-(``request_sent=False``): the engine could not be told anything.
+the engine guard checks it), and with it the fences the endpoint is bound to, if any
+(:data:`~controller.api.engine_guard.FENCE_HEADER`). A token not known yet is asked of its
+source (the driver) before the call; when it cannot be had, the call is not sent and
+fails as unreachable (``request_sent=False``): the engine could not be told anything.
 
 Retries, all through :func:`driver.aio.retry` (bounded, jittered):
 
@@ -39,6 +40,7 @@ from typing import Any
 
 import aiohttp
 
+from controller.api.engine_guard import FENCE_HEADER, format_fences
 from controller.lease.engines.base import CONTROL_TOKEN_HEADER, EngineEndpoint, Timeouts
 from controller.lease.engines.errors import (
     EngineDead,
@@ -134,14 +136,18 @@ class EngineHttp:
         self.session = session
         self.timeouts = timeouts
 
-    def headers(self, path: str, *, token: str | None) -> dict[str, str]:
+    def headers(self, path: str, *, token: str | None, control: bool = False
+                ) -> dict[str, str]:
         """The credentials a call to ``path`` carries (see the module docstring);
-        ``token``: the control token, for a control call."""
+        ``token``: the control token, for a control call; ``control``: a control call (it
+        carries the endpoint's fences)."""
         headers: dict[str, str] = {}
         if api_key_path(path) and self.endpoint.api_key:
             headers["Authorization"] = f"Bearer {self.endpoint.api_key}"
         if token:
             headers[CONTROL_TOKEN_HEADER] = token
+        if control and self.endpoint.fences:
+            headers[FENCE_HEADER] = format_fences(dict(self.endpoint.fences))
         return headers
 
     async def _control_token(self, step: str) -> str | None:
@@ -217,7 +223,8 @@ class EngineHttp:
             raise EngineTimeout(f"{step}: no time left in the budget", step=step, timeout_s=0.0)
         began = time.monotonic()
         deadline = began + timeout_s
-        headers = self.headers(path, token=await self._control_token(step) if control else None)
+        headers = self.headers(path, token=await self._control_token(step) if control else None,
+                               control=control)
         retry_on: tuple[type[BaseException], ...] = (aiohttp.ServerDisconnectedError,)
         backoff = Backoff(first_s=RESEND_PAUSE_S, max_s=RESEND_PAUSE_S, attempts=1)
         if retry_unconnected:
