@@ -253,12 +253,13 @@ class StartSwitch:
             except Fenced:
                 raise
             except SleepUnknown as unknown:
-                # Unreachable and no process on the GPU: not running, so neither awake nor
-                # able to fire a sleep later (the switch's back-out decides it the same way).
-                if not await sw.unreachable_and_gone(unknown, timings):
+                # Its connection broke: asleep after a sleep sent again, or gone (the
+                # switch's back-out decides it the same way).
+                if not await sw.asleep_or_gone(unknown, lease.fence, timings):
                     return await sw.fail(lease, reason, f"{message}; {unknown}",
                                          restored=None, timings=timings, unsettled=(current,))
-                log.info("the failed newcomer is gone (no process on the GPU)",
+                log.info("the failed newcomer's sleep lost its connection; it is asleep "
+                         "or gone after all",
                          extra={"claim": newcomer.ref, "device": lease.device})
             except Exception as sleep_exc:
                 log.info("the failed newcomer does not take a sleep; waiting for its "

@@ -41,7 +41,6 @@ from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant, gpu_order
 from controller.lease.admission import StartSwitch, StartTicket
 from controller.lease.engines.base import EngineAdapter
-from controller.lease.engines.errors import EngineUnreachable
 from controller.lease.errors import LeaseControllerError
 from controller.lease.switch import (
     Fenced,
@@ -269,8 +268,7 @@ class GangSwitch:
         except Fenced:
             raise
         except SleepUnknown as unknown:
-            if not (isinstance(unknown.__cause__, EngineUnreachable)
-                    and await self.sw.gone(target, timings)):
+            if not await self.sw.asleep_or_gone(unknown, 0, timings):
                 return await self._fail(opened, reason_of(exc), f"{exc}; {unknown}",
                                         holders=holders, unsettled=(target,), timings=timings)
         except Exception as sleep_exc:

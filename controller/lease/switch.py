@@ -175,6 +175,20 @@ def reason_of(exc: BaseException) -> str:
     return type(exc).__name__.lower()
 
 
+def connection_broke(exc: BaseException) -> bool:
+    """Whether ``exc`` (a :class:`SleepUnknown`) came of a connection that broke, not of a
+    call that ran out of time: the engine could not be reached, or the connection closed
+    before any answer. A kept-alive connection that the engine's server (uvicorn, 5 s)
+    closes just as a call reuses it fails so, as a close or, as often, as a reset, and the
+    call never reached the engine; an engine that went away fails so too."""
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, EngineUnreachable):
+            return True
+        cause = cause.__cause__
+    return False
+
+
 def _sleep_outcome_known(exc: BaseException) -> bool:
     """True when a failed sleep cannot still take effect: the engine answered it with an
     error, or answered success and then contradicted itself."""
@@ -503,11 +517,11 @@ class Switcher:
         except Fenced:
             raise
         except SleepUnknown as unknown:
-            if not await self.unreachable_and_gone(unknown, timings):
+            if not await self.asleep_or_gone(unknown, lease.fence, timings):
                 return await self.fail(lease, reason, f"{message}; {unknown}", restored=None,
                                        timings=timings, unsettled=(target,))
-            log.warning("the failed target is gone (no process on the GPU)",
-                        extra={"claim": target.ref, "device": target.gpu})
+            log.warning("the failed target's sleep lost its connection; it is asleep or "
+                        "gone after all", extra={"claim": target.ref, "device": target.gpu})
         except Exception as sleep_exc:
             log.warning("could not put the failed target back to sleep",
                         extra={"claim": target.ref, "error": str(sleep_exc)})
@@ -515,14 +529,17 @@ class Switcher:
         # reads the GPU first.
         return await self.restore(lease, holder, exc, timings, claimants)
 
-    async def unreachable_and_gone(self, unknown: SleepUnknown, timings: dict[str, float]
-                                   ) -> bool:
-        """True when a sleep's outcome is unknown only because its engine cannot be
-        reached and the GPU shows no process of it (:meth:`gone`): it is not running, so it
-        is not awake and no sleep of it can fire later; go on as if it slept. False: it
-        stays unsettled (a process that holds memory may be awake)."""
-        return (isinstance(unknown.__cause__, EngineUnreachable)
-                and await self.gone(unknown.claimant, timings))
+    async def asleep_or_gone(self, unknown: SleepUnknown, fence: int,
+                             timings: dict[str, float]) -> bool:
+        """True when an engine whose sleep's outcome is unknown is known not to be awake
+        after all, so that a back-out may wake the old holder. Only when the sleep's
+        connection broke (:func:`connection_broke`): the sleep is sent once more
+        (:meth:`settle`); one that completes proves the engine asleep, and one that cannot
+        reach an engine with no process on the GPU proves it gone (not running: neither
+        awake nor able to fire a sleep later). False: it stays unsettled. A sleep that
+        ran out of time is not sent again (a second one would wait as long)."""
+        return connection_broke(unknown) and await self.settle(unknown.claimant, fence,
+                                                               timings)
 
     async def gone(self, claimant: Claimant, timings: dict[str, float],
                    within_s: float = GONE_S) -> bool:
