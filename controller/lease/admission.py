@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from controller.api import naming
@@ -48,6 +48,8 @@ from driver.aio import Backoff
 
 log = logging.getLogger(__name__)
 
+LeaseWrite = Callable[[str, GpuLease], Awaitable[GpuLease]]
+"""A compare-and-swap write of one GPU's Lease (:class:`Fenced` when it moved on)."""
 
 
 @dataclass
@@ -189,25 +191,30 @@ class StartSwitch:
             "holder": stay.ref, "timings": {k: round(v, 4) for k, v in timings.items()}})
         return SwitchResult(True, lease, timings=timings)
 
-    async def grant(self, sw: Switcher, newcomer: Claimant, ticket: StartTicket, fence: int,
-                    timings: dict[str, float]) -> None:
-        """Hand the gate its go, under ``sw``'s fencing check (the grant is an engine call
-        too); raises :class:`SwitchFailed` when the gate does not come back for it. (A
-        gang start's; a one-GPU start records its go first, :meth:`grant_recorded`.)"""
-        await sw.fenced_engine(newcomer, fence, timings)
-        await self._hand_over(newcomer, ticket)
-
     async def grant_recorded(self, sw: Switcher, lease: GpuLease, newcomer: Claimant,
                              ticket: StartTicket, timings: dict[str, float]) -> GpuLease:
-        """:meth:`grant`, the go first recorded on the Lease (:meth:`GpuLease.granted`) by
-        a compare-and-swap write, which is the fencing check: an instance that takes over
-        after this point learns that an engine may be coming up, and wakes nobody beside
-        it until the engine is known (see :mod:`controller.lease.gpu`). Returns the Lease
-        as written."""
-        lease = await sw.write(lease.granted(newcomer.claim_uid, dt.datetime.now(dt.UTC)),
-                               timings)
+        """:meth:`grants_recorded` on the one GPU of ``lease``; returns it as written."""
+        async def write(_gpu: str, record: GpuLease) -> GpuLease:
+            return await sw.write(record, timings)
+
+        return (await self.grants_recorded({lease.device: lease}, write, newcomer,
+                                           ticket))[lease.device]
+
+    async def grants_recorded(self, leases: Mapping[str, GpuLease], write: LeaseWrite,
+                              newcomer: Claimant, ticket: StartTicket
+                              ) -> dict[str, GpuLease]:
+        """Hand the gate its go, first recorded (:meth:`GpuLease.granted`, one time for
+        all) on each of ``leases`` (GPU to Lease; a gang start's set, in GPU order) by a
+        compare-and-swap write, which is the grant's fencing check on that GPU: an
+        instance that takes over after this point learns on every GPU where the engine
+        may come up awake that it may be coming, and wakes nobody beside it until the
+        engine is known (see :mod:`controller.lease.gpu`). Raises :class:`SwitchFailed`
+        when the gate does not come back for it. Returns the Leases as written."""
+        at = dt.datetime.now(dt.UTC)
+        written = {gpu: await write(gpu, lease.granted(newcomer.claim_uid, at))
+                   for gpu, lease in leases.items()}
         await self._hand_over(newcomer, ticket)
-        return lease
+        return written
 
     async def _hand_over(self, newcomer: Claimant, ticket: StartTicket) -> None:
         if not await ticket.grant(self.limits.grant_s):

@@ -21,7 +21,11 @@ controller touches them meanwhile. The steps, as for one GPU:
    GPUs are ``idle``.
 
 Fencing covers the whole set: before every sleep and wake, every Lease of the set is read
-from the API server and must carry this switch's fencing number.
+from the API server and must carry this switch's fencing number. A start's grant is first
+recorded on every Lease of the set (``gpu.rota.dev/start-granted``, by compare-and-swap,
+which is the grant's fencing check), as a one-GPU start records it on its Lease: an
+instance that takes over while the newcomer comes up wakes nobody on its GPUs until the
+newcomer is known (:mod:`controller.lease.gpu`).
 
 Failure keeps one owner on every GPU: a sleep whose outcome is unknown wakes nobody (every
 Lease of the set says ``failed``, the engine is unsettled); a target that fails is put back
@@ -276,6 +280,21 @@ class GangSwitch:
                         extra={"claim": target.ref, "error": str(sleep_exc)})
         return await self._restore(opened, holders, exc, claimants, timings)
 
+    async def _grant(self, opened: Mapping[str, GpuLease], newcomer: Claimant,
+                     ticket: StartTicket, starter: StartSwitch, timings: dict[str, float]
+                     ) -> dict[str, GpuLease]:
+        """The gate's go, recorded first on every Lease of the set, in GPU order
+        (:meth:`StartSwitch.grants_recorded`): an instance that takes over while the
+        newcomer imports finds the record on each GPU where it may come up awake, and
+        wakes nobody there until it is known. The compare-and-swap writes are the fencing
+        check over the whole set; a GPU of the set that the newcomer does not hold drops
+        the record at its next reconciliation. Returns the set's Leases as written."""
+        async def write(gpu: str, record: GpuLease) -> GpuLease:
+            return await self.sw.write_gpu(gpu, record, timings)
+
+        ordered = {gpu: opened[gpu] for gpu in sorted(opened, key=gpu_order)}
+        return await starter.grants_recorded(ordered, write, newcomer, ticket)
+
     # -- the switch ---------------------------------------------------------------------
 
     async def switch(self, leases: Mapping[str, GpuLease], *, holders: Sequence[Claimant],
@@ -338,7 +357,7 @@ class GangSwitch:
             problem = await sw.check_device(newcomer, others, timings, starting=True)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
-            await starter.grant(sw, newcomer, ticket, 0, timings)
+            opened = await self._grant(opened, newcomer, ticket, starter, timings)
         except Fenced:
             ticket.refuse()
             raise
