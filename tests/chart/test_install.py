@@ -717,7 +717,9 @@ def test_the_components_run_with_their_own_service_accounts(
         url = node.start_gateway(token_file=token, extra=[
             f"--kubeconfig={configs['gateway']}",
             f"--controller-namespace={release.namespace}",
-            f"--serving-namespaces={release.engines}"])
+            f"--serving-namespaces={release.engines}",
+            # As the chart's Deployment sets it: its RBAC grants claims per namespace only.
+            f"--claim-namespaces={release.engines}"])
         for spec in (MODEL_A, MODEL_B, MODEL_A):
             body = json.dumps({"model": spec.model, "max_tokens": 4,
                                "messages": [{"role": "user", "content": "What is 3 + 4?"}]})
