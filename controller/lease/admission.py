@@ -140,7 +140,8 @@ class StartSwitch:
                                          starting=True)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
-            lease = await self.grant_recorded(sw, lease, newcomer, ticket, timings)
+            lease = await self.record_grant(sw, lease, newcomer, timings)
+            await self.hand_over(newcomer, ticket)
         except Fenced:
             ticket.refuse()
             raise
@@ -191,32 +192,33 @@ class StartSwitch:
             "holder": stay.ref, "timings": {k: round(v, 4) for k, v in timings.items()}})
         return SwitchResult(True, lease, timings=timings)
 
-    async def grant_recorded(self, sw: Switcher, lease: GpuLease, newcomer: Claimant,
-                             ticket: StartTicket, timings: dict[str, float]) -> GpuLease:
-        """:meth:`grants_recorded` on the one GPU of ``lease``; returns it as written."""
+    async def record_grant(self, sw: Switcher, lease: GpuLease, newcomer: Claimant,
+                           timings: dict[str, float]) -> GpuLease:
+        """:meth:`record_grants` on the one GPU of ``lease``; returns it as written."""
         async def write(_gpu: str, record: GpuLease) -> GpuLease:
             return await sw.write(record, timings)
 
-        return (await self.grants_recorded({lease.device: lease}, write, newcomer,
-                                           ticket))[lease.device]
+        return (await self.record_grants({lease.device: lease}, write,
+                                         newcomer))[lease.device]
 
-    async def grants_recorded(self, leases: Mapping[str, GpuLease], write: LeaseWrite,
-                              newcomer: Claimant, ticket: StartTicket
-                              ) -> dict[str, GpuLease]:
-        """Hand the gate its go, first recorded (:meth:`GpuLease.granted`, one time for
-        all) on each of ``leases`` (GPU to Lease; a gang start's set, in GPU order) by a
-        compare-and-swap write, which is the grant's fencing check on that GPU: an
-        instance that takes over after this point learns on every GPU where the engine
-        may come up awake that it may be coming, and wakes nobody beside it until the
-        engine is known (see :mod:`controller.lease.gpu`). Raises :class:`SwitchFailed`
-        when the gate does not come back for it. Returns the Leases as written."""
+    @staticmethod
+    async def record_grants(leases: Mapping[str, GpuLease], write: LeaseWrite,
+                            newcomer: Claimant) -> dict[str, GpuLease]:
+        """Record the go of ``newcomer``'s start gate (:meth:`GpuLease.granted`, one time
+        for all) on each of ``leases`` (GPU to Lease; a gang start's set, in GPU order)
+        by a compare-and-swap write, which is the grant's fencing check on that GPU;
+        then :meth:`hand_over`. An instance that takes over after this point learns, on
+        every GPU where the engine may come up awake, that it may be coming, and wakes
+        nobody beside it until the engine is known (see :mod:`controller.lease.gpu`).
+        Returns the Leases as written: the start's next writes, a failed hand-over's
+        included, go on from them."""
         at = dt.datetime.now(dt.UTC)
-        written = {gpu: await write(gpu, lease.granted(newcomer.claim_uid, at))
-                   for gpu, lease in leases.items()}
-        await self._hand_over(newcomer, ticket)
-        return written
+        return {gpu: await write(gpu, lease.granted(newcomer.claim_uid, at))
+                for gpu, lease in leases.items()}
 
-    async def _hand_over(self, newcomer: Claimant, ticket: StartTicket) -> None:
+    async def hand_over(self, newcomer: Claimant, ticket: StartTicket) -> None:
+        """Give the gate its go; :class:`SwitchFailed` when it does not come back for it
+        within ``grant_s`` (it then never started its engine)."""
         if not await ticket.grant(self.limits.grant_s):
             raise SwitchFailed("start_not_taken", f"the start gate of {newcomer.ref} did not "
                                f"come back for its grant within {self.limits.grant_s:.0f} s")

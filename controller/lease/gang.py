@@ -280,12 +280,11 @@ class GangSwitch:
                         extra={"claim": target.ref, "error": str(sleep_exc)})
         return await self._restore(opened, holders, exc, claimants, timings)
 
-    async def _grant(self, opened: Mapping[str, GpuLease], newcomer: Claimant,
-                     ticket: StartTicket, starter: StartSwitch, timings: dict[str, float]
-                     ) -> dict[str, GpuLease]:
-        """The gate's go, recorded first on every Lease of the set, in GPU order
-        (:meth:`StartSwitch.grants_recorded`): an instance that takes over while the
-        newcomer imports finds the record on each GPU where it may come up awake, and
+    async def _record_grant(self, opened: Mapping[str, GpuLease], newcomer: Claimant,
+                            timings: dict[str, float]) -> dict[str, GpuLease]:
+        """The gate's go, recorded on every Lease of the set in GPU order before it is
+        handed over (:meth:`StartSwitch.record_grants`): an instance that takes over while
+        the newcomer imports finds the record on each GPU where it may come up awake, and
         wakes nobody there until it is known. The compare-and-swap writes are the fencing
         check over the whole set; a GPU of the set that the newcomer does not hold drops
         the record at its next reconciliation. Returns the set's Leases as written."""
@@ -293,7 +292,7 @@ class GangSwitch:
             return await self.sw.write_gpu(gpu, record, timings)
 
         ordered = {gpu: opened[gpu] for gpu in sorted(opened, key=gpu_order)}
-        return await starter.grants_recorded(ordered, write, newcomer, ticket)
+        return await StartSwitch.record_grants(ordered, write, newcomer)
 
     # -- the switch ---------------------------------------------------------------------
 
@@ -357,7 +356,8 @@ class GangSwitch:
             problem = await sw.check_device(newcomer, others, timings, starting=True)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
-            opened = await self._grant(opened, newcomer, ticket, starter, timings)
+            opened = await self._record_grant(opened, newcomer, timings)
+            await starter.hand_over(newcomer, ticket)
         except Fenced:
             ticket.refuse()
             raise
