@@ -127,7 +127,10 @@ class GangSwitcher(Switcher):
                              f"carries {lease.fence} (written by "
                              f"{lease.controller or 'unknown'})")
         self.ports.guard()
-        return self.ports.engine(claimant)
+        # Every GPU Lease of the set travels with the calls, as one GPU's does
+        # (Switcher.fenced_engine): the guard refuses a call older than one it accepted.
+        return self.ports.engine(claimant).fenced(
+            {lease.name: self.fences[gpu] for gpu, lease in zip(gpus, current, strict=True)})
 
     async def write_gpu(self, gpu: str, lease: GpuLease, timings: dict[str, float]
                         ) -> GpuLease:

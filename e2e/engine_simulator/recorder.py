@@ -17,7 +17,7 @@ __all__ = ["RECORDED_KEY", "recorded_headers", "recorder_middleware"]
 RECORDED_KEY = web.AppKey("recorded_headers", dict[str, set[str]])
 MAX_VALUES = 16
 """Distinct values kept per header (a bound, not a log)."""
-_RECORDED = ("authorization", "x-rota-control-token")
+_RECORDED = ("authorization", "x-rota-control-token", "x-rota-fence")
 
 
 def recorder_middleware(app: web.Application) -> Middleware:

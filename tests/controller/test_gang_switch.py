@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from controller.api import naming
+from controller.api.engine_guard import parse_fences
 from controller.lease.policy import SwitchCost
 from e2e.gang_node import gang_node, node_of
 from tests.controller.conftest import EngineSimFactory
@@ -338,5 +339,25 @@ async def test_a_gang_switch_every_caller_left_during_the_residency_wait_is_not_
         assert not b.sim.engine.is_sleeping
         assert node.holders() == {"gpu-0": a.claimant.ref, "gpu-1": b.claimant.ref}
         assert node.watch.violations == []
+    finally:
+        await node.close()
+
+
+async def test_a_gang_engines_control_calls_carry_every_gpu_leases_fence(
+        engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
+    """The engine guard refuses a control call older than one it accepted (X-Rota-Fence);
+    the gang switch's calls to a TP engine name the fence of each GPU Lease of its set (a
+    GPU worker's own reads name its one Lease)."""
+    node = await gang_node(engine_sim_factory, engine_session,
+                           [("tp", ("gpu-0", "gpu-1"), 40), ("z", ("gpu-1",), 20)],
+                           gpus=2, awake=("z",))
+    tp, _ = node.engines
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            assert (await node.activate(tp)).ok
+        async with engine_session.get(f"{tp.sim.base_url}/sim/headers") as resp:
+            sent = [parse_fences(v) for v in (await resp.json()).get("x-rota-fence", [])]
+        leases = {node.lease(gpu).name for gpu in ("gpu-0", "gpu-1")}
+        assert any(set(fences) == leases for fences in sent), sent
     finally:
         await node.close()
