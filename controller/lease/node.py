@@ -37,6 +37,7 @@ from controller.lease.cache import NodeCache
 from controller.lease.control_tokens import ControlTokens
 from controller.lease.device import DeviceReader, GpuSnapshot
 from controller.lease.election import Election
+from controller.lease.engines import dialect
 from controller.lease.engines.base import EngineAdapter, EngineEndpoint
 from controller.lease.engines.no_address import NoAddressEngine
 from controller.lease.engines.registry import make_adapter
@@ -53,6 +54,14 @@ from driver.aio import wait_any
 log = logging.getLogger(__name__)
 
 MEMORY = metrics.SeriesSet(metrics.GPU_MEMORY)
+
+
+def engine_run(claimant: Claimant) -> str | None:
+    """Which run of the claimant's engine this is (pod uid, container restarts); None
+    while it has no pod. What adapters learn about an engine is kept per run."""
+    if claimant.pod_uid is None:
+        return None
+    return f"{claimant.pod_uid}/{claimant.restarts}"
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,8 @@ class NodeController:
                                   model=claimant.model,
                                   claim=claimant.ref,
                                   pod=f"{claimant.namespace}/{claimant.pod_name}",
-                                  token_source=self.control_tokens.source(claimant.claim_uid))
+                                  token_source=self.control_tokens.source(claimant.claim_uid),
+                                  run=engine_run(claimant))
         if claimant.endpoint is None:
             return NoAddressEngine(endpoint)
         return make_adapter(claimant.config, endpoint, self.session, self.engine_timeouts)
@@ -182,6 +192,7 @@ class NodeController:
         costs no reconciliation."""
         claimants = self.claimants()
         self.control_tokens.keep_only({c.claim_uid for c in claimants})
+        dialect.keep_only({engine_run(c) for c in claimants})
         self._domains = domains(claimants)
         for gpu in sorted({g for c in claimants for g in c.gpus}, key=gpu_order):
             self._worker(gpu)

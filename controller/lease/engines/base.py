@@ -88,6 +88,9 @@ class EngineEndpoint:
         fences: ``(GPU Lease name, fencing number)`` pairs sent on control calls in
             :data:`~controller.api.engine_guard.FENCE_HEADER` (empty: no header); set by
             :meth:`fenced`.
+        run: which run of the engine this is (its pod's uid and container restarts), when
+            known: what is learnt about an engine (its release) is kept per run, so a
+            restarted or replaced engine at the same address is read again.
     """
 
     base_url: str
@@ -99,6 +102,7 @@ class EngineEndpoint:
                                                                compare=False)
     api_key: str | None = field(default=None, repr=False)
     fences: tuple[tuple[str, int], ...] = ()
+    run: str | None = None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.base_url)

@@ -22,8 +22,9 @@ running requests (its ``mode`` parameter): vLLM RFC #51476 would make ``/sleep``
 memory step and move request handling to ``/pause``, and an engine whose ``/sleep``
 declares parameters but no ``mode`` is driven that way (pause with ``mode=wait`` first).
 
-What was learnt is kept per engine (address and pod) for the life of the process: two
-reads once, never on a switch's path again.
+What was learnt is kept per engine run (address, pod, the pod's uid and container restarts)
+while that run is a claimant of the node (:func:`keep_only`): two reads once per run, never
+on a switch's path again.
 """
 
 from __future__ import annotations
@@ -40,14 +41,15 @@ from controller.lease.engines.errors import EngineProtocolError, EngineUnsupport
 from controller.lease.engines.surfaces import Engine, Surface, supported, surface_for
 from controller.lease.engines.transport import EngineHttp
 
-__all__ = ["Dialect", "check_calls", "detect", "forget", "forget_all", "served_routes",
-           "supported_range"]
+__all__ = ["Dialect", "check_calls", "detect", "forget", "forget_all", "keep_only",
+           "served_routes", "supported_range"]
 
 log = logging.getLogger(__name__)
 
 VERSION_PATH = "/version"
 OPENAPI_PATH = "/openapi.json"
-_KNOWN: dict[tuple[str, str, str | None], Dialect] = {}
+_KNOWN: dict[tuple[str, str, str | None, str | None], Dialect] = {}
+"""(engine, address, pod, run) -> what was learnt; pruned by :func:`keep_only`."""
 
 
 class _Version(BaseModel):
@@ -118,8 +120,10 @@ def served_routes(openapi: Mapping[str, Any]) -> dict[tuple[str, str], frozenset
             continue
         for method, operation in operations.items():
             params = operation.get("parameters", []) if isinstance(operation, dict) else []
-            names = frozenset(p.get("name", "") for p in params
-                              if isinstance(p, dict) and p.get("in") == "query")
+            # An engine's table is its own word, not trusted: malformed entries are skipped.
+            names = frozenset(p["name"] for p in (params if isinstance(params, list) else [])
+                              if isinstance(p, dict) and p.get("in") == "query"
+                              and isinstance(p.get("name"), str))
             routes[(str(method).upper(), str(path))] = names
     return routes
 
@@ -168,7 +172,7 @@ async def detect(http: EngineHttp, engine: Engine = "vllm") -> Dialect:
         EngineError: the engine could not be read (nothing is remembered then).
     """
     endpoint: EngineEndpoint = http.endpoint
-    key = (engine, endpoint.base_url, endpoint.pod)
+    key = (engine, endpoint.base_url, endpoint.pod, endpoint.run)
     known = _KNOWN.get(key)
     if known is not None:
         return known
@@ -214,5 +218,13 @@ def forget_all() -> None:
 
 def forget(endpoint: EngineEndpoint) -> None:
     """Drop what was learnt about ``endpoint`` (its engine was replaced)."""
-    for key in [k for k in _KNOWN if k[1:] == (endpoint.base_url, endpoint.pod)]:
+    for key in [k for k in _KNOWN if k[1:3] == (endpoint.base_url, endpoint.pod)]:
+        del _KNOWN[key]
+
+
+def keep_only(runs: set[str | None]) -> None:
+    """Drop what was learnt about every engine run not in ``runs`` (the runs of the node's
+    claimants now): without it an engine restarted or deleted leaves its entry for the
+    life of the process."""
+    for key in [k for k in _KNOWN if k[3] not in runs]:
         del _KNOWN[key]

@@ -70,6 +70,7 @@ __all__ = [
     "error_message",
     "is_engine_dead",
     "is_gpu_oom",
+    "parse_json",
     "truncate",
 ]
 
@@ -102,11 +103,27 @@ dead core with ``{"error": {"message": <that message>, "type": "InternalServerEr
 ...}}``: the exception's name is not in the answer, its message is."""
 
 
+def parse_json(body: str, *, step: str, status: int = 200) -> Any:
+    """``body`` (an engine's answer) as JSON, or :class:`EngineProtocolError`.
+
+    The one place an engine's JSON is parsed: an answer that is not JSON, and one nested so
+    deep that the parser gives up (``RecursionError``, e.g. ``[[[[...`` 5000 deep), are the
+    engine's fault, not the controller's; escaping as anything else would stop the
+    controller serving every claim of the GPU that engine shares.
+    """
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise EngineProtocolError(
+            f"{step}: the engine answered {status} with a body that is not JSON "
+            "(or nested too deep)", step=step, body=body) from exc
+
+
 def is_engine_dead(body: str) -> bool:
     """True when an error answer says the engine core is dead (vLLM's ``EngineDeadError``)."""
     try:
-        parsed: Any = json.loads(body)
-    except ValueError:
+        parsed: Any = parse_json(body, step="error")
+    except EngineProtocolError:
         parsed = None
     if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
         error = parsed["error"]
@@ -120,8 +137,8 @@ def error_message(body: str) -> str:
     """The human part of an error answer: vLLM's ``{"error": {"message": ...}}``, the
     ``{"error": "..."}`` and ``{"detail": ...}`` shapes, or the raw text."""
     try:
-        parsed: Any = json.loads(body)
-    except ValueError:
+        parsed: Any = parse_json(body, step="error")
+    except EngineProtocolError:
         return body
     if isinstance(parsed, dict):
         error = parsed.get("error")

@@ -45,7 +45,13 @@ from typing import Any
 import aiohttp
 
 from controller.lease.engines.base import EngineEndpoint, Timeouts
-from controller.lease.engines.errors import ProbeFailed, error_message, truncate
+from controller.lease.engines.errors import (
+    EngineProtocolError,
+    ProbeFailed,
+    error_message,
+    parse_json,
+    truncate,
+)
 from controller.lease.engines.sse import SseParser
 from controller.lease.engines.transport import api_key_path
 from controller.lease.errors import LeaseControllerError
@@ -205,8 +211,8 @@ class _Stream:
             self.done = True
             return True
         try:
-            chunk = json.loads(data)
-        except ValueError:
+            chunk = parse_json(data, step="probe")
+        except EngineProtocolError:
             self.error = f"a chunk is not JSON: {truncate(data, 80)!r}"
             return True
         if not isinstance(chunk, dict):

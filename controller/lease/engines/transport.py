@@ -31,7 +31,6 @@ A 500 with ``EngineDeadError``'s message becomes
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -45,15 +44,14 @@ from controller.lease.engines.base import CONTROL_TOKEN_HEADER, EngineEndpoint, 
 from controller.lease.engines.errors import (
     EngineDead,
     EngineError,
-    EngineProtocolError,
     EngineRejected,
     EngineTimeout,
     EngineUnreachable,
     error_message,
     is_engine_dead,
+    parse_json,
     truncate,
 )
-from controller.lease.errors import LeaseControllerError
 from driver.aio import Backoff, retry
 
 __all__ = ["MAX_ANSWER_BYTES", "Answer", "EngineHttp", "api_key_path", "map_client_error"]
@@ -90,14 +88,9 @@ class Answer:
     body: str
 
     def json(self, step: str) -> Any:
-        """The body as JSON; :class:`EngineProtocolError` when it is not JSON."""
-        try:
-            return json.loads(self.body)
-        except ValueError as exc:
-            raise EngineProtocolError(
-                f"{step}: the engine answered {self.status} with a body that is not JSON",
-                step=step, body=self.body,
-            ) from exc
+        """The body as JSON; :class:`EngineProtocolError` when it is not JSON (or nested too
+        deep to parse)."""
+        return parse_json(self.body, step=step, status=self.status)
 
 
 def map_client_error(exc: Exception, *, step: str, timeout_s: float) -> EngineError:
@@ -152,10 +145,11 @@ class EngineHttp:
 
     async def _control_token(self, step: str) -> str | None:
         """This claim's control token; :class:`EngineUnreachable` (nothing sent) when its
-        source cannot give it."""
+        source cannot give it, however it fails (a gRPC error of any kind, a timeout, ...):
+        the call is then not sent, so its outcome is known."""
         try:
             return await self.endpoint.control_token()
-        except LeaseControllerError as exc:
+        except Exception as exc:  # any failure of the source: nothing was sent
             log.warning("no control token for the engine; the call is not sent",
                         extra=self.endpoint.log_fields() | {"step": step,
                                                             "error": str(exc)[:200]})
@@ -221,10 +215,13 @@ class EngineHttp:
         """
         if timeout_s <= 0:
             raise EngineTimeout(f"{step}: no time left in the budget", step=step, timeout_s=0.0)
+        # The token first: asking the driver for it (bounded by its own timeout) is not the
+        # engine's time, and a slow driver must not turn a call never sent into a timeout
+        # (an unknown outcome for a sleep).
+        token = await self._control_token(step) if control else None
+        headers = self.headers(path, token=token, control=control)
         began = time.monotonic()
         deadline = began + timeout_s
-        headers = self.headers(path, token=await self._control_token(step) if control else None,
-                               control=control)
         retry_on: tuple[type[BaseException], ...] = (aiohttp.ServerDisconnectedError,)
         backoff = Backoff(first_s=RESEND_PAUSE_S, max_s=RESEND_PAUSE_S, attempts=1)
         if retry_unconnected:

@@ -51,6 +51,7 @@ from controller.lease.engines.base import SleepOutcome, WakeOutcome, check_level
 from controller.lease.engines.common import ALL_TAGS, HttpEngineAdapter, Step
 from controller.lease.engines.dialect import Dialect, check_calls, detect
 from controller.lease.engines.errors import (
+    EngineError,
     EngineProtocolError,
     EngineRejected,
 )
@@ -203,20 +204,41 @@ class VllmAdapter(HttpEngineAdapter):
         check_level(level)
         dialect = await self.dialect()
         began = time.monotonic()
-        if not dialect.sleep_handles_requests:
+        paused = not dialect.sleep_handles_requests
+        if paused:
             # RFC #51476: /sleep is a pure memory step; running requests finish first
             await self._sleep_call(PAUSE, budget_s=self.timeouts.sleep_s)
         step = _sleep_step(level, dialect)
         budget_s = self.timeouts.sleep_s - (time.monotonic() - began)
-        sleep_s, answer = await self._sleep_call(step, budget_s=budget_s)
-        if dialect.sleep_answers_json:
-            check_sleep_answer(answer, level)
+        try:
+            sleep_s, answer = await self._sleep_call(step, budget_s=budget_s)
+            if dialect.sleep_answers_json:
+                check_sleep_answer(answer, level)
+        except EngineError:
+            if paused:
+                await self._resume_after_failed_sleep(step)
+            raise
         if confirm:
             await self.confirm_asleep(level)
         log.info("engine asleep", extra=self.endpoint.log_fields() | {
             "sleep_level": level, "seconds": round(sleep_s, 6), "confirmed": confirm,
             "vllm_version": dialect.version})
         return SleepOutcome(level=level, sleep_s=sleep_s)
+
+    async def _resume_after_failed_sleep(self, step: Step) -> None:
+        """Best effort: un-pause an engine whose sleep failed after its pause, so that it
+        does not stay paused (serving nothing) with no sleep for a wake to undo. Its own
+        failure is logged, never raised: the sleep's error is the one the caller needs."""
+        try:
+            await self._http.request(RESUME.name, "POST", RESUME.path,
+                                     timeout_s=self.timeouts.status_s, control=True)
+        except EngineError as exc:
+            log.warning("engine left paused: the resume after a failed sleep failed",
+                        extra=self.endpoint.log_fields() | {"step": step.name,
+                                                            "error": str(exc)[:200]})
+            return
+        log.info("engine resumed after a failed sleep",
+                 extra=self.endpoint.log_fields() | {"step": step.name})
 
     def _wake_steps(self, level: int) -> Sequence[Step]:
         if self._dialect is None:
