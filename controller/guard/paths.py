@@ -1,12 +1,14 @@
 """Which requests the engine guard lets through, and with which credential. Pure.
 
-- ``client``: the surface the gateway forwards (``/v1*`` and every path of
-  :data:`controller.api.client_routes.CLIENT_PATHS`: pooling, scoring, reranking, tokens,
-  ...): the engine's API key, when one is configured;
+- ``client``: the surface the gateway forwards (every path of
+  :data:`controller.api.client_routes.CLIENT_PATHS`: generation, pooling, scoring,
+  reranking, tokens, ...) and vLLM's other ``/v1`` client routes (:data:`V1_CLIENT_PATHS`):
+  the engine's API key, when one is configured;
 - ``control``: rota's control calls: rota's control token;
 - ``health``: ``GET /health``, open (kubelet probes; vLLM answers 503 once dead);
-- ``hidden``: everything else (vLLM's ``/pause``, ``/resume``, ``/abort_requests``,
-  ``/update_weights``, profiling, ...): 404, never forwarded.
+- ``hidden``: everything else (vLLM's ``/abort_requests``, ``/update_weights``,
+  profiling, ``/v1/load_lora_adapter``, ``/v1/fault_tolerance/*``, ...): 404, never
+  forwarded.
 
 A request target is classified and forwarded as ONE path (:func:`target`). Whatever some
 server, client or proxy on the way could rewrite is refused rather than interpreted: dot
@@ -26,7 +28,9 @@ from urllib.parse import quote, unquote
 
 from controller.api.client_routes import CLIENT_PATHS
 
-__all__ = ["CONTROL_CALLS", "Access", "PathRefused", "Target", "classify", "target"]
+__all__ = [
+    "CONTROL_CALLS", "V1_CLIENT_PATHS", "Access", "PathRefused", "Target", "classify", "target",
+]
 
 
 class Access(enum.StrEnum):
@@ -50,6 +54,27 @@ _CONTROL_PREFIX = "/v1/omni/"
 """vLLM-Omni's stage-aware sleep and wakeup: control calls, though under ``/v1``."""
 
 
+V1_CLIENT_PATHS: frozenset[str] = frozenset({
+    "/v1/models", "/v1/audio/generate", "/v1/audio/speech", "/v1/audio/speech/batch",
+    "/v1/audio/voices", "/v1/decisions", "/v1/images/edits", "/v1/images/generations",
+    "/v1/messages/render", "/v1/realtime/sessions", "/v1/responses/render",
+    "/v1/systemone", "/v1/videos", "/v1/videos/sync",
+})
+"""The ``/v1`` client routes of vLLM's committed surfaces that the gateway does not route
+by model (besides :data:`CLIENT_PATHS`). Under ``/v1`` only client routes pass with the
+API key: vLLM serves engine administration there too (``/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter``, ``/v1/fault_tolerance/*``), and a tenant's key must not reach
+it. Everything else under ``/v1`` is hidden; ``tests/guard/test_guard_v1_routes.py`` checks
+this list against the surfaces."""
+_V1_CLIENT_TEMPLATES: tuple[re.Pattern[str], ...] = tuple(re.compile(t) for t in (
+    r"/v1/responses/[^/]+", r"/v1/responses/[^/]+/cancel", r"/v1/audio/voices/[^/]+",
+    r"/v1/videos/[^/]+", r"/v1/videos/[^/]+/content",
+    r"/v1/realtime/sessions/[^/]+/(close|reset|status|step)",
+))
+"""The ``/v1`` client routes with a path parameter (a stored response, voice, video or
+realtime session of the tenant's own)."""
+
+
 def classify(method: str, path: str) -> Access:
     """How the guard treats ``method path``."""
     if path.startswith(_CONTROL_PREFIX):
@@ -58,7 +83,9 @@ def classify(method: str, path: str) -> Access:
         return Access.CONTROL
     if path == "/health" and method in ("GET", "HEAD"):
         return Access.HEALTH
-    if path == "/v1" or path.startswith("/v1/") or path in CLIENT_PATHS:
+    if path in CLIENT_PATHS or path in V1_CLIENT_PATHS:
+        return Access.CLIENT
+    if any(template.fullmatch(path) for template in _V1_CLIENT_TEMPLATES):
         return Access.CLIENT
     return Access.HIDDEN
 

@@ -62,9 +62,9 @@ async def test_what_a_normaliser_could_rewrite_is_refused(
 
 @pytest.mark.parametrize(("target", "headers", "path"), [
     ("/v1/models?x=%2e&y=/../a", API_KEY_ONLY, "/v1/models"),
-    ("/v1/models/org/a%20b", API_KEY_ONLY, "/v1/models/org/a b"),
-    ("/v1/models/caf%C3%A9", API_KEY_ONLY, "/v1/models/café"),
-    ("/v1/", API_KEY_ONLY, "/v1/"),
+    ("/v1/responses/a%20b", API_KEY_ONLY, "/v1/responses/a b"),
+    ("/v1/responses/caf%C3%A9", API_KEY_ONLY, "/v1/responses/café"),
+    ("/v1/videos/v%201/content", API_KEY_ONLY, "/v1/videos/v 1/content"),
     ("/metrics/", CONTROL_ONLY, "/metrics/"),
     ("/is_sleeping?verbose=1", CONTROL_ONLY, "/is_sleeping"),
 ])
