@@ -121,6 +121,20 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
     return False
 
 
+_FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+
+
+def _live_pod_ip(pod: Mapping[str, Any]) -> str | None:
+    """The pod's IP while its containers may run; None once it finished (Succeeded, or
+    Failed as when evicted). A finished pod keeps ``status.podIP``, but the kubelet has
+    released the address, which another tenant's pod may now hold: the claim's control
+    token and its traffic must not go there."""
+    status = pod.get("status", {}) or {}
+    if status.get("phase") in _FINISHED_PHASES:
+        return None
+    return status.get("podIP") or None
+
+
 def _restarts(pod: Mapping[str, Any]) -> int:
     """The sum of the restart counts of the pod's containers (0 before any status)."""
     statuses = (pod.get("status", {}) or {}).get("containerStatuses") or []
@@ -263,7 +277,7 @@ def claimants_from(claims: Iterable[Mapping[str, Any]],
             config=config, model=model, port=port, sleep_level=level,
             resident_bytes=resident,
             pod_name=pod_meta.get("name"), pod_uid=pod_meta.get("uid"),
-            pod_ip=(pod or {}).get("status", {}).get("podIP") or None,
+            pod_ip=_live_pod_ip(pod or {}),
             pod_ready=_pod_ready(pod or {}),
             pod_deleting=bool(pod_meta.get("deletionTimestamp")),
             resident_on_gpu=tuple(sorted(on_gpu.items(), key=lambda kv: gpu_order(kv[0]))),

@@ -42,3 +42,15 @@ def test_a_pod_that_is_not_the_claims_own_gets_nothing(pod: dict[str, Any]) -> N
     (claimant,) = claimants_from([_claim({"uid": "p-1", "name": "engine"})], {"p-1": pod})
     assert claimant.endpoint is None
     assert not claimant.serving
+
+
+@pytest.mark.parametrize("phase", ["Failed", "Succeeded"])
+def test_a_finished_pod_gets_no_endpoint(phase: str) -> None:
+    """An evicted (Failed) or completed pod keeps status.podIP, but its address may belong
+    to another tenant's pod now: the claim's control token must not be sent there."""
+    pod = _pod("prod", "engine")
+    pod["status"]["phase"] = phase
+    (claimant,) = claimants_from([_claim({"uid": "p-1", "name": "engine"})], {"p-1": pod})
+    assert claimant.endpoint is None
+    assert claimant.pod_ip is None
+    assert not claimant.serving
