@@ -27,6 +27,9 @@ class ControlTokens:
         self._fetch = fetch
         self._tokens: dict[str, str] = {}
         self._asking: dict[str, asyncio.Future[str]] = {}
+        self._generation: dict[str, int] = {}
+        """Per claim uid in flight: which ask may store its answer (see :meth:`_ask`)."""
+        self._asks = 0
 
     async def get(self, claim_uid: str) -> str:
         """The token of ``claim_uid``; a failed ask raises and is not kept (the next call
@@ -36,25 +39,37 @@ class ControlTokens:
             return token
         asking = self._asking.get(claim_uid)
         if asking is None:
-            asking = asyncio.ensure_future(self._ask(claim_uid))
+            self._asks += 1
+            self._generation[claim_uid] = self._asks
+            asking = asyncio.ensure_future(self._ask(claim_uid, self._asks))
             asking.add_done_callback(_retrieved)
             self._asking[claim_uid] = asking
         # Shielded: one caller that is cancelled (its switch fenced) does not fail the
         # others waiting on the same ask.
         return await asyncio.shield(asking)
 
-    async def _ask(self, claim_uid: str) -> str:
+    async def _ask(self, claim_uid: str, generation: int) -> str:
+        """Ask the driver; keep the answer only while this ask is still the claim's own:
+        a claim that :meth:`keep_only` dropped meanwhile (it left the node) must not get
+        a token back into the cache after its drop."""
         try:
             token = await self._fetch(claim_uid)
-            self._tokens[claim_uid] = token
+            if self._generation.get(claim_uid) == generation:
+                self._tokens[claim_uid] = token
             return token
         finally:
-            self._asking.pop(claim_uid, None)
+            if self._generation.get(claim_uid) == generation:
+                del self._generation[claim_uid]
+                self._asking.pop(claim_uid, None)
 
     def keep_only(self, claim_uids: Collection[str]) -> None:
-        """Forget the tokens of every claim not in ``claim_uids`` (claims that left)."""
+        """Forget the tokens of every claim not in ``claim_uids`` (claims that left), and
+        disown their asks in flight (their answers are not kept)."""
         for uid in [u for u in self._tokens if u not in claim_uids]:
             del self._tokens[uid]
+        for uid in [u for u in self._generation if u not in claim_uids]:
+            del self._generation[uid]
+            self._asking.pop(uid, None)
 
     def source(self, claim_uid: str) -> Callable[[], Awaitable[str]]:
         """A zero-argument getter of ``claim_uid``'s token, for an engine endpoint."""
