@@ -532,6 +532,7 @@ class GpuWorker:
         wake). Engines without the guard never check the number."""
         timings: dict[str, float] = {}
         self._dirty = False
+        self._forget_start_state()
         lease = self.lease = await self._lease_now()
         self.reconciliations += 1
         on_gpu = self._on_gpu()
@@ -704,6 +705,16 @@ class GpuWorker:
         return Seen.ASLEEP
 
     # -- start-up admission ----------------------------------------------------------------
+
+    def _forget_start_state(self) -> None:
+        """Drop the start spacing and the started runs of claims that are no longer
+        claimants (a reconcile follows every change of them): without this, both maps
+        grew with every claim the node ever had."""
+        current = {c.claim_uid for c in self.claimants()} | set(self._starts)
+        for uid in [u for u in self._start_backoff if u not in current]:
+            del self._start_backoff[uid]
+        for uid in [u for u in self._started if u not in current]:
+            del self._started[uid]
 
     def _start_allowed_at(self, uid: str) -> float:
         return self._start_backoff[uid][0] if uid in self._start_backoff else 0.0
