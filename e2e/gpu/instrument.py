@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -134,6 +134,13 @@ class BenchAdapter:
     @property
     def endpoint(self) -> EngineEndpoint:
         return self.inner.endpoint
+
+    def fenced(self, fences: Mapping[str, int]) -> BenchAdapter:
+        """The fenced adapter the switch calls, still recorded (``__getattr__`` would hand
+        out the inner adapter's copy, and every call after the fencing check would go
+        unrecorded, the wake hooks unrun)."""
+        return BenchAdapter(self.inner.fenced(fences), engine=self.engine, calls=self.calls,
+                            on_wake=self.on_wake, clock=self.clock)
 
     async def _recorded(self, name: str, call: Any) -> Any:
         entry = AdapterCall(self.engine, name, self.clock())

@@ -49,7 +49,8 @@ from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
 from e2e.waiting import eventually_async
 from tests.real_node import needs_root
 
-pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, needs_root]
+pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, pytest.mark.sampled,
+              needs_root]
 
 MODEL_A = "org/tenant-a"
 MODEL_B = "org/tenant-b"
