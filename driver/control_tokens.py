@@ -18,16 +18,14 @@ the engines prepared before keep the old one until their claims are prepared aga
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from dataclasses import dataclass, field
 
 from driver.control_contract import CONTROL_TOKEN_ENV
+from driver.startgate import KEY_BYTES, claim_token
 
 __all__ = ["ControlTokens"]
 
 _CONTEXT = b"rota engine control v1\0"
-_MIN_KEY_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -37,8 +35,8 @@ class ControlTokens:
     key: bytes = field(repr=False)
 
     def __post_init__(self) -> None:
-        if len(self.key) < _MIN_KEY_BYTES:
-            raise ValueError(f"a control-token key has at least {_MIN_KEY_BYTES} bytes")
+        if len(self.key) < KEY_BYTES:
+            raise ValueError(f"a control-token key has at least {KEY_BYTES} bytes")
 
     def token(self, claim_uid: str) -> str:
         """The control token of one claim.
@@ -48,7 +46,7 @@ class ControlTokens:
         """
         if not claim_uid:
             raise ValueError("a control token needs a claim uid")
-        return hmac.new(self.key, _CONTEXT + claim_uid.encode(), hashlib.sha256).hexdigest()
+        return claim_token(self.key, _CONTEXT, claim_uid)
 
     def environment(self, claim_uid: str) -> dict[str, str]:
         """The CDI environment entry that gives a claim's containers their token."""

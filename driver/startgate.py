@@ -32,8 +32,8 @@ from typing import Any
 from driver.disk import fsync_dir
 from driver.start_contract import SOCKET_ENV, TOKEN_ENV
 
-__all__ = ["KEY_BYTES", "SOCKET_NAME", "START_GATE_DIR_MODE", "StartGate", "load_or_create_key",
-           "prepare_start_gate_dir"]
+__all__ = ["KEY_BYTES", "SOCKET_NAME", "START_GATE_DIR_MODE", "StartGate", "claim_token",
+           "load_or_create_key", "prepare_start_gate_dir"]
 
 KEY_BYTES = 32
 SOCKET_NAME = "start.sock"
@@ -60,7 +60,7 @@ class StartGate:
 
     def token(self, claim_uid: str) -> str:
         """The token of one claim: deterministic, so a re-prepare writes the same bytes."""
-        return hmac.new(self.key, _CONTEXT + claim_uid.encode(), hashlib.sha256).hexdigest()
+        return claim_token(self.key, _CONTEXT, claim_uid)
 
     def verify(self, claim_uid: str, token: str) -> bool:
         """True when ``token`` is the token of ``claim_uid`` (compared in constant time)."""
@@ -76,6 +76,13 @@ class StartGate:
         write access to the mount), no devices, no set-uid, nothing executable."""
         return {"hostPath": str(self.directory), "containerPath": str(self.directory),
                 "options": ["rbind", "ro", "nosuid", "nodev", "noexec"]}
+
+
+def claim_token(key: bytes, context: bytes, claim_uid: str) -> str:
+    """HMAC-SHA256 of ``claim_uid`` under the node key, in ``context``: the one derivation
+    of a claim's tokens (the start gate's here, the control token's in
+    :mod:`driver.control_tokens`), each with a context of its own so they never agree."""
+    return hmac.new(key, context + claim_uid.encode(), hashlib.sha256).hexdigest()
 
 
 def _create_once(path: Path, content: bytes) -> None:

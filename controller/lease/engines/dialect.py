@@ -41,7 +41,7 @@ from controller.lease.engines.errors import EngineProtocolError, EngineUnsupport
 from controller.lease.engines.surfaces import Engine, Surface, supported, surface_for
 from controller.lease.engines.transport import EngineHttp
 
-__all__ = ["Dialect", "check_calls", "detect", "forget", "forget_all", "keep_only",
+__all__ = ["Dialect", "check_calls", "detect", "forget_all", "keep_only",
            "served_routes", "supported_range"]
 
 log = logging.getLogger(__name__)
@@ -86,12 +86,6 @@ class Dialect:
         """``/wake_up`` answers ``{"status": "awake"|"sleeping", ...}`` (0.32 on)."""
         return _replies_with(self.surface, "/wake_up", "status")
 
-    @property
-    def pauses(self) -> bool:
-        """The engine serves ``/pause?mode=wait`` and ``/resume``."""
-        pause = self.surface.control("/pause")
-        mode = pause.param("mode") if pause else None
-        return self.serves("POST", "/resume") and mode is not None and "wait" in mode.values
 
     def serves(self, method: str, path: str) -> bool:
         if self.served is not None:
@@ -214,12 +208,6 @@ def check_calls(dialect: Dialect, calls: frozenset[tuple[str, str]],
 def forget_all() -> None:
     """Drop everything learnt (tests: engines come and go on reused ports)."""
     _KNOWN.clear()
-
-
-def forget(endpoint: EngineEndpoint) -> None:
-    """Drop what was learnt about ``endpoint`` (its engine was replaced)."""
-    for key in [k for k in _KNOWN if k[1:3] == (endpoint.base_url, endpoint.pod)]:
-        del _KNOWN[key]
 
 
 def keep_only(runs: set[str | None]) -> None:
