@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from driver.errors import ConfigError
-from driver.kube import check_kubeconfig
-from driver.kube_client import version
-from driver.logs import configure
+from rota.kit.errors import ConfigError
+from rota.kit.kube import check_kubeconfig
+from rota.kit.kube_client import version
+from rota.kit.logs import configure
 
 PROG = "rota-controller"
 USAGE = f"""usage: {PROG} {{lease,gateway}} [--help] [--version] [flags]
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} lease: {exc}", file=sys.stderr)
         return 2
     configure(config.log_level)
-    from driver.kube import ClientAgent, use_client_agent
+    from rota.kit.kube import ClientAgent, use_client_agent
     use_client_agent(ClientAgent(component="rota-controller", qps=config.api_qps,
                                  burst=config.api_burst))
     asyncio.run(app.run(config))

@@ -25,11 +25,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from controller.urls import http_url
-from driver.claims import engine_config_of
-from driver.errors import ClaimError
-from driver.opaque import EngineConfig
-from driver.quantity import parse_quantity
-from driver.slices import physical_device
+from rota.api.claim_config import engine_config_of
+from rota.api.errors import ClaimError
+from rota.api.engine_config import EngineConfig
+from rota.api.quantity import parse_quantity
+from rota.api.naming import physical_device
 
 log = logging.getLogger(__name__)
 

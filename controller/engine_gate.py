@@ -28,7 +28,7 @@ engine at once instead.
 ``--install DIR`` writes a self-contained copy (a Python zip application, standard
 library only) to ``DIR/rota-engine-gate``: an init container of rota's image copies it into
 an ``emptyDir`` for engine images that do not contain rota. This module imports nothing
-but the standard library and :mod:`driver.aio`.
+but the standard library and :mod:`rota.kit.aio`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from driver.aio import Backoff
-from driver.start_contract import CLAIM_UID_ENV, PATH, SOCKET_ENV, TOKEN_ENV, StartQuestion
+from rota.kit.aio import Backoff
+from rota.api.start_contract import CLAIM_UID_ENV, PATH, SOCKET_ENV, TOKEN_ENV, StartQuestion
 
 __all__ = ["EX_CONFIG", "EX_TEMPFAIL", "GateError", "ask", "install", "main", "wait_for_slot"]
 
@@ -126,7 +126,7 @@ class _UnixConnection(http.client.HTTPConnection):
 def ask(socket_path: str, body: StartQuestion, *, timeout_s: float
         ) -> tuple[int, dict[str, Any]]:
     """One question to the controller; its status and JSON answer (a
-    :class:`~driver.start_contract.StartAnswer` from a controller that speaks the contract;
+    :class:`~rota.api.start_contract.StartAnswer` from a controller that speaks the contract;
     read key by key, as anything may answer on a socket)."""
     conn = _UnixConnection(socket_path, timeout_s)
     try:
@@ -205,8 +205,8 @@ def install(directory: Path) -> Path:
     sources = {"controller/__init__.py": here.parent / "__init__.py",
                "controller/engine_gate.py": here,
                "driver/__init__.py": here.parent.parent / "driver" / "__init__.py",
-               "driver/aio.py": here.parent.parent / "driver" / "aio.py",
-               "driver/start_contract.py": here.parent.parent / "driver" / "start_contract.py"}
+               "rota/kit/aio.py": here.parent.parent / "driver" / "aio.py",
+               "rota/api/start_contract.py": here.parent.parent / "driver" / "start_contract.py"}
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / "rota-engine-gate"
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,7 +10,7 @@
   user of the read-only ``rota-status`` role may not read the Secret, the credential that
   triggers switches) it shows the Leases and says once why the live columns are empty.
 - ``kubectl rota switch <model>``: asks the node's activation API to make the model awake,
-  through the gateway's contract (:mod:`controller.api.activation`), and prints the answer.
+  through the gateway's contract (:mod:`rota.api.activation`), and prints the answer.
 
 Installed as the ``kubectl-rota`` entry point: kubectl finds it on ``PATH``. The pure
 functions below build everything from Lease, claim and answer objects; ``main`` only reads
@@ -44,8 +44,8 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import ValidationError
 
-from controller.api import naming
-from controller.api.activation import (
+from rota.api import naming
+from rota.api.activation import (
     PATH,
     STATE_PATH,
     TOKEN_HEADER,
@@ -53,12 +53,12 @@ from controller.api.activation import (
     ActivateRequest,
     ErrorBody,
 )
-from controller.api.controller_lease import ControllerLease
-from controller.api.gpu_lease import GpuLease, micro_time
+from rota.api.controller_lease import ControllerLease
+from rota.api.gpu_lease import GpuLease, micro_time
 from controller.claimants import claimants_from
-from driver.errors import ConfigError
-from driver.kube import check_kubeconfig
-from driver.kube_client import version
+from rota.kit.errors import ConfigError
+from rota.kit.kube import check_kubeconfig
+from rota.kit.kube_client import version
 
 __all__ = ["Answer", "ControllerInfo", "Direct", "GpuRow", "SwitchOutcome", "ThroughApiServer",
            "Unreachable", "api_server_refusal", "controllers_from", "find_claimant",
@@ -94,11 +94,11 @@ LIVENESS_NOTE = (
 
 @dataclass(frozen=True)
 class ControllerInfo:
-    """A node's controller Lease (:class:`~controller.api.controller_lease.ControllerLease`,
+    """A node's controller Lease (:class:`~rota.api.controller_lease.ControllerLease`,
     its one parser): the acting instance and where its API listens.
 
     No liveness verdict: that takes seeing the Lease change over time on the reader's own
-    clock (:class:`~controller.api.controller_lease.LeaseObserver`), which a one-shot
+    clock (:class:`~rota.api.controller_lease.LeaseObserver`), which a one-shot
     command cannot do. It shows the renewal as the node's clock stamped it instead.
     """
 
@@ -533,7 +533,7 @@ def _token(args: argparse.Namespace, api: Any) -> str | None:
 def _api(args: argparse.Namespace) -> Any:
     from kubernetes import config
 
-    from driver.kube import ClientAgent, apply_client_agent
+    from rota.kit.kube import ClientAgent, apply_client_agent
 
     api = config.new_client_from_config(config_file=args.kubeconfig, context=args.context)
     return apply_client_agent(api, ClientAgent(component="kubectl-rota", qps=20.0, burst=40))

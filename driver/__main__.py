@@ -6,8 +6,10 @@ import asyncio
 import logging
 import sys
 
-from driver import app, kube, kube_client, logs, settings
-from driver.errors import ConfigError, RotaDriverError
+from driver import app, settings
+from rota.kit import kube, kube_client, logs
+from rota.kit.errors import ConfigError, KitError
+from driver.errors import RotaDriverError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rota-driver: {exc}", file=sys.stderr)
         return 2
-    except RotaDriverError as exc:
+    except (RotaDriverError, KitError) as exc:
         # E.g. a corrupt ledger: starting anyway could over-commit GPUs in use.
         logging.getLogger("driver").critical("cannot run", extra={"error": str(exc)})
         print(f"rota-driver: {exc}", file=sys.stderr)

@@ -28,8 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from driver.claims import ClaimPlan
-from driver.errors import BudgetError, ClaimError
-from driver.quantity import format_bytes
+from driver.errors import BudgetError
+from rota.api.errors import ClaimError
+from rota.api.quantity import format_bytes
 
 __all__ = [
     "ClaimantBudget",

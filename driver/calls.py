@@ -12,7 +12,7 @@ took effect is remembered only while an older call is still in flight.
 
 **Watchdog.** Each call has a deadline: the caller's (the kubelet sends 45 s) or, without
 one, :data:`DEFAULT_DEADLINE_S` after its arrival. Work already begun is never cut off
-(:func:`driver.aio.finish_first`), so a worker thread stuck in a hung disk write keeps
+(:func:`rota.kit.aio.finish_first`), so a worker thread stuck in a hung disk write keeps
 its call in flight, and every later call queues behind it. :meth:`CallBook.stalled` says
 so once a call is still in flight ``stall_grace_s`` after its deadline; the driver's
 liveness probe (``/healthz``) fails on it.

@@ -5,7 +5,7 @@ API server and this module decides, without side effects, whether rota may prepa
 with what. The same claim always gives the same :class:`ClaimPlan`, so an idempotent
 prepare can recompute the plan and compare it with what the ledger recorded.
 
-Rules, in the order they are checked (each refusal is a :class:`~driver.errors.ClaimError`
+Rules, in the order they are checked (each refusal is a :class:`~rota.api.errors.ClaimError`
 with the stable ``reason`` shown in brackets):
 
 1. ``metadata.uid`` must be the uid the kubelet asked for; a different uid means the claim
@@ -31,7 +31,7 @@ with the stable ``reason`` shown in brackets):
    subrequests ``req/sub``). Entries from the claim (``FromClaim``, and every spec entry)
    override entries from the DeviceClass (``FromClass``); within the winning source, more
    than one distinct applicable entry is ambiguous [``invalid_config``]. The entry must
-   parse as an :class:`~driver.opaque.EngineConfig` [``invalid_config``].
+   parse as an :class:`~rota.api.engine_config.EngineConfig` [``invalid_config``].
 9. The awake budget on each GPU (``awakeMemory``, never less than the claim's own resident
    memory there) must fit on that GPU at all [``over_budget``].
 
@@ -47,9 +47,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from driver.errors import BudgetError, ClaimError
-from driver.opaque import EngineConfig, parse_engine_config
-from driver.quantity import format_bytes, parse_quantity
+from driver.errors import BudgetError
+from rota.api.errors import ClaimError
+from rota.api.claim_config import select_engine_config
+from rota.api.engine_config import EngineConfig
+from rota.api.quantity import format_bytes, parse_quantity
 
 __all__ = [
     "MEMORY",
@@ -57,7 +59,6 @@ __all__ = [
     "ClaimPlan",
     "PublishedDevice",
     "base_request_name",
-    "engine_config_of",
     "plan_claim",
 ]
 
@@ -240,7 +241,8 @@ def plan_claim(
             )
         seen.add(key)
     full_requests = [str(_mapping(result).get("request", "")) for result in ours]
-    config = _engine_config(ctx, claim, allocated, full_requests)
+    config = select_engine_config(claim, allocated, full_requests, driver=driver,
+                                  ref=ctx.ref)
     resident = sum(share.consumed_memory_bytes for share in shares)
     per_gpu = {share.gpu_uuid: 0 for share in shares}
     for share in shares:
@@ -357,51 +359,6 @@ def _consumed(ctx: _Context, device: PublishedDevice, raw: object) -> tuple[tupl
     return tuple(sorted(values.items()))
 
 
-def _applies(entry_requests: Sequence[Any], full_requests: Sequence[str]) -> bool:
-    if not entry_requests:
-        return True
-    for wanted in entry_requests:
-        for request in full_requests:
-            if request == wanted or request.startswith(f"{wanted}/"):
-                return True
-    return False
-
-
-def _engine_config(
-    ctx: _Context,
-    claim: Mapping[str, Any],
-    allocated: Mapping[str, Any],
-    full_requests: Sequence[str],
-) -> EngineConfig | None:
-    entries = _sequence(allocated.get("config"))
-    from_status = bool(entries)
-    if not from_status:
-        entries = _sequence(_mapping(_mapping(claim.get("spec")).get("devices")).get("config"))
-    from_claim: list[object] = []
-    from_class: list[object] = []
-    for raw_entry in entries:
-        entry = _mapping(raw_entry)
-        opaque = _mapping(entry.get("opaque"))
-        if opaque.get("driver") != ctx.driver:
-            continue
-        if not _applies(_sequence(entry.get("requests")), full_requests):
-            continue
-        parameters = opaque.get("parameters")
-        target = from_class if from_status and entry.get("source") == "FromClass" else from_claim
-        if parameters not in target:
-            target.append(parameters)
-    chosen = from_claim or from_class
-    if not chosen:
-        return None
-    if len(chosen) > 1:
-        raise ClaimError(
-            f"claim {ctx.ref} has {len(chosen)} different opaque configs for driver "
-            f"{ctx.driver} that apply to its requests; give exactly one",
-            reason="invalid_config",
-        )
-    return parse_engine_config(chosen[0])
-
-
 def _check_awake_within_gpu(
     ctx: _Context, plan: ClaimPlan, devices: Mapping[str, PublishedDevice]
 ) -> None:
@@ -414,23 +371,3 @@ def _check_awake_within_gpu(
                 f"claim {ctx.ref} needs {format_bytes(awake)} awake, but GPU {gpu_uuid} has "
                 f"only {format_bytes(total)}: {format_bytes(awake - total)} short"
             )
-
-
-def engine_config_of(claim: Mapping[str, Any], *, driver: str) -> EngineConfig | None:
-    """The claim's EngineConfig for ``driver``, chosen by the rules of :func:`plan_claim`.
-
-    For readers other than prepare (the lease controller, the gateway): None when the
-    claim has no config for the driver or no allocation result of it.
-
-    Raises:
-        ClaimError: the configs are ambiguous or invalid.
-    """
-    metadata = _mapping(claim.get("metadata"))
-    ctx = _Context(str(metadata.get("uid", "")), str(metadata.get("namespace", "")),
-                   str(metadata.get("name", "")), driver, "")
-    allocated = _mapping(_mapping(_mapping(claim.get("status")).get("allocation")).get("devices"))
-    results = map(_mapping, _sequence(allocated.get("results")))
-    requests = [str(r.get("request", "")) for r in results if r.get("driver") == driver]
-    if not requests:
-        return None
-    return _engine_config(ctx, claim, allocated, requests)

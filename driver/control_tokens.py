@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from driver.control_contract import CONTROL_TOKEN_ENV
+from rota.api.control_contract import CONTROL_TOKEN_ENV
 from driver.startgate import KEY_BYTES, claim_token
 
 __all__ = ["ControlTokens"]

@@ -1,20 +1,21 @@
 """The driver's error hierarchy.
 
-Every failure the driver reports to a caller is one of these classes. Each boundary maps
-them once: the DRA servicer turns a :class:`ClaimError` into that claim's ``error`` string
-(the kubelet retries), the Kubernetes facade turns API exceptions into :class:`KubeError`
-subclasses, the NVML layer turns ``pynvml.NVMLError`` into :class:`NvmlError`.
+Every failure the driver reports to a caller is one of these classes, the contracts'
+:class:`~rota.api.errors.ClaimError` (a claim that cannot be used as it stands) or the kit's
+:class:`~rota.kit.errors.ConfigError` and :class:`~rota.kit.errors.KubeError`. Each
+boundary maps them once: the DRA servicer turns a ``ClaimError`` into that claim's
+``error`` string (the kubelet retries), the kit's Kubernetes facade turns API exceptions
+into ``KubeError`` subclasses, the NVML layer turns ``pynvml.NVMLError`` into
+:class:`NvmlError`.
 """
 
 from __future__ import annotations
 
+from rota.api.errors import ClaimError
+
 
 class RotaDriverError(Exception):
     """Base class of every error the driver raises on purpose."""
-
-
-class ConfigError(RotaDriverError):
-    """Settings or a fixture file are unusable; the process cannot start."""
 
 
 class NvmlError(RotaDriverError):
@@ -25,27 +26,7 @@ class NvmlError(RotaDriverError):
         self.reason = reason
 
 
-class ClaimError(RotaDriverError):
-    """A claim cannot be prepared as it stands. The message is shown to the user as is.
-
-    ``reason`` is a short stable label for metrics (``not_allocated``, ``wrong_pool``, ...).
-    ``permanent`` is True when retrying without a change to the claim cannot help.
-    """
-
-    def __init__(self, message: str, *, reason: str, permanent: bool = True) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.permanent = permanent
-
-
-class OpaqueConfigError(ClaimError):
-    """The claim's opaque parameters for this driver are invalid."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, reason="invalid_config")
-
-
-class BudgetError(ClaimError):
+class BudgetError(ClaimError, RotaDriverError):
     """The claim's awake budget does not fit next to the other claimants' resident budgets."""
 
     def __init__(self, message: str) -> None:
@@ -54,19 +35,3 @@ class BudgetError(ClaimError):
 
 class LedgerError(RotaDriverError):
     """The ledger file is unreadable, corrupt, or its lock could not be taken in time."""
-
-
-class KubeError(RotaDriverError):
-    """A Kubernetes API call failed."""
-
-    def __init__(self, message: str, *, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class KubeNotFoundError(KubeError):
-    """The object does not exist (HTTP 404)."""
-
-
-class KubeConflictError(KubeError):
-    """The write lost a compare-and-swap or the object already exists (HTTP 409)."""

@@ -4,7 +4,7 @@ The kubelet unprepares what it prepared, nearly always. A record can still be le
 a prepare answered after the kubelet had already unprepared the claim (calls overlap), a
 claim deleted or moved while the driver was down, an unprepare that failed until the pod
 was gone. Such a record holds its GPU budget and device for good, so new claims on that
-GPU are refused. Every pass (a jittered period, :func:`driver.aio.run_periodically`) the
+GPU are refused. Every pass (a jittered period, :func:`rota.kit.aio.run_periodically`) the
 collector:
 
 1. reads the ledger and, when it holds completed records, lists the pods bound to this
@@ -43,8 +43,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from driver.aio import Backoff, run_periodically
-from driver.errors import KubeError, KubeNotFoundError
+from rota.kit.aio import Backoff, run_periodically
+from rota.kit.errors import KubeError, KubeNotFoundError
 from driver.ledger import ClaimRecord, LedgerState
 
 log = logging.getLogger(__name__)

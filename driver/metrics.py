@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from driver.metrics_registry import new_registry, package_version
+from rota.kit.metrics_registry import new_registry, package_version
 
 REGISTRY = new_registry()
 

@@ -33,7 +33,7 @@ still reading its claim wins, and the prepare leaves no record or spec behind.
 
 Cancellation (the kubelet's deadline): the work of a call runs in a worker thread that
 cannot be stopped half-way, so a cancelled call keeps the lock until its thread has
-finished (:func:`driver.aio.finish_first`), and a later call of the same claim always sees
+finished (:func:`rota.kit.aio.finish_first`), and a later call of the same claim always sees
 its outcome. A call whose deadline passed before it got the node-wide lock does nothing.
 A call still in flight well past its deadline (a worker thread stuck in a hung disk
 write) makes :meth:`Preparer.stalled` say so, and the liveness probe fail.
@@ -53,13 +53,15 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from driver import cdi, metrics
-from driver.aio import finish_first
+from rota.kit.aio import finish_first
 from driver.budget import check_admission
 from driver.calls import Call, CallBook
 from driver.claims import ClaimPlan, PublishedDevice, plan_claim
 from driver.control_tokens import ControlTokens
 from driver.disk import OS_DISK, Disk, remove_temp_files
-from driver.errors import ClaimError, KubeError, KubeNotFoundError, LedgerError
+from rota.api.errors import ClaimError
+from rota.kit.errors import KubeError, KubeNotFoundError
+from driver.errors import LedgerError
 from driver.ledger import (
     ClaimRecord,
     Ledger,

@@ -2,7 +2,7 @@
 
 Slices are reconciled, not published once: the kubelet deletes a node's slices when it
 restarts, and a driver's slices when the driver has been gone for 30 s; an admin may
-delete them by hand. A list-watch of our slices (:class:`driver.listwatch.ListWatch`)
+delete them by hand. A list-watch of our slices (:class:`rota.kit.listwatch.ListWatch`)
 keeps a view of them and wakes the loop; a reconciliation compares the desired slices with
 that view, so a node whose slices are intact costs the API server nothing but the watch.
 A write that loses a race (409) re-reads by a list; the watch lists again every
@@ -26,13 +26,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from driver import DRIVER_NAME, metrics
-from driver.aio import Backoff, wait_any
+from rota.kit.aio import Backoff, wait_any
 from driver.claims import PublishedDevice
 from driver.devices import GpuDevice
-from driver.errors import KubeConflictError, KubeError
-from driver.kube import Kube
-from driver.listwatch import Obj
-from driver.quantity import parse_quantity
+from rota.kit.errors import KubeConflictError, KubeError
+from rota.kit.kube import Kube
+from rota.kit.listwatch import Obj
+from rota.api.quantity import parse_quantity
 from driver.slices import (
     GATE_DEVICE_TAINTS,
     PoolOptions,

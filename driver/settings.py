@@ -19,13 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from driver import DRIVER_NAME
-from driver.errors import ConfigError
-from driver.kube_client import version
-
-LogLevel = Literal["debug", "info", "warning", "error"]
-"""The log levels every rota process takes; anything else is a settings error (exit 2),
-not a traceback from the logging module."""
-
+from rota.kit.errors import ConfigError
+from rota.kit.settings import LogLevel, parse_settings
 
 class NvmlBackendKind(StrEnum):
     REAL = "real"
@@ -151,71 +146,12 @@ class DriverSettings(BaseModel):
         return self.plugin_data_dir / "start-gate.key"
 
 
-_ENV_ALIASES = {"node_name": ("NODE_NAME",), "pod_uid": ("POD_UID",)}
-
-
 def _short(pod_uid: str) -> str:
     """A pod uid as it may appear in a socket name: as is when short and plain, else a
     hash (unix socket paths are limited to 107 bytes)."""
     if len(pod_uid) <= 36 and all(c.isalnum() or c == "-" for c in pod_uid):
         return pod_uid
     return hashlib.sha256(pod_uid.encode()).hexdigest()[:16]
-
-
-def env_names(field: str, prefix: str = "ROTA_") -> tuple[str, ...]:
-    return (prefix + field.upper(), *_ENV_ALIASES.get(field, ()))
-
-
-def build_parser(model: type[BaseModel], prog: str, description: str, *,
-                 env_prefix: str = "ROTA_") -> argparse.ArgumentParser:
-    """One ``--flag`` per field of ``model``; help = description, env var and default.
-
-    ``prog`` is the name the user typed (the installed script, with its command): usage,
-    errors and ``--version`` all say it, so a user never sees a module path."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--version", action="version", version=f"{prog} {version()}")
-    for name, info in model.model_fields.items():
-        default = "" if info.is_required() or info.default_factory else \
-            f"Default: {info.default}."
-        envs = " or ".join(env_names(name, env_prefix))
-        text = " ".join(part for part in (info.description, f"Env: {envs}.", default) if part)
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=text)
-    return parser
-
-
-def parse_settings(model: type[BaseModel], argv: Sequence[str] | None,
-                   environ: Mapping[str, str] | None, *, prog: str, description: str,
-                   env_prefix: str = "ROTA_") -> Any:
-    """Flags win over environment variables, which win over defaults.
-
-    Raises:
-        ConfigError: the values do not validate; the message names every problem.
-    """
-    environ = os.environ if environ is None else environ
-    args = vars(build_parser(model, prog, description, env_prefix=env_prefix)
-                .parse_args(argv))
-    values: dict[str, Any] = {}
-    for name in model.model_fields:
-        if args.get(name) is not None:
-            values[name] = args[name]
-            continue
-        for env in env_names(name, env_prefix):
-            if environ.get(env):
-                values[name] = environ[env]
-                break
-    for name, value in list(values.items()):
-        annotation = model.model_fields[name].annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            try:
-                values[name] = json.loads(value)
-            except ValueError as exc:
-                raise ConfigError(f"invalid settings: {name}: not a JSON object") from exc
-    try:
-        return model.model_validate(values)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                             for e in exc.errors())
-        raise ConfigError(f"invalid settings: {problems}") from exc
 
 
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None

@@ -37,7 +37,7 @@ from typing import Any
 
 from driver import DRIVER_NAME
 from driver.devices import GpuDevice
-from driver.quantity import format_quantity, quantity_equal
+from rota.api.quantity import format_quantity, quantity_equal
 
 MI = 1 << 20
 GI = 1 << 30
@@ -207,23 +207,11 @@ def _counter_set(gpu: GpuDevice) -> JSON:
     return {"name": counter_set_name(gpu), "counters": {"memory": {"value": memory}}}
 
 
-_SHARE_SUFFIX = re.compile(r"-share-[0-9]+\Z")
 
 
 def share_device_name(gpu: GpuDevice, k: int) -> str:
     """The name of share ``k`` of one GPU in ``partitioned`` mode."""
     return f"{gpu.name}-share-{k}"
-
-
-def physical_device(device: str) -> str:
-    """The GPU (its device name, ``gpu-<i>``) that a device name of rota's pool stands for.
-
-    Every sharing mode publishes a GPU under other names (``partitioned``:
-    ``gpu-<i>-share-<k>``), but one physical GPU is one unit of "one engine awake": the
-    lease controller keys its workers and GPU Leases, and the gateway its routing, by the
-    name this returns. Pure; names of devices rota does not publish come back unchanged.
-    """
-    return _SHARE_SUFFIX.sub("", device)
 
 
 def _share_devices(gpu: GpuDevice, shares: int) -> list[JSON]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from driver.disk import fsync_dir
-from driver.start_contract import SOCKET_ENV, TOKEN_ENV
+from rota.api.start_contract import SOCKET_ENV, TOKEN_ENV
 
 __all__ = ["KEY_BYTES", "SOCKET_NAME", "START_GATE_DIR_MODE", "StartGate", "claim_token",
            "load_or_create_key", "prepare_start_gate_dir"]

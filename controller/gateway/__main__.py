@@ -10,8 +10,8 @@ from typing import Any
 
 from controller.gateway import app
 from controller.gateway.settings import PROG, SettingsError, load
-from driver import logs
-from driver.kube import check_kubeconfig
+from rota.kit import logs
+from rota.kit.kube import check_kubeconfig
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level)
-    from driver.kube import ClientAgent, use_client_agent
+    from rota.kit.kube import ClientAgent, use_client_agent
     use_client_agent(ClientAgent(component="rota-gateway", qps=settings.api_qps,
                                  burst=settings.api_burst))
     try:

@@ -1,9 +1,9 @@
 """Client of the lease controllers' activation API: "make this claimant the awake one".
 
-``POST <activation-url>/v1/activate`` with :class:`~controller.api.activation.ActivateRequest`
+``POST <activation-url>/v1/activate`` with :class:`~rota.api.activation.ActivateRequest`
 and the bearer token from the mounted Secret. The controller answers once the claimant
-holds its GPU (200, :class:`~controller.api.activation.ActivateAnswer`: the fencing number,
-no address) or with an error code (:data:`~controller.api.activation.ERRORS`, with
+holds its GPU (200, :class:`~rota.api.activation.ActivateAnswer`: the fencing number,
+no address) or with an error code (:data:`~rota.api.activation.ERRORS`, with
 Retry-After): a failed switch, or "ask again" (a standby, a stopping instance, a switch
 cut short: the node's next leader answers), which the dispatcher does after Retry-After
 while the request's deadline allows. The code decides, by the contract's table, whatever
@@ -27,7 +27,7 @@ controller sees its caller gone and drops the switch if its wake has not begun. 
 whose own deadline passes leaves the call running (it was told when to come back).
 
 A call that cannot reach the controller is retried a bounded number of times with
-jittered backoff (:class:`driver.aio.Backoff`); connecting has its own short timeout, so a
+jittered backoff (:class:`rota.kit.aio.Backoff`); connecting has its own short timeout, so a
 controller whose address does not answer costs seconds, not the request's whole wait. A
 refusal is not retried here: it becomes :class:`ActivationFailed` carrying the controller's
 reason and Retry-After (``refused`` when the code says "ask again").
@@ -46,7 +46,7 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from controller.api.activation import (
+from rota.api.activation import (
     ERRORS,
     PATH,
     STATE_PATH,
@@ -61,7 +61,7 @@ from controller.credentials import SecretFile
 from controller.gateway.errors import Code, Unavailable
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.proxy import read_bounded
-from driver.aio import Backoff
+from rota.kit.aio import Backoff
 
 __all__ = ["ACTIVATION_CODES", "KNOWN_OUTCOMES", "ActivationFailed", "Activator",
            "Expectation"]
@@ -109,7 +109,7 @@ class ActivationFailed(Unavailable):
     """The controller could not or would not make the model serve (503 to the client).
 
     ``refused`` marks an answer whose code means "ask again"
-    (:func:`controller.api.activation.asks_again`: another instance acts for the node, this
+    (:func:`rota.api.activation.asks_again`: another instance acts for the node, this
     one is stopping, the switch was cut short, or a policy declined for now) rather than a
     failed switch; a caller with time left may ask again after ``retry_after``.
     """

@@ -38,9 +38,9 @@ from controller.gateway.places import ModelPlaces
 from controller.gateway.routes import error_middleware, routes
 from controller.gateway.routing import RoutingSource, RoutingState
 from controller.gateway.settings import GatewaySettings
-from driver.aio import Backoff
-from driver.kube import load_api_client
-from driver.listen import start_site
+from rota.kit.aio import Backoff
+from rota.kit.kube import load_api_client
+from rota.kit.listen import start_site
 
 __all__ = ["StartupError", "make_app", "serve"]
 

@@ -19,7 +19,7 @@ What is watched:
 - Leases in the controller namespace labelled ``app.kubernetes.io/managed-by=rota`` (GPU
   and controller Leases).
 
-Each watch is a :class:`driver.listwatch.ListWatch`, the one list-then-watch of rota's
+Each watch is a :class:`rota.kit.listwatch.ListWatch`, the one list-then-watch of rota's
 processes: it lists in pages of :data:`LIST_PAGE` objects, each page cut down to what
 routing keeps (claims of rota's driver only, slim claims and pods) before the next is read,
 so a relist of a large fleet never holds the whole response at once; the state applies the
@@ -51,14 +51,14 @@ from typing import Any
 
 from kubernetes import client
 
-from controller.api import naming
+from rota.api import naming
 from controller.gateway.lease_view import slim_claim, slim_pod
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routing import ObjectKind, RoutingState, claim_is_ours
 from controller.gateway.settings import GatewaySettings
-from driver.aio import Backoff, wait_any
-from driver.kube import load_api_client
-from driver.listwatch import ListWatch
+from rota.kit.aio import Backoff, wait_any
+from rota.kit.kube import load_api_client
+from rota.kit.listwatch import ListWatch
 
 __all__ = ["KubeSource"]
 

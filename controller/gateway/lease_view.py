@@ -1,12 +1,12 @@
 """The gateway's reading of Leases and pods: what it keeps of each object. Pure.
 
-- GPU Leases are parsed by their one contract, :class:`controller.api.gpu_lease.GpuLease`.
+- GPU Leases are parsed by their one contract, :class:`rota.api.gpu_lease.GpuLease`.
 - A controller Lease (``rota-controller-<node>``, renewed by the node's acting controller)
   is parsed by its one contract too,
-  :class:`controller.api.controller_lease.ControllerLease`; its activation URL is made
+  :class:`rota.api.controller_lease.ControllerLease`; its activation URL is made
   usable here (:func:`activation_url`). Whether its controller is alive is not read from
   the Lease alone: :mod:`controller.gateway.routing` feeds every read to a
-  :class:`~controller.api.controller_lease.LeaseObserver` on the gateway's monotonic clock
+  :class:`~rota.api.controller_lease.LeaseObserver` on the gateway's monotonic clock
   (the rule the controllers' own election applies; never ``renewTime`` against this
   machine's clock).
 - Pods are cut down to what routing reads (uid, annotations, deletion, IP, readiness), so
@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from controller.api import naming
-from controller.api.controller_lease import ControllerLease
-from controller.api.gpu_lease import GpuLease
+from rota.api import naming
+from rota.api.controller_lease import ControllerLease
+from rota.api.gpu_lease import GpuLease
 from controller.claimants import DRIVER
 from controller.urls import normalize_base_url
 

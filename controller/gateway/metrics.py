@@ -19,7 +19,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from controller.gateway.places import GateCounts
-from driver.metrics_registry import new_registry, package_version
+from rota.kit.metrics_registry import new_registry, package_version
 
 __all__ = ["UNKNOWN_MODEL", "GatewayMetrics"]
 

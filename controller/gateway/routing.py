@@ -8,14 +8,14 @@ by the request path. What each kind of object may decide:
   (:func:`controller.claimants.claimants_from`): model, node, GPU, and the **pod IP**, the
   only address a request is ever sent to. A claimant counts only in a namespace that the
   admin's :class:`~controller.gateway.binding.ModelBinding` binds to its model.
-- GPU Leases (:class:`controller.api.gpu_lease.GpuLease`, one per physical GPU, named after
+- GPU Leases (:class:`rota.api.gpu_lease.GpuLease`, one per physical GPU, named after
   ``(node, Claimant.gpu)`` so the shares of one GPU meet in one Lease) say **who** holds
   each GPU — the holder's claim ref and uid under a fencing number — and whether a switch
   is under way. Never where to send traffic.
 - Controller Leases say which node controllers are alive and where their activation API
   listens. Alive means: this gateway saw the Lease's record change within the Lease's
   duration, on the gateway's own monotonic clock
-  (:class:`controller.api.controller_lease.LeaseObserver`, the rule the controllers'
+  (:class:`rota.api.controller_lease.LeaseObserver`, the rule the controllers'
   election applies too); the ``renewTime`` the node's clock stamped is never compared
   with this one. A GPU whose controller Lease expired is treated as lost: its engine gets
   no traffic, and its unfinished switch does not hold requests when another replica
@@ -60,9 +60,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
-from controller.api import naming
-from controller.api.controller_lease import ControllerLease, LeaseObserver
-from controller.api.gpu_lease import GpuLease
+from rota.api import naming
+from rota.api.controller_lease import ControllerLease, LeaseObserver
+from rota.api.gpu_lease import GpuLease
 from controller.claimants import DRIVER, Claimant, claimants_from
 from controller.gateway.binding import ModelBinding
 from controller.gateway.engine_keys import secret_ref

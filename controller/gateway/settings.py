@@ -18,10 +18,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from controller.api import naming
-from driver.errors import ConfigError
-from driver.settings import build_parser as settings_parser
-from driver.settings import parse_settings
+from rota.api import naming
+from rota.kit.errors import ConfigError
+from rota.kit.settings import build_parser as settings_parser
+from rota.kit.settings import parse_settings
 
 __all__ = ["ENV_PREFIX", "PROG", "GatewaySettings", "SettingsError", "build_parser", "env_name",
            "load"]

@@ -5,7 +5,7 @@ Every route of vLLM 0.26's server (read from the real wheel by ``e2e/vllm_routes
 module against that table) is one of:
 
 - **routed** (:data:`ROUTED`, defined with the engine guard in
-  :mod:`controller.api.client_routes`): each route whose request names a ``model`` goes, with the
+  :mod:`rota.api.client_routes`): each route whose request names a ``model`` goes, with the
   same places, queueing and switching, to the same path on the engine that holds the
   model's GPU. The model is read from the JSON body's ``model`` field, or, for the audio
   uploads (``multipart/form-data``), from the form's ``model`` field; ``stream`` the same
@@ -24,7 +24,7 @@ Pure: no I/O, no aiohttp.
 
 from __future__ import annotations
 
-from controller.api.client_routes import ROUTED, Dialect, Routed
+from rota.api.client_routes import ROUTED, Dialect, Routed
 
 __all__ = ["OWN", "REFUSED", "ROUTED", "Dialect", "Routed", "routed"]
 

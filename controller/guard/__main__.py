@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from controller.guard.app import run
 from controller.guard.settings import load, split_command
-from driver.errors import ConfigError
-from driver.logs import configure
+from rota.kit.errors import ConfigError
+from rota.kit.logs import configure
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,8 +31,8 @@ from aiohttp import web
 from controller.credentials import Credential, FixedCredential
 from controller.guard.proxy import make_app
 from controller.guard.settings import GuardSettings
-from driver.control_contract import CONTROL_TOKEN_ENV
-from driver.listen import start_site
+from rota.api.control_contract import CONTROL_TOKEN_ENV
+from rota.kit.listen import start_site
 
 __all__ = ["MissingControlToken", "engine_environment", "run"]
 

@@ -1,7 +1,7 @@
 """Which requests the engine guard lets through, and with which credential. Pure.
 
 - ``client``: the surface the gateway forwards (every path of
-  :data:`controller.api.client_routes.CLIENT_PATHS`: generation, pooling, scoring,
+  :data:`rota.api.client_routes.CLIENT_PATHS`: generation, pooling, scoring,
   reranking, tokens, ...) and vLLM's other ``/v1`` client routes (:data:`V1_CLIENT_PATHS`):
   the engine's API key, when one is configured;
 - ``control``: rota's control calls: rota's control token;
@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-from controller.api.client_routes import CLIENT_PATHS
+from rota.api.client_routes import CLIENT_PATHS
 
 __all__ = [
     "CONTROL_CALLS", "V1_CLIENT_PATHS", "Access", "PathRefused", "Target", "classify", "target",

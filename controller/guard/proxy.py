@@ -17,7 +17,7 @@ to the engine on loopback and its answer back, unbuffered.
 - Credentials: the engine's API key (``Authorization``) is passed to the engine, which may
   check it too; rota's control token (``X-Rota-Control-Token``) never leaves the guard.
 - Fences: an accepted control call that carries ``X-Rota-Fence`` (the fencing numbers of
-  the GPU Leases the controller acts under, :func:`controller.api.engine_guard.parse_fences`)
+  the GPU Leases the controller acts under, :func:`rota.api.engine_guard.parse_fences`)
   raises the highest fence the guard remembers per Lease name; a control call whose fence
   for a Lease is lower than that is refused (409) and never forwarded. This closes what the
   controller's own fencing check cannot: an instance paused between reading its Lease and
@@ -41,7 +41,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from controller.api.engine_guard import (
+from rota.api.engine_guard import (
     CONTROL_TOKEN_HEADER,
     FENCE_HEADER,
     FenceHeaderError,

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from driver.settings import parse_settings
+from rota.kit.settings import parse_settings
 
 __all__ = ["ENV_PREFIX", "GuardSettings", "load"]
 

@@ -3,11 +3,11 @@
 Gateways call it; each node's controller serves it on the address its controller Lease
 advertises, or through the API server's pod proxy (``kubectl rota``). It requires the token
 when one is configured (a mounted Secret), as ``Authorization: Bearer`` or in
-:data:`~controller.api.activation.TOKEN_HEADER`; engine control endpoints are never
+:data:`~rota.api.activation.TOKEN_HEADER`; engine control endpoints are never
 reachable through it.
 
-- ``POST /v1/activate``: the contract is :mod:`controller.api.activation`.
-- ``GET /v1/state``: :class:`~controller.api.activation.StateAnswer`, the GPU Leases this
+- ``POST /v1/activate``: the contract is :mod:`rota.api.activation`.
+- ``GET /v1/state``: :class:`~rota.api.activation.StateAnswer`, the GPU Leases this
   instance knows and its claimants, each with its expected switch (:meth:`GpuWorker.expectation`:
   the costs this controller measured per claim, the ones its policy decides with).
 
@@ -18,8 +18,8 @@ wake began is not made (the policy's ``cancelled`` rule).
 - ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
 
 Every error below ``/v1/`` (a refused token, a body over the limit, an unknown path, a
-failed switch) is an :class:`~controller.api.activation.ErrorBody` sent with the status and
-``Retry-After`` that :data:`~controller.api.activation.ERRORS` gives its code: the code
+failed switch) is an :class:`~rota.api.activation.ErrorBody` sent with the status and
+``Retry-After`` that :data:`~rota.api.activation.ERRORS` gives its code: the code
 decides, never the moment or the path that produced it.
 """
 
@@ -33,7 +33,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from controller.api.activation import (
+from rota.api.activation import (
     MAX_BODY_BYTES,
     PATH,
     STATE_PATH,

@@ -33,8 +33,8 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease.switch import (
     Fenced,
@@ -44,7 +44,7 @@ from controller.lease.switch import (
     SwitchResult,
     reason_of,
 )
-from driver.aio import Backoff
+from rota.kit.aio import Backoff
 
 log = logging.getLogger(__name__)
 

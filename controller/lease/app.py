@@ -32,10 +32,10 @@ from controller.lease.node import NodeController
 from controller.lease.settings import LeaseSettings
 from controller.lease.visible_state_writer import VisibleStateKube, VisibleStateWriter
 from controller.urls import advertised_url
-from driver.aio import Backoff, retry
-from driver.errors import KubeError
-from driver.kube import load_api_client
-from driver.listen import DUAL_STACK, split_host_port, start_site
+from rota.kit.aio import Backoff, retry
+from rota.kit.errors import KubeError
+from rota.kit.kube import load_api_client
+from rota.kit.listen import DUAL_STACK, split_host_port, start_site
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The lease controller's view of its node, fed by watches instead of repeated lists.
 
-Three list-then-watch streams (:class:`driver.listwatch.ListWatch`), each narrowed on the
+Three list-then-watch streams (:class:`rota.kit.listwatch.ListWatch`), each narrowed on the
 server to this node, and the claims of the node's pods:
 
 - Pods: ``spec.nodeName=<node>``;
@@ -28,12 +28,12 @@ from typing import Any
 
 from kubernetes import client
 
-from controller.api import naming
+from rota.api import naming
 from controller.claimants import DRIVER, Claimant, claimants_from, device_memory_of
 from controller.lease import metrics
 from controller.lease.pod_claims import PodClaims
-from driver.kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube
-from driver.listwatch import ListWatch, Obj
+from rota.kit.kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube
+from rota.kit.listwatch import ListWatch, Obj
 
 __all__ = ["NodeCache"]
 

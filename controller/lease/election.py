@@ -1,13 +1,13 @@
 """Leadership per node: the controller instance that may act on this node's GPUs.
 
-One Lease per node (:class:`controller.api.controller_lease.ControllerLease`) names the
+One Lease per node (:class:`rota.api.controller_lease.ControllerLease`) names the
 acting instance. An instance acquires it when it is free or expired, renews it every third
 of its duration, and considers itself leader only until a local deadline (``asked at +
 duration * 2/3``, measured on the monotonic clock from when it *asked* for the renewal) so
 that an instance cut off from the API server stops acting before anyone else may start.
 
 Another instance's Lease is expired by the observer's rule
-(:class:`~controller.api.controller_lease.LeaseObserver`): when this instance has not
+(:class:`~rota.api.controller_lease.LeaseObserver`): when this instance has not
 seen the record change for the Lease's duration, on this instance's own monotonic clock.
 The holder's ``renewTime`` was stamped by its wall clock and is never compared with this
 one's, so a skewed or stepped wall clock on either side neither lets a standby take over
@@ -41,10 +41,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from controller.api import naming
-from controller.api.controller_lease import ControllerLease, LeaseObserver
+from rota.api import naming
+from rota.api.controller_lease import ControllerLease, LeaseObserver
 from controller.lease.kube import ControllerKube
-from driver.errors import KubeConflictError, KubeError, KubeNotFoundError
+from rota.kit.errors import KubeConflictError, KubeError, KubeNotFoundError
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 from controller.claimants import Claimant, gpu_order
 from controller.lease.admission import StartSwitch, StartTicket
 from controller.lease.engines.base import EngineAdapter

@@ -34,8 +34,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease, lease_body
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease, lease_body
 from controller.claimants import Claimant
 from controller.lease import metrics, tenants
 from controller.lease import policy as switch_policy
@@ -56,9 +56,9 @@ from controller.lease.kube import ControllerKube
 from controller.lease.reconcile import Seen, classify, plan
 from controller.lease.switch import Fenced, Switcher, SwitchResult
 from controller.lease.visibility import GpuVisibility
-from driver.aio import Backoff, wait_any
-from driver.errors import KubeConflictError, KubeNotFoundError
-from driver.opaque import EngineConfig
+from rota.kit.aio import Backoff, wait_any
+from rota.kit.errors import KubeConflictError, KubeNotFoundError
+from rota.api.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ class GpuWorker:
     def expectation(self, claimant: Claimant) -> tuple[float, int, float]:
         """``(expected_switch_s, queue_position, expected_wait_s)`` of a switch to
         ``claimant`` on this GPU now (see
-        :class:`controller.api.activation.ClaimantState`)."""
+        :class:`rota.api.activation.ClaimantState`)."""
         lease = self.lease
         holder = lease.holder if lease is not None and lease.state == naming.STATE_AWAKE \
             and lease.holder else None

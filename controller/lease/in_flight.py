@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Callable
 
 from controller.lease.engines.base import EngineAdapter
-from driver.aio import wait_any
+from rota.kit.aio import wait_any
 
 __all__ = ["until_idle"]
 

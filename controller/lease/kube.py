@@ -12,8 +12,8 @@ from typing import Any
 
 from kubernetes import client
 
-from driver.errors import KubeConflictError, KubeError
-from driver.kube import Kube, Obj
+from rota.kit.errors import KubeConflictError, KubeError
+from rota.kit.kube import Kube, Obj
 
 
 class ControllerKube(Kube):

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from controller.api.activation import OTHER_REASON as OTHER_REASON
-from controller.api.activation import SWITCH_FAILURE_REASONS as SWITCH_FAILURE_REASONS
+from rota.api.activation import OTHER_REASON as OTHER_REASON
+from rota.api.activation import SWITCH_FAILURE_REASONS as SWITCH_FAILURE_REASONS
 from controller.lease.policy import RULES as POLICY_RULES
-from driver.metrics_registry import new_registry, package_version
+from rota.kit.metrics_registry import new_registry, package_version
 
 REGISTRY = new_registry()
 

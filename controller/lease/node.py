@@ -49,7 +49,7 @@ from controller.lease.settings import LeaseSettings
 from controller.lease.switch import Fenced, Limits, Ports, Switcher
 from controller.lease.visibility import GpuVisibility
 from controller.lease.visible_state_writer import VisibleStateWriter
-from driver.aio import wait_any
+from rota.kit.aio import wait_any
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ every pod that names it is in its ``reservedFor``: what the controller reads of 
 (its allocation, its opaque engine config) does not change while a pod holds it. A claim
 that is not there yet, not allocated, or not reserved for a pod that names it (a claim
 deleted and made again under the same name, a second pod sharing it) is read again on the
-one retry schedule (:class:`driver.aio.Backoff`, bounded); after the last attempt the next
+one retry schedule (:class:`rota.kit.aio.Backoff`, bounded); after the last attempt the next
 change of the node's pods tries again.
 """
 
@@ -24,9 +24,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from driver.aio import Backoff
-from driver.errors import KubeError, KubeNotFoundError
-from driver.listwatch import Obj
+from rota.kit.aio import Backoff
+from rota.kit.errors import KubeError, KubeNotFoundError
+from rota.kit.listwatch import Obj
 
 __all__ = ["ClaimKey", "PodClaims", "claim_names_of"]
 

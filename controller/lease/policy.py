@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from driver.opaque import EngineConfig
+from rota.api.engine_config import EngineConfig
 
 __all__ = [
     "RULES",

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 
-from controller.api import naming
+from rota.api import naming
 from controller.lease.engines.base import Timeouts
 from controller.lease.policy import ModelPolicy, PolicyMode
 from controller.lease.tenants import Priority, TenantLimits
-from driver.settings import LogLevel, parse_settings
+from rota.kit.settings import LogLevel, parse_settings
 
 GIB = 1024**3
 MIB = 1024**2

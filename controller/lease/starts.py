@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller.lease.device import DeviceError
 from controller.lease.node import NodeController
-from driver.rpc.sockets import drop_link, point_link, prepare_socket_path
-from driver.start_contract import MAX_BODY_BYTES, PATH
+from rota.kit.sockets import drop_link, point_link, prepare_socket_path
+from rota.api.start_contract import MAX_BODY_BYTES, PATH
 
 __all__ = ["MAX_BODY_BYTES", "PATH", "StartReply", "StartRequest", "StartServer", "StartSocket",
            "instance_socket", "listening", "make_app", "serve"]
@@ -170,7 +170,7 @@ class StartSocket:
     (:data:`driver.startgate.SOCKET_NAME`) as a symlink to the leader's socket.
 
     No instance ever takes another's socket. The link is swapped atomically
-    (:func:`driver.rpc.sockets.point_link`) by the leader whenever it leads elsewhere, and
+    (:func:`rota.kit.sockets.point_link`) by the leader whenever it leads elsewhere, and
     by any instance only where it leads nowhere that answers: a twin that starts and exits
     beside the leader (a surge pod, a rollback) never leaves the gates a dead path, and a
     leader whose path was taken anyway (an older rota that unlinks it) points it back.

@@ -43,8 +43,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease import metrics
 from controller.lease.device import GpuSnapshot, HandbackProblem, check_before_wake
@@ -58,7 +58,7 @@ from controller.lease.engines.errors import (
 from controller.lease.errors import LeaseControllerError
 from controller.lease.in_flight import until_idle
 from controller.lease.settings import StepTimeouts
-from driver.aio import Backoff
+from rota.kit.aio import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class Switcher:
                       ) -> EngineAdapter:
         """The adapter, once the API server's copy of the Lease proves that this switch
         still owns the GPU: the fencing check before every engine call. The adapter's
-        control calls carry the fence (:data:`~controller.api.engine_guard.FENCE_HEADER`):
+        control calls carry the fence (:data:`~rota.api.engine_guard.FENCE_HEADER`):
         this instance may be paused between the check and the call for longer than a
         newer instance takes to move the Lease and call the engine, and the engine guard
         then refuses the late call."""

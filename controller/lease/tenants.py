@@ -45,7 +45,7 @@ from pydantic.alias_generators import to_camel
 
 from controller.claimants import Claimant
 from controller.lease.policy import ModelPolicy, policy_for
-from driver.opaque import EngineConfig
+from rota.api.engine_config import EngineConfig
 
 __all__ = [
     "MAX_WAIT_FLOOR_S",

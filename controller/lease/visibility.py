@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease.switch import SwitchResult
 from controller.lease.visible_state import (

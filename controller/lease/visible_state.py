@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from controller.api.gpu_lease import micro_time
+from rota.api.gpu_lease import micro_time
 from controller.claimants import DRIVER, Claimant
 
 __all__ = [

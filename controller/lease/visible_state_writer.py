@@ -34,9 +34,9 @@ from controller.lease.visible_state import (
     merged_devices,
     pod_state_patch,
 )
-from driver.aio import Backoff, retry, wait_any
-from driver.errors import KubeConflictError, KubeError, KubeNotFoundError
-from driver.kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube
+from rota.kit.aio import Backoff, retry, wait_any
+from rota.kit.errors import KubeConflictError, KubeError, KubeNotFoundError
+from rota.kit.kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube
 
 __all__ = ["VisibleStateKube", "VisibleStateWriter"]
 

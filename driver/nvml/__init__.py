@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from driver.errors import ConfigError
+from rota.kit.errors import ConfigError
 from driver.nvml.api import (
     HealthEvent,
     HealthEventKind,

@@ -59,7 +59,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from driver.errors import ConfigError, NvmlError
+from rota.kit.errors import ConfigError
+from driver.errors import NvmlError
 from driver.nvml.api import HealthEvent, HealthEventKind, MemoryInfo, ProcessInfo
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ that bound every call. Adapters live in their own modules and are chosen by
   or rota's engine guard (``rota-engine-guard``, which does check it) protects them.
 
 **Fences.** An adapter bound to the GPU Leases it acts under (:meth:`EngineAdapter.fenced`)
-sends their fencing numbers in :data:`~controller.api.engine_guard.FENCE_HEADER` on every
+sends their fencing numbers in :data:`~rota.api.engine_guard.FENCE_HEADER` on every
 control call; the engine guard refuses one whose fence is lower than one it already let
 through (a stale instance's call). vLLM ignores the header: an engine without the guard
 is not protected by it.
@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from controller.api.engine_guard import CONTROL_TOKEN_HEADER
+from rota.api.engine_guard import CONTROL_TOKEN_HEADER
 
 if TYPE_CHECKING:
     from controller.lease.engines.probe import ProbeResult
@@ -86,7 +86,7 @@ class EngineEndpoint:
         api_key: the engine's own API key (vLLM's ``--api-key``), sent as
             ``Authorization: Bearer`` on ``/v1*`` calls only. Never logged or shown.
         fences: ``(GPU Lease name, fencing number)`` pairs sent on control calls in
-            :data:`~controller.api.engine_guard.FENCE_HEADER` (empty: no header); set by
+            :data:`~rota.api.engine_guard.FENCE_HEADER` (empty: no header); set by
             :meth:`fenced`.
         run: which run of the engine this is (its pod's uid and container restarts), when
             known: what is learnt about an engine (its release) is kept per run, so a

@@ -25,7 +25,7 @@ import aiohttp
 
 from controller.lease.engines.base import EngineEndpoint, SleepOutcome, Timeouts, check_level
 from controller.lease.engines.common import ALL_TAGS, HttpEngineAdapter, Step
-from driver.opaque import HttpAdapterConfig, ProbeConfig
+from rota.api.engine_config import HttpAdapterConfig, ProbeConfig
 
 __all__ = ["HttpAdapter"]
 

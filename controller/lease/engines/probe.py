@@ -19,7 +19,7 @@ asks the engine a question, streamed, and accepts the engine only when all of th
   arrived: else ``no_usage``.
 
 The prompt, the expected answer and the token budget come from the claim's ``probe``
-section (:class:`driver.opaque.ProbeConfig`): a reasoning model may put nothing in
+section (:class:`rota.api.engine_config.ProbeConfig`): a reasoning model may put nothing in
 ``content`` within 8 tokens, so give it a budget, and with ``reasoningCounts`` its
 ``reasoning_content`` (``reasoning``) counts as content.
 
@@ -55,7 +55,7 @@ from controller.lease.engines.errors import (
 from controller.lease.engines.sse import SseParser
 from controller.lease.engines.transport import api_key_path
 from controller.lease.errors import LeaseControllerError
-from driver.opaque import (
+from rota.api.engine_config import (
     DEFAULT_PROBE_ANSWER,
     DEFAULT_PROBE_MAX_TOKENS,
     DEFAULT_PROBE_PROMPT,

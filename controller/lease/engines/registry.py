@@ -17,7 +17,7 @@ from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeout
 from controller.lease.engines.http import HttpAdapter
 from controller.lease.engines.vllm import VllmAdapter
 from controller.lease.engines.vllm_omni import VllmOmniAdapter
-from driver.opaque import EngineConfig
+from rota.api.engine_config import EngineConfig
 
 __all__ = ["ADAPTERS", "AdapterFactory", "make_adapter"]
 

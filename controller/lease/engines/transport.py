@@ -9,11 +9,11 @@ the engine's API key as ``Authorization: Bearer`` on ``/v1*`` paths only (vLLM c
 ``--api-key`` there and nowhere else), rota's control token of the endpoint's own claim in
 :data:`~controller.lease.engines.base.CONTROL_TOKEN_HEADER` on control calls (vLLM ignores it;
 the engine guard checks it), and with it the fences the endpoint is bound to, if any
-(:data:`~controller.api.engine_guard.FENCE_HEADER`). A token not known yet is asked of its
+(:data:`~rota.api.engine_guard.FENCE_HEADER`). A token not known yet is asked of its
 source (the driver) before the call; when it cannot be had, the call is not sent and
 fails as unreachable (``request_sent=False``): the engine could not be told anything.
 
-Retries, all through :func:`driver.aio.retry` (bounded, jittered):
+Retries, all through :func:`rota.kit.aio.retry` (bounded, jittered):
 
 - an idempotent read is tried again when no connection could be made, or when the
   server closed a kept-alive connection before answering;
@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from controller.api.engine_guard import FENCE_HEADER, format_fences
+from rota.api.engine_guard import FENCE_HEADER, format_fences
 from controller.lease.engines.base import CONTROL_TOKEN_HEADER, EngineEndpoint, Timeouts
 from controller.lease.engines.errors import (
     EngineDead,
@@ -52,7 +52,7 @@ from controller.lease.engines.errors import (
     parse_json,
     truncate,
 )
-from driver.aio import Backoff, retry
+from rota.kit.aio import Backoff, retry
 
 __all__ = ["MAX_ANSWER_BYTES", "Answer", "EngineHttp", "api_key_path", "map_client_error"]
 

@@ -4,7 +4,7 @@ the gateway.
 The guard (:mod:`controller.guard`) sits in front of an engine and lets control calls
 (sleep, wake, reset) through only with rota's control token; the adapters
 (:mod:`controller.lease.engines`) send it. Client requests pass on the paths the gateway
-forwards (:mod:`controller.api.client_routes`), with the engine's own API key. Standard
+forwards (:mod:`rota.api.client_routes`), with the engine's own API key. Standard
 library only: the guard imports nothing of the lease controller or the gateway.
 
 Fences. Every control call the lease controller sends also carries the fencing number of

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 from kubernetes import client, config
 
-from driver import kube_client
-from driver.errors import ConfigError, KubeConflictError, KubeError, KubeNotFoundError
-from driver.listwatch import (
+from rota.kit import kube_client
+from rota.kit.errors import ConfigError, KubeConflictError, KubeError, KubeNotFoundError
+from rota.kit.listwatch import (
     ListWatch,
     Undecodable,
     decode,
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 ClientAgent = kube_client.ClientAgent
 use_client_agent = kube_client.use
 apply_client_agent = kube_client.apply
-"""The controller's door to :mod:`driver.kube_client` (it takes only named driver modules)."""
+"""The controller's door to :mod:`rota.kit.kube_client` (it takes only named driver modules)."""
 
 T = TypeVar("T")
 Obj = dict[str, Any]
@@ -48,7 +48,7 @@ def load_api_client(kubeconfig: str | None, *, agent: kube_client.ClientAgent | 
                     ) -> client.ApiClient:
     """An ApiClient from a kubeconfig file, or from the pod's service account, sending
     ``agent``'s User-Agent under its rate limit (the process's, see
-    :mod:`driver.kube_client`, when ``agent`` is None)."""
+    :mod:`rota.kit.kube_client`, when ``agent`` is None)."""
     if kubeconfig:
         api = config.new_client_from_config(config_file=kubeconfig)
     else:
@@ -76,7 +76,7 @@ def _translate(exc: client.ApiException, what: str) -> KubeError:
 
 def _object(what: str, data: bytes) -> Obj:
     """One object read from the API, decoded with a bounded depth (see
-    :mod:`driver.listwatch`): one that cannot be decoded is an error of the read."""
+    :mod:`rota.kit.listwatch`): one that cannot be decoded is an error of the read."""
     try:
         return decode_object(data)
     except Undecodable as exc:
@@ -163,7 +163,7 @@ class Kube:
 
     async def get_claim(self, namespace: str, name: str) -> Obj:
         """One claim; a claim that cannot be decoded (a tenant's opaque parameters nested
-        past :data:`driver.listwatch.MAX_DEPTH`) raises KubeError like a failed read."""
+        past :data:`rota.kit.listwatch.MAX_DEPTH`) raises KubeError like a failed read."""
         what = f"get resourceclaim {namespace}/{name}"
         resp = await self._call(what, self._objects.get_namespaced_custom_object,
                                 RESOURCE_GROUP, RESOURCE_VERSION, namespace, "resourceclaims",
@@ -227,7 +227,7 @@ def check_kubeconfig(kubeconfig: str | None, *, context: str | None = None,
     starts: a missing file, a context that is not there or a machine outside a cluster is
     one line for the user, not a traceback from deep inside the start. With no
     ``kubeconfig``, ``in_cluster`` components (the driver, the controller, the gateway) use
-    the pod's service account, as :func:`driver.kube.load_api_client` does; a user's tool
+    the pod's service account, as :func:`rota.kit.kube.load_api_client` does; a user's tool
     reads ``$KUBECONFIG`` or ``~/.kube/config``, as kubectl does.
 
     Raises:

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from driver.errors import ConfigError
+from rota.kit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

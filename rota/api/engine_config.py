@@ -59,8 +59,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from driver.errors import OpaqueConfigError
-from driver.quantity import parse_quantity
+from rota.api.errors import OpaqueConfigError
+from rota.api.quantity import parse_quantity
 
 __all__ = [
     "API_GROUP",

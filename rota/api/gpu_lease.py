@@ -13,7 +13,7 @@ import datetime as dt
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from controller.api import naming
+from rota.api import naming
 
 
 def micro_time(moment: dt.datetime | None = None) -> str:

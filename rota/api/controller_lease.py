@@ -12,11 +12,11 @@ Fields (coordination.k8s.io/v1 Lease):
 - ``spec.leaseDurationSeconds``: how long after a renewal its holder may have stopped.
 - ``spec.renewTime`` and ``spec.acquireTime``: stamped by the *holder's* wall clock.
 - ``spec.leaseTransitions``: how many times the holder changed.
-- annotations :data:`~controller.api.naming.ACTIVATION_URL` (where the holder's activation API
-  listens), :data:`~controller.api.naming.INSTANCE` (the holder process's own id: a restarted
+- annotations :data:`~rota.api.naming.ACTIVATION_URL` (where the holder's activation API
+  listens), :data:`~rota.api.naming.INSTANCE` (the holder process's own id: a restarted
   process with the same identity is another instance) and
-  :data:`~controller.api.naming.NODE_NAME`; labels :data:`~controller.api.naming.LABEL_KIND`
-  (``controller``) and :data:`~controller.api.naming.LABEL_NODE`.
+  :data:`~rota.api.naming.NODE_NAME`; labels :data:`~rota.api.naming.LABEL_KIND`
+  (``controller``) and :data:`~rota.api.naming.LABEL_NODE`.
 
 **Liveness: the observer's own clock, never the holder's.** A reader records, per Lease,
 the time on its *own monotonic clock* at which it last saw the record change (another
@@ -47,8 +47,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from controller.api import naming
-from controller.api.gpu_lease import micro_time, parse_micro_time
+from rota.api import naming
+from rota.api.gpu_lease import micro_time, parse_micro_time
 
 __all__ = ["ControllerLease", "LeaseObserver", "Observed"]
 
@@ -75,10 +75,10 @@ class ControllerLease:
 
     name: str
     node: str = ""
-    """The node's name (the :data:`~controller.api.naming.NODE_NAME` annotation; the node label
+    """The node's name (the :data:`~rota.api.naming.NODE_NAME` annotation; the node label
     when a writer left it out)."""
     node_label: str = ""
-    """The :data:`~controller.api.naming.LABEL_NODE` label: the node as GPU Leases name it."""
+    """The :data:`~rota.api.naming.LABEL_NODE` label: the node as GPU Leases name it."""
     holder: str = ""
     """The acting instance's identity; empty when none holds it."""
     instance: str = ""

@@ -8,12 +8,12 @@ client-go's default client does: a relist or a controller start queues here inst
 arriving at the API server all at once. A watch costs one token when it opens.
 
 The bucket sits under the official client's REST layer, which runs in worker threads
-(:mod:`driver.kube` calls it through ``asyncio.to_thread``), so waiting for a token blocks a
+(:mod:`rota.kit.kube` calls it through ``asyncio.to_thread``), so waiting for a token blocks a
 worker thread, never the event loop. The version comes from the installed package's
 metadata, whose one source is ``pyproject.toml``.
 
 Each ``__main__`` calls :func:`use` once with its settings; :func:`load_api_client` in
-:mod:`driver.kube` then applies it to every client the process builds.
+:mod:`rota.kit.kube` then applies it to every client the process builds.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ The protocol, as the API server expects it of a client that keeps a cache:
 3. a 410 Gone (the version is too old) lists again at once; any other error of a watch
    (a connection reset, an API server restart, an ERROR event with another code) resumes
    the watch from the last version seen, after a pause from the one retry schedule
-   (:class:`driver.aio.Backoff`), as client-go's reflector does: an API server restart
+   (:class:`rota.kit.aio.Backoff`), as client-go's reflector does: an API server restart
    costs one watch request per stream, not a full list. A failed list is retried as a
    list;
 4. optionally list again every ``relist_s`` even when nothing failed.
@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
 
-from driver.aio import Backoff
+from rota.kit.aio import Backoff
 from driver.errors import RotaDriverError
 
 __all__ = ["MAX_DEPTH", "ListWatch", "Obj", "Undecodable", "decode", "decode_object",

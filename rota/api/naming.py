@@ -19,7 +19,7 @@ instance; renewed every few seconds; annotation :data:`ACTIVATION_URL`.
 Compatibility, so that a rolling upgrade may run two releases side by side:
 
 - readers ignore annotations and labels they do not know (a newer writer may add some),
-  and keep them on their next write (:attr:`controller.api.gpu_lease.GpuLease.extra_annotations`);
+  and keep them on their next write (:attr:`rota.api.gpu_lease.GpuLease.extra_annotations`);
 - a key is never given a new meaning; a new meaning gets a new key;
 - a removed key is still read and dropped for one release (never written again), so that
   the first write of the new release removes it: :data:`HOLDER_ENDPOINT` is one;
@@ -139,3 +139,17 @@ def gpu_lease_selector(node: str) -> str:
 def claim_ref(namespace: str, name: str) -> str:
     """The holderIdentity of a claimant."""
     return f"{namespace}/{name}"
+
+
+_SHARE_SUFFIX = re.compile(r"-share-[0-9]+\Z")
+
+
+def physical_device(device: str) -> str:
+    """The GPU (its device name, ``gpu-<i>``) that a device name of rota's pool stands for.
+
+    Every sharing mode publishes a GPU under other names (``partitioned``:
+    ``gpu-<i>-share-<k>``), but one physical GPU is one unit of "one engine awake": the
+    lease controller keys its workers and GPU Leases, and the gateway its routing, by the
+    name this returns. Pure; names of devices rota does not publish come back unchanged.
+    """
+    return _SHARE_SUFFIX.sub("", device)

@@ -1,0 +1,76 @@
+"""``python -m e2e.gpu.keep_probe`` end to end without a GPU: the engine simulator stands in
+for vLLM on the fake H200, with tiny numbers. What is checked is the probe's plumbing and
+what it reports about the call sequences (the simulator keeps vLLM 0.26's semantics: a
+plain ``/sleep`` aborts what ``/pause?mode=keep`` kept), never how fast anything was."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.gpu.keep_probe import cycle_summary
+from tests.gpu.models import stop_recorded_engines, write_models
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Iterator[Path]:
+    write_models(tmp_path / "models")
+    try:
+        yield tmp_path
+    finally:
+        stop_recorded_engines(tmp_path / "state")
+
+
+def test_the_probe_keeps_streams_across_sleeps_on_the_simulator(tmp: Path) -> None:
+    out = tmp / "out" / "keep.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "e2e.gpu.keep_probe", "--launcher", "simulator",
+         "--fake-nvml", "h200", "--models", str(tmp / "models"), "--kv", "1Gi",
+         "--streams", "2", "--max-tokens", "16", "--preempt-after", "4", "--asleep-s", "0.3",
+         "--cycles", "4", "--stream-every", "2", "--cycle-max-tokens", "8",
+         "--tokens-per-second", "50", "--budget-s", "150", "--out", str(out),
+         "--state-dir", str(tmp / "state")],
+        cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
+    result = json.loads(out.read_text())
+    assert done.returncode == 0, result.get("error") or done.stdout[-3000:] + done.stderr[-3000:]
+    seqs = {s["sequence"]: s for s in result["sequences"]}
+    assert list(seqs) == ["A", "B", "B2"]
+    for name in ("A", "B2"):
+        assert seqs[name]["correct"], seqs[name]
+        assert all(s["tokens"] == 16 for s in seqs[name]["streams"])
+        assert seqs[name]["moved_while_asleep"] == [0, 0]
+        assert seqs[name]["asleep_request_held"]
+    # /pause?mode=keep then a plain /sleep: the sleep's default mode (abort) ends them
+    assert not seqs["B"]["correct"]
+    assert all(s["finish"] == "abort" for s in seqs["B"]["streams"])
+    assert seqs["B2"]["tokens_before_resume"]  # /wake_up alone resumed the scheduler
+    assert result["cycle_sequence"]["name"] == "B2"
+    summary = result["cycles"]["summary"]
+    assert summary["cycles"] == 4
+    assert summary["frozen_streams"] == summary["frozen_identical"] == 2
+    assert summary["asleep_mib"]["first"] < summary["awake_mib"]["first"]
+    assert "| A | 2/2 |" in done.stdout
+    assert json.loads(done.stdout.strip().splitlines()[-1])["correct"] == {
+        "A": True, "B": False, "B2": True}
+
+
+def test_the_cycle_summary_reports_drift_from_the_first_cycle() -> None:
+    rows: list[list[Any]] = [[0, 0.1, 0.2, 800.0, 5000.0, True], [1, 0.1, 0.3, 808.0, 5000.0, None],
+            [2, 0.2, 0.2, 800.0, 4950.0, False]]
+    frozen = [{"identical": True, "chunks": 8, "tokens": 8, "reference_tokens": 8},
+              {"identical": False, "chunks": 5, "tokens": 8, "reference_tokens": 8}]
+    summary = cycle_summary(rows, frozen)
+    assert summary["asleep_mib"] == {"first": 800.0, "last": 800.0, "max_drift_pct": 1.0}
+    assert summary["awake_mib"]["max_drift_pct"] == 1.0
+    assert (summary["frozen_identical"], summary["frozen_with_all_chunks"]) == (1, 1)
+    assert summary["frozen_tokens_as_reference"] == 2
