@@ -16,6 +16,12 @@
 #                            window through the lease controller's GPU worker, first-come
 #                            then rota (python -m e2e.gpu.policy_run; ROTA_POLICY_ARGS: more
 #                            arguments, e.g. --trace); results in $OUT/policy.json
+#   e2e/gpu/run.sh keep      (after piece0, like policy) add the second piece, install the
+#                            bundle, start one engine of model-small and probe which call
+#                            sequence keeps in-flight streams across a level-1 sleep, then
+#                            sleep/wake cycles with streams frozen by keep (python -m
+#                            e2e.gpu.keep_probe; ROTA_KEEP_ARGS: more arguments, e.g.
+#                            --cycles 300); results in $OUT/keep.json
 #   e2e/gpu/run.sh stop      stop every engine of the state
 #   e2e/gpu/run.sh status    the state, the GPU, the engines' health
 #
@@ -33,9 +39,10 @@
 # ones, and more the ones not run yet), ROTA_BENCH_ARGS (more arguments of the benchmark,
 # not --scenarios), ROTA_GPU_WORK (/tmp/vllm: chunks, wheels), ROTA_GPU_SITE (/tmp/site:
 # vLLM), ROTA_GPU_STATE (/tmp/rota-gpu: engines' state and logs), ROTA_GPU_INPUT (.vllm of
-# the checkout), PY (python3).
+# the checkout), ROTA_POLICY_ARGS / ROTA_KEEP_ARGS (more arguments of those stages), PY
+# (python3).
 set -uo pipefail
-STAGE=${1:?usage: e2e/gpu/run.sh piece0|bench|more|policy|stop|status}
+STAGE=${1:?usage: e2e/gpu/run.sh piece0|bench|more|policy|keep|stop|status}
 [ "$STAGE" = "install+bench" ] && STAGE=bench
 BEGAN=$(date +%s)
 BUDGET=${ROTA_GPU_BUDGET_S:-570}
@@ -175,10 +182,10 @@ gpu_pytest() {  # the real-GPU pytest, on the running engines, when two run and 
   say "real-GPU pytest exited with status ${PIPESTATUS[0]}"
 }
 
-engine_logs() {  # the engines' own logs, the last 1.5 MiB of each, into one file
-  local stage=$1 f
+engine_logs() {  # engine_logs STAGE [DIR]: the engines' logs, the last 1.5 MiB of each
+  local stage=$1 dir=${2:-$STATE} f
   : > "$OUT/$stage-engines.log"
-  for f in "$STATE"/engine-*.log; do
+  for f in "$dir"/engine-*.log; do
     [ -f "$f" ] || continue
     { echo "===== $(basename "$f") ($(stat -c %s "$f") bytes, last 1.5 MiB)"; tail -c 1572864 "$f"; echo; } >> "$OUT/$stage-engines.log"
   done
@@ -247,12 +254,34 @@ EOF
     engine_logs policy
     exit $rc
     ;;
+  keep)
+    environment
+    copy_piece wheels.tar.xz.part-01
+    install_bundle
+    ensure_rota_imports
+    budget=$(( $(left) - 25 ))
+    [ "$budget" -gt 60 ] || die "only $(left) s left: not enough for the keep probe"
+    say "requests kept across sleeps on one engine, $budget s"
+    # Its own state folder: the bench's state.json (engines other stages attach to) stays.
+    # shellcheck disable=SC2086
+    timeout -k 15 $(( budget + 10 )) env PYTHONPATH="$(rota_path)" ROTA_VLLM_PYTHONPATH="$SITE" \
+      "$PY" -m e2e.gpu.keep_probe --launcher vllm --out "$OUT/keep.json" \
+      --state-dir "$STATE/keep" --models "$INPUT/models" --budget-s "$budget" \
+      --vllm-python "$(command -v "$PY")" ${ROTA_KEEP_ARGS:-}
+    rc=$?
+    say "keep probe exited with status $rc"
+    engine_logs keep "$STATE/keep"
+    exit $rc
+    ;;
   stop)
     PYTHONPATH="$(rota_path)" "$PY" -m e2e.gpu.engines stop "$STATE"
+    if [ -f "$STATE/keep/state.json" ]; then  # the keep probe's engine, if it was cut off
+      PYTHONPATH="$(rota_path)" "$PY" -m e2e.gpu.engines stop "$STATE/keep"
+    fi
     ;;
   status)
     environment
     PYTHONPATH="$(rota_path)" "$PY" -m e2e.gpu.engines status "$STATE"
     ;;
-  *) die "unknown stage $STAGE (piece0, bench, more, policy, stop, status)" ;;
+  *) die "unknown stage $STAGE (piece0, bench, more, policy, keep, stop, status)" ;;
 esac

@@ -6,6 +6,8 @@ plain ``/sleep`` aborts what ``/pause?mode=keep`` kept), never how fast anything
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -74,3 +76,40 @@ def test_the_cycle_summary_reports_drift_from_the_first_cycle() -> None:
     assert summary["awake_mib"]["max_drift_pct"] == 1.0
     assert (summary["frozen_identical"], summary["frozen_with_all_chunks"]) == (1, 1)
     assert summary["frozen_tokens_as_reference"] == 2
+
+
+def test_the_keep_stage_of_run_sh_runs_the_probe(tmp_path: Path) -> None:
+    """``e2e/gpu/run.sh keep`` after piece0: the bundle installed, the probe's JSON in
+    $OUT/keep.json, its engine's log beside it, its state apart from the bench's."""
+    from tests.gpu.test_run_sh import RUN, _bundle
+
+    inputs = tmp_path / "input"
+    _bundle(inputs / "bundle")
+    write_models(inputs / "models")
+    env = dict(os.environ, ROTA_GPU_INPUT=str(inputs), ROTA_GPU_WORK=str(tmp_path / "work"),
+               ROTA_GPU_SITE=str(tmp_path / "site"),
+               ROTA_GPU_ROTA_SITE=str(tmp_path / "rota-site"),
+               ROTA_GPU_STATE=str(tmp_path / "state"), OUT=str(tmp_path / "out"),
+               PY=sys.executable, ROTA_GPU_BUDGET_S="200",
+               ROTA_KEEP_ARGS="--launcher simulator --fake-nvml h200 --kv 1Gi --streams 1 "
+                              "--max-tokens 8 --preempt-after 2 --asleep-s 0.2 "
+                              "--sequences A --cycles 2 --stream-every 2 "
+                              "--cycle-max-tokens 4 --tokens-per-second 50")
+    # piece0's own work (weights, copy floors) is not this stage's: the piece is put in place
+    (tmp_path / "work" / "chunks").mkdir(parents=True)
+    for name in ("wheels.tar.xz.part-00", "SHA256SUMS", "WHOLE.sha256"):
+        shutil.copy(inputs / "bundle" / name, tmp_path / "work" / "chunks" / name)
+    try:
+        done = subprocess.run(["bash", str(RUN), "keep"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        stop_recorded_engines(tmp_path / "state" / "keep")
+    out = tmp_path / "out"
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "installed 1 wheels" in done.stdout
+    result = json.loads((out / "keep.json").read_text())
+    assert [s["sequence"] for s in result["sequences"]] == ["A"]
+    assert result["cycles"]["summary"]["cycles"] == 2
+    assert "keep probe exited with status 0" in (out / "keep.log").read_text()
+    assert "===== engine-keep.log" in (out / "keep-engines.log").read_text()
+    assert not (tmp_path / "state" / "state.json").exists()
