@@ -16,6 +16,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY driver ./driver
 COPY controller ./controller
+COPY rota ./rota
 RUN pip install --no-cache-dir . && rm -rf /src
 WORKDIR /
 USER 0

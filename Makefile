@@ -23,7 +23,7 @@ help:
 	@echo "make scale      rota's API load at 20 kwok GPU nodes, idle and switching (not part of"
 	@echo "                make test; SCALE_ARGS='--nodes 100' etc., see python -m e2e.scale -h)"
 	@echo "make manifests  render manifests/*.yaml from the Helm chart (charts/rota)"
-	@echo "make proto      regenerate driver/pb from proto/"
+	@echo "make proto      regenerate rota/pb from proto/"
 	@echo "make chart-readme  write charts/rota/README.md from values.yaml and its schema"
 	@echo "make release    wheel, sdist, krew plugin, image, chart, SBOMs, provenance and"
 	@echo "                SHA256SUMS into dist/: a snapshot of any commit, or VERSION=x.y.z"
@@ -116,7 +116,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy driver controller e2e tests proto
+	$(VENV)/bin/mypy driver controller rota e2e tests proto
 
 test: $(STAMP) host lint typecheck proto-check
 	ROTA_K8S_BIN="$$(bash e2e/build-k8s.sh | tail -n 1)" \

@@ -26,10 +26,10 @@ from pydantic import ValidationError
 
 from controller.urls import http_url
 from rota.api.claim_config import engine_config_of
-from rota.api.errors import ClaimError
 from rota.api.engine_config import EngineConfig
-from rota.api.quantity import parse_quantity
+from rota.api.errors import ClaimError
 from rota.api.naming import physical_device
+from rota.api.quantity import parse_quantity
 
 log = logging.getLogger(__name__)
 

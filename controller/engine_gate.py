@@ -48,8 +48,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rota.kit.aio import Backoff
 from rota.api.start_contract import CLAIM_UID_ENV, PATH, SOCKET_ENV, TOKEN_ENV, StartQuestion
+from rota.kit.aio import Backoff
 
 __all__ = ["EX_CONFIG", "EX_TEMPFAIL", "GateError", "ask", "install", "main", "wait_for_slot"]
 
@@ -202,11 +202,12 @@ def wait_for_slot(environ: dict[str, str], *, max_wait_s: float, question_timeou
 def install(directory: Path) -> Path:
     """Write the self-contained gate to ``directory/rota-engine-gate``."""
     here = Path(__file__).resolve()
+    top = here.parent.parent
     sources = {"controller/__init__.py": here.parent / "__init__.py",
                "controller/engine_gate.py": here,
-               "driver/__init__.py": here.parent.parent / "driver" / "__init__.py",
-               "rota/kit/aio.py": here.parent.parent / "driver" / "aio.py",
-               "rota/api/start_contract.py": here.parent.parent / "driver" / "start_contract.py"}
+               **{name: top / name for name in (
+                   "rota/__init__.py", "rota/kit/__init__.py", "rota/kit/aio.py",
+                   "rota/api/__init__.py", "rota/api/start_contract.py")}}
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / "rota-engine-gate"
     with tempfile.TemporaryDirectory() as tmp:

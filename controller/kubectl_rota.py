@@ -44,6 +44,7 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import ValidationError
 
+from controller.claimants import claimants_from
 from rota.api import naming
 from rota.api.activation import (
     PATH,
@@ -55,7 +56,6 @@ from rota.api.activation import (
 )
 from rota.api.controller_lease import ControllerLease
 from rota.api.gpu_lease import GpuLease, micro_time
-from controller.claimants import claimants_from
 from rota.kit.errors import ConfigError
 from rota.kit.kube import check_kubeconfig
 from rota.kit.kube_client import version

@@ -7,9 +7,9 @@ import logging
 import sys
 
 from driver import app, settings
+from driver.errors import RotaDriverError
 from rota.kit import kube, kube_client, logs
 from rota.kit.errors import ConfigError, KitError
-from driver.errors import RotaDriverError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,17 +17,13 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from driver import DRIVER_NAME
-from rota.kit.aio import wait_any
 from driver.cdi import ExtraEdits, fake_nvml_edits
 from driver.control_tokens import ControlTokens
 from driver.devices import discover
-from rota.kit.errors import ConfigError
 from driver.gc import LedgerCollector
 from driver.health import HealthMonitor
 from driver.inspection import InspectionService
-from rota.kit.kube import Kube, load_api_client
 from driver.ledger import Ledger, current_boot_id
-from rota.kit.listen import split_host_port, start_site
 from driver.nvml import open_backend
 from driver.nvml.api import NvmlBackend
 from driver.prepare import Preparer
@@ -35,10 +31,14 @@ from driver.probes import make_app
 from driver.publisher import SlicePublisher
 from driver.rpc.dra import DraService
 from driver.rpc.registration import RegistrationService
-from rota.kit.sockets import UnixServer, drop_link, point_link
 from driver.settings import DriverSettings, NvmlBackendKind
 from driver.slices import SharingMode
 from driver.startgate import StartGate, load_or_create_key, prepare_start_gate_dir
+from rota.kit.aio import wait_any
+from rota.kit.errors import ConfigError
+from rota.kit.kube import Kube, load_api_client
+from rota.kit.listen import split_host_port, start_site
+from rota.kit.sockets import UnixServer, drop_link, point_link
 
 log = logging.getLogger(__name__)
 

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from driver.errors import BudgetError
-from rota.api.errors import ClaimError
 from rota.api.claim_config import select_engine_config
 from rota.api.engine_config import EngineConfig
+from rota.api.errors import ClaimError
 from rota.api.quantity import format_bytes, parse_quantity
 
 __all__ = [

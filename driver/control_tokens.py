@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rota.api.control_contract import CONTROL_TOKEN_ENV
 from driver.startgate import KEY_BYTES, claim_token
+from rota.api.control_contract import CONTROL_TOKEN_ENV
 
 __all__ = ["ControlTokens"]
 

@@ -43,9 +43,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from driver.ledger import ClaimRecord, LedgerState
 from rota.kit.aio import Backoff, run_periodically
 from rota.kit.errors import KubeError, KubeNotFoundError
-from driver.ledger import ClaimRecord, LedgerState
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from driver import metrics
 from driver.claims import PublishedDevice
 from driver.errors import NvmlError
 from driver.nvml.api import NvmlBackend
+from rota.kit.grpc_services import generic_handler
 from rota.pb.drahealth.v1 import api_pb2 as pb_v1
 from rota.pb.drahealth.v1alpha1 import api_pb2 as pb
-from rota.kit.grpc_services import generic_handler
 
 log = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ from driver.control_tokens import ControlTokens
 from driver.devices import GpuDevice
 from driver.errors import NvmlError
 from driver.nvml.api import NvmlBackend
-from rota.pb.rota.v1 import inspect_pb2 as pb
-from rota.kit.grpc_services import generic_handler
 from driver.startgate import StartGate
+from rota.kit.grpc_services import generic_handler
+from rota.pb.rota.v1 import inspect_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -53,14 +53,11 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from driver import cdi, metrics
-from rota.kit.aio import finish_first
 from driver.budget import check_admission
 from driver.calls import Call, CallBook
 from driver.claims import ClaimPlan, PublishedDevice, plan_claim
 from driver.control_tokens import ControlTokens
 from driver.disk import OS_DISK, Disk, remove_temp_files
-from rota.api.errors import ClaimError
-from rota.kit.errors import KubeError, KubeNotFoundError
 from driver.errors import LedgerError
 from driver.ledger import (
     ClaimRecord,
@@ -71,6 +68,9 @@ from driver.ledger import (
     file_lock,
 )
 from driver.startgate import StartGate
+from rota.api.errors import ClaimError
+from rota.kit.aio import finish_first
+from rota.kit.errors import KubeError, KubeNotFoundError
 
 log = logging.getLogger(__name__)
 

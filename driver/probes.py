@@ -16,9 +16,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from driver import metrics
+from rota.kit.grpc_services import unary_client
 from rota.pb.dra.v1 import api_pb2 as dra_v1
 from rota.pb.pluginregistration import api_pb2 as reg_pb
-from rota.kit.grpc_services import unary_client
 
 _PROBE_TIMEOUT_S = 3.0
 

@@ -26,13 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from driver import DRIVER_NAME, metrics
-from rota.kit.aio import Backoff, wait_any
 from driver.claims import PublishedDevice
 from driver.devices import GpuDevice
-from rota.kit.errors import KubeConflictError, KubeError
-from rota.kit.kube import Kube
-from rota.kit.listwatch import Obj
-from rota.api.quantity import parse_quantity
 from driver.slices import (
     GATE_DEVICE_TAINTS,
     PoolOptions,
@@ -45,6 +40,11 @@ from driver.slices import (
     unhealthy_taint,
     with_taints,
 )
+from rota.api.quantity import parse_quantity
+from rota.kit.aio import Backoff, wait_any
+from rota.kit.errors import KubeConflictError, KubeError
+from rota.kit.kube import Kube
+from rota.kit.listwatch import Obj
 
 log = logging.getLogger(__name__)
 

@@ -7,20 +7,16 @@ Nothing else in the driver reads ``os.environ``. Each field's description is its
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
-import os
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from driver import DRIVER_NAME
-from rota.kit.errors import ConfigError
 from rota.kit.settings import LogLevel, parse_settings
+
 
 class NvmlBackendKind(StrEnum):
     REAL = "real"

@@ -24,17 +24,17 @@ import grpc
 from kubernetes import client
 
 from driver.devices import discover
-from driver.kube import Kube
 from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml
-from driver.pb.dra.v1 import api_pb2 as dra
 from driver.publisher import SlicePublisher
-from driver.rpc.services import unary_client
 from driver.slices import SharingMode
 from e2e.cluster import LocalCluster, create_node
 from e2e.harness import GpuNode
 from e2e.objects import GROUP, VERSION, claim, create_claim, create_namespace, engine_config
 from e2e.stats import summary_ms
+from rota.kit.grpc_services import unary_client
+from rota.kit.kube import Kube
+from rota.pb.dra.v1 import api_pb2 as dra
 
 SERVICE = dra.DESCRIPTOR.services_by_name["DRAPlugin"]
 

@@ -8,9 +8,9 @@ on 127.0.0.1) is fed a world of N nodes x G = 8 GPUs x E = 4 engines: ResourceCl
 scheduler allocates them for rota's driver (a share of one GPU, with managed fields and the
 controller's device conditions), their Running pods, one GPU Lease per GPU and one
 controller Lease per node, written by the same contracts the real processes write with
-(:class:`controller.api.gpu_lease.GpuLease`,
-:class:`controller.api.controller_lease.ControllerLease`,
-:mod:`controller.api.naming`). One more node holds the warm model: one engine, awake, served by
+(:class:`rota.api.gpu_lease.GpuLease`,
+:class:`rota.api.controller_lease.ControllerLease`,
+:mod:`rota.api.naming`). One more node holds the warm model: one engine, awake, served by
 an engine simulator on loopback. While measured, the gateway process keeps feeding its
 routing state as its watches would: every controller renews its Lease every 5 s, and each
 GPU but the warm one switches ``--switches-per-gpu-hour`` times an hour (two GPU Lease
@@ -54,9 +54,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from controller.api import naming
-from controller.api.controller_lease import ControllerLease
-from controller.api.gpu_lease import GpuLease, lease_body, micro_time
 from controller.gateway import keys
 from controller.gateway.app import make_app
 from controller.gateway.routing import RoutingState
@@ -66,6 +63,9 @@ from e2e.engine_simulator import Settings as SimSettings
 from e2e.engine_simulator import create_app as create_sim
 from e2e.objects import DRIVER, claim, engine_config, engine_pod
 from e2e.stats import percentile
+from rota.api import naming
+from rota.api.controller_lease import ControllerLease
+from rota.api.gpu_lease import GpuLease, lease_body, micro_time
 
 GPUS = 8
 ENGINES = 4

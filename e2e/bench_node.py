@@ -17,7 +17,6 @@ import uuid
 
 from kubernetes import client
 
-from driver.logs import configure
 from e2e.cluster import LocalCluster, binaries
 from e2e.cluster.realnode import RealNode
 from e2e.deploy import deploy
@@ -26,6 +25,7 @@ from e2e.objects import claim, create_claim, create_namespace
 from e2e.rota_node import RotaOnNodes, build_rota_images
 from e2e.stats import summary_ms
 from e2e.waiting import eventually
+from rota.kit.logs import configure
 
 
 def _claim_pod(name: str, node: str) -> dict[str, object]:

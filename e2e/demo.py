@@ -23,8 +23,6 @@ from typing import Any
 import aiohttp
 from kubernetes import client
 
-from controller.api.activation import STATE_PATH, LastSwitch, StateAnswer
-from driver.logs import configure
 from e2e.cluster import LocalCluster, binaries
 from e2e.cluster.realnode import RealNode
 from e2e.deploy import deploy
@@ -32,6 +30,8 @@ from e2e.objects import read_gpu_lease
 from e2e.rota_node import RotaOnNodes, build_rota_images
 from e2e.scenario import stream_chat
 from e2e.waiting import eventually
+from rota.api.activation import STATE_PATH, LastSwitch, StateAnswer
+from rota.kit.logs import configure
 
 NAMESPACE = "demo"
 NODE = "gpu-node-1"

@@ -44,13 +44,13 @@ from typing import Literal
 
 from kubernetes import client
 
-from driver.kube import Kube
 from driver.ledger import file_lock
 from driver.prepare import ClaimRef, Preparer
 from e2e.disk_simulator import DiskSimulator, SimulatedCrash
 from e2e.objects import read_claim
 from e2e.preparing import NodeFiles, allocated_claim, node_devices, overcommits, set_allocation
 from e2e.waiting import eventually_async
+from rota.kit.kube import Kube
 
 GPU_BYTES = 150754820096  # the fake H200
 Expected = Literal["prepared", "unprepared", "unknown"]

@@ -19,8 +19,6 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp.test_utils import TestServer
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease.admission import StartLimits, StartSwitch
 from controller.lease.device import GpuProcess, GpuSnapshot
@@ -31,7 +29,6 @@ from controller.lease.gpu_locks import GpuLocks, domains
 from controller.lease.metrics import SwitchMetrics
 from controller.lease.settings import StepTimeouts
 from controller.lease.switch import Limits, Ports, Switcher, SwitchObserver
-from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.engine_simulator import Settings, create_app
 from e2e.engine_simulator.engine import Engine as SimEngine
 from e2e.engine_simulator.keys import ENGINE_KEY
@@ -39,6 +36,9 @@ from e2e.engine_simulator.loopback import SimulatorServer
 from e2e.engine_simulator.settings import Faults, FaultsPatch
 from e2e.ports import MemoryLeasePort
 from e2e.waiting import eventually_async
+from rota.api import naming
+from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
+from rota.api.gpu_lease import GpuLease
 
 GIB = 2**30
 

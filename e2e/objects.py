@@ -9,8 +9,8 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 
 GROUP, VERSION = "resource.k8s.io", "v1"
 DRIVER = "gpu.rota.dev"

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import datetime as dt
 
-from controller.api.gpu_lease import GpuLease
 from controller.lease.device import DeviceReader, GpuSnapshot
 from controller.lease.switch import Fenced
+from rota.api.gpu_lease import GpuLease
 
 __all__ = ["MemoryLeasePort", "ReaderDevice"]
 

@@ -21,7 +21,6 @@ from driver import DRIVER_NAME, cdi
 from driver.claims import PublishedDevice
 from driver.devices import discover
 from driver.disk import OS_DISK, Disk
-from driver.kube import Kube
 from driver.ledger import Ledger
 from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml
@@ -29,6 +28,7 @@ from driver.prepare import ClaimRef, Preparer
 from driver.publisher import published_devices
 from driver.slices import PoolOptions, build_slices
 from e2e.objects import GROUP, VERSION, claim, create_claim, engine_config
+from rota.kit.kube import Kube
 
 BOOT_ID = "00000000-0000-4000-8000-b00700000001"
 

@@ -23,7 +23,7 @@ them to a registry with cosign signatures and provenance, and verify them there.
 What comes out, all named in ``SHA256SUMS``:
 
 - ``rota-<py>-py3-none-any.whl`` and ``rota-<py>.tar.gz`` (``python -m build``): the runtime
-  packages only (``driver`` with its generated ``driver/pb``, ``controller``), with the
+  packages only (``driver`` with its generated ``rota/pb``, ``controller``), with the
   entry points ``rota-driver``, ``rota-controller``, ``rota-engine-gate``,
   ``rota-engine-guard`` and ``kubectl-rota``;
 - ``rota-<py>.wheel.cdx.json``: the wheel's CycloneDX SBOM (``cyclonedx-py environment`` of
@@ -80,7 +80,7 @@ from packaging.version import InvalidVersion, Version
 REPO = Path(__file__).resolve().parent.parent
 IMAGE_REPOSITORY = "ghcr.io/rota-dev/rota"
 SOURCE_URL = "https://github.com/rota-dev/rota"
-RUNTIME_PACKAGES = ("driver", "controller")
+RUNTIME_PACKAGES = ("driver", "controller", "rota")
 """The top-level packages the wheel may hold; anything else (``e2e``, ``tests``) fails."""
 ENTRY_POINTS = ("kubectl-rota", "rota-controller", "rota-driver", "rota-engine-gate",
                 "rota-engine-guard")

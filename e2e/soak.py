@@ -354,11 +354,11 @@ async def soak(stage: SoakStage, *, seconds: float, clients: int, disrupt_every_
 
 
 def main(argv: list[str] | None = None) -> int:
-    from driver.logs import configure
     from e2e.cluster import LocalCluster, binaries
     from e2e.cluster.realnode import RealNode
     from e2e.deploy import deploy
     from e2e.rota_node import build_rota_images
+    from rota.kit.logs import configure
 
     parser = argparse.ArgumentParser(prog="python -m e2e.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from driver.aio import Backoff, retry
+from rota.kit.aio import Backoff, retry
 
 
 def test_pauses_grow_to_the_ceiling_and_keep_a_jittered_floor() -> None:

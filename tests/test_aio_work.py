@@ -1,4 +1,4 @@
-"""driver.aio: work that is finished before a cancellation is raised, two calls at once, and
+"""rota.kit.aio: work that is finished before a cancellation is raised, two calls at once, and
 periodic steps."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from driver.aio import Backoff, both, finish_first, run_periodically
+from rota.kit.aio import Backoff, both, finish_first, run_periodically
 
 
 async def test_a_cancelled_caller_waits_for_the_work_then_gets_its_cancellation() -> None:

@@ -20,17 +20,30 @@ def _section(title: str) -> str:
 
 
 def test_every_folder_of_the_process_table_exists() -> None:
-    rows = [line for line in _section("Processes").splitlines()
-            if line.startswith("| ") and not line.startswith("| process")]
-    folders = [re.findall(r"`([^`]+)`", row.split("|")[2])[0] for row in rows]
+    folders = _first_column_folders("| process", 2)
     assert len(folders) >= 5
     missing = [f for f in folders if not (ROOT / f).exists()]
     assert not missing
+
+
+def _first_column_folders(header: str, column: int) -> list[str]:
+    """The folder named in ``column`` of each row of the Processes table whose header
+    row starts with ``header``."""
+    text = _section("Processes")
+    table = text[text.index(header):].split("\n\n")[0].splitlines()[2:]
+    return [re.findall(r"`([^`]+)`", row.split("|")[column])[0] for row in table]
+
+
+def test_every_shared_package_of_the_map_exists_and_no_other() -> None:
+    named = {f.rstrip("/") for f in _first_column_folders("| package", 1)}
+    present = {f"rota/{p.name}" for p in (ROOT / "rota").iterdir()
+               if (p / "__init__.py").exists()}
+    assert named == present
 
 
 def test_the_kubernetes_importers_named_are_the_allowed_ones() -> None:
     text = _section("Processes")
     paragraph = text[text.index("Modules that may import the `kubernetes` client"):]
     paragraph = paragraph[:paragraph.index("\n\n")]
-    named = set(re.findall(r"`((?:driver|controller)/[^`]+\.py)`", paragraph))
+    named = set(re.findall(r"`((?:driver|controller|rota)/[^`]+\.py)`", paragraph))
     assert named == KUBERNETES_IMPORTERS

@@ -1,7 +1,9 @@
 """The layering rules of DESIGN.md, checked on the source: pure modules import no I/O
-library, the driver never imports the controller, the controller takes from the driver
-only what is meant to be shared, and the contracts between processes (``controller/api``)
-import no process."""
+library; the processes (``driver``: the DRA kubelet plugin; ``controller``: the lease
+controller, the gateway and the guard) never import each other; what they share lives in
+``rota`` (the contracts in ``rota/api``, the runtime kit in ``rota/kit``, the generated
+messages in ``rota/pb``), which imports no process; and the contracts import nothing but
+the standard library, pydantic and each other."""
 
 from __future__ import annotations
 
@@ -13,20 +15,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 IO_LIBRARIES = {"kubernetes", "grpc", "aiohttp", "pynvml", "torch"}
-PURE = ["driver/quantity.py", "driver/opaque.py", "driver/claims.py", "driver/budget.py",
+PURE = ["driver/claims.py", "driver/budget.py",
         "driver/slices.py", "driver/devices.py", "driver/cdi.py", "driver/ledger.py",
         "driver/cgroups.py", "driver/nvml/api.py", "controller/claimants.py",
-        "driver/start_contract.py", "driver/control_contract.py", "driver/control_tokens.py",
-        "controller/lease/reconcile.py", "driver/aio.py", "driver/startgate.py",
-        *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "controller" / "api").rglob("*.py"))]
-SHARED_FROM_DRIVER = {"driver.aio", "driver.claims", "driver.errors", "driver.kube",
-                      "driver.kube_client",
-                      "driver.listen", "driver.listwatch", "driver.logs", "driver.metrics_registry",
-                      "driver.opaque", "driver.quantity",
-                      "driver.settings", "driver.slices", "driver.start_contract",
-                      "driver.control_contract",
-                      "driver.rpc.services", "driver.rpc.sockets", "driver.pb.rota.v1",
-                      "driver.pb.rota.v1.inspect_pb2"}
+        "driver/control_tokens.py", "controller/lease/reconcile.py", "rota/kit/aio.py",
+        "driver/startgate.py",
+        *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "rota" / "api").rglob("*.py"))]
+PROCESS_PACKAGES = {"driver", "controller"}
+"""The top-level packages that are processes; ``rota`` is what they share."""
 
 
 def _imports(path: Path) -> set[str]:
@@ -52,42 +48,46 @@ def test_the_driver_never_imports_the_controller() -> None:
     assert not offenders
 
 
-API_MAY_IMPORT = {"controller.api", "pydantic"}
+API_MAY_IMPORT = {"rota.api", "pydantic"}
 """Besides the standard library: the contracts' own package and pydantic. Never a process:
 ``controller.lease``, ``controller.gateway``, ``controller.guard``."""
 
 
 def test_the_contracts_import_no_process() -> None:
-    paths = list((ROOT / "controller" / "api").rglob("*.py"))
+    paths = list((ROOT / "rota" / "api").rglob("*.py"))
     assert paths
     found: dict[str, set[str]] = {}
     for path in paths:
         for name in _imports(path):
-            if name.split(".")[0] in sys.stdlib_module_names or name == "controller":
-                continue  # ``from controller.api import naming`` is judged by its module
+            if name.split(".")[0] in sys.stdlib_module_names or name == "rota":
+                continue  # ``from rota import api`` is judged by its module
             if not any(name == allowed or name.startswith(f"{allowed}.")
                        for allowed in API_MAY_IMPORT):
                 found.setdefault(str(path.relative_to(ROOT)), set()).add(name)
     assert not found, found
 
 
-def _shared(name: str) -> bool:
-    return any(name == allowed or name.startswith(f"{allowed}.")
-               for allowed in SHARED_FROM_DRIVER)
-
-
-def test_the_controller_takes_only_shared_driver_modules() -> None:
-    used: dict[str, set[str]] = {}
-    for path in (ROOT / "controller").rglob("*.py"):
+def _importers_of(package: str, folder: str) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / folder).rglob("*.py"):
         for name in _imports(path):
-            if name.startswith("driver.") and not _shared(name):
-                used.setdefault(name, set()).add(str(path.relative_to(ROOT)))
-    assert not used, used
+            if name.split(".")[0] == package:
+                found.setdefault(str(path.relative_to(ROOT)), set()).add(name)
+    return found
 
 
-SHARED_IN_CONTROLLER = {"controller.api", "controller.credentials", "controller.claimants",
-                        "controller.urls"}
-"""What rota's processes under ``controller/`` share: the contracts and a few pure helpers.
+def test_the_controller_never_imports_the_driver() -> None:
+    """What both need is in ``rota``: a change to the kubelet plugin touches one process."""
+    assert _importers_of("driver", "controller") == {}
+
+
+@pytest.mark.parametrize("process", sorted(PROCESS_PACKAGES))
+def test_the_shared_packages_import_no_process(process: str) -> None:
+    assert _importers_of(process, "rota") == {}
+
+
+SHARED_IN_CONTROLLER = {"controller.credentials", "controller.claimants", "controller.urls"}
+"""What rota's processes under ``controller/`` share besides ``rota``: a few pure helpers.
 Everything else belongs to one process, in its folder."""
 PROCESSES = {"lease", "gateway", "guard"}
 ENTRY_POINTS = {"controller.__init__", "controller.__main__", "controller.engine_gate",
@@ -117,7 +117,7 @@ def test_every_controller_module_is_a_process_s_or_shared() -> None:
             and m.removeprefix("controller.") not in shared} == set()
     folders = {p.name for p in (ROOT / "controller").iterdir()
                if p.is_dir() and (p / "__init__.py").exists()}
-    assert folders == PROCESSES | {"api"}
+    assert folders == PROCESSES
 
 
 def test_the_lease_controller_the_gateway_and_the_guard_never_import_each_other() -> None:
@@ -135,8 +135,8 @@ def test_the_lease_controller_the_gateway_and_the_guard_never_import_each_other(
 
 
 KUBERNETES_IMPORTERS = {
-    "driver/kube.py",  # the driver's client and its errors
-    "driver/listwatch.py",  # the one list-then-watch
+    "rota/kit/kube.py",  # the one client facade and its errors
+    "rota/kit/listwatch.py",  # the one list-then-watch
     "controller/lease/kube.py",  # the lease controller's client, Leases and Events
     "controller/lease/cache.py",  # the lease controller's watches of claims and pods
     "controller/lease/visible_state_writer.py",  # claim status conditions
@@ -149,7 +149,7 @@ takes typed values from them (DESIGN.md's map names them too)."""
 
 
 def test_only_the_named_modules_import_the_kubernetes_client() -> None:
-    found = {str(path.relative_to(ROOT)) for folder in ("driver", "controller")
+    found = {str(path.relative_to(ROOT)) for folder in ("driver", "controller", "rota")
              for path in (ROOT / folder).rglob("*.py")
              if any(name.split(".")[0] == "kubernetes" for name in _imports(path))}
     assert found == KUBERNETES_IMPORTERS
@@ -175,8 +175,9 @@ def _exception_classes(package: str) -> list[type[BaseException]]:
     ("controller.gateway", "controller.gateway.errors.RotaGatewayError", set()),
     # The fake NVML backend stands for a CUDA allocation failing inside an engine, not
     # for an error of the driver; a list-watch's 410 never leaves its thread.
-    ("driver", "driver.errors.RotaDriverError",
-     {"driver.nvml.fake.GpuMemoryExhausted", "driver.listwatch._Gone"}),
+    ("driver", "driver.errors.RotaDriverError", {"driver.nvml.fake.GpuMemoryExhausted"}),
+    ("rota.kit", "rota.kit.errors.KitError", {"rota.kit.listwatch._Gone"}),
+    ("rota.api", "rota.api.errors.ContractError", set()),
 ])
 def test_each_process_has_one_error_root(package: str, root_name: str, exempt: set[str]
                                          ) -> None:

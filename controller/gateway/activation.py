@@ -46,6 +46,10 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
+from controller.credentials import SecretFile
+from controller.gateway.errors import Code, Unavailable
+from controller.gateway.metrics import GatewayMetrics
+from controller.gateway.proxy import read_bounded
 from rota.api.activation import (
     ERRORS,
     PATH,
@@ -57,10 +61,6 @@ from rota.api.activation import (
     StateAnswer,
     asks_again,
 )
-from controller.credentials import SecretFile
-from controller.gateway.errors import Code, Unavailable
-from controller.gateway.metrics import GatewayMetrics
-from controller.gateway.proxy import read_bounded
 from rota.kit.aio import Backoff
 
 __all__ = ["ACTIVATION_CODES", "KNOWN_OUTCOMES", "ActivationFailed", "Activator",

@@ -51,11 +51,11 @@ from typing import Any
 
 from kubernetes import client
 
-from rota.api import naming
 from controller.gateway.lease_view import slim_claim, slim_pod
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routing import ObjectKind, RoutingState, claim_is_ours
 from controller.gateway.settings import GatewaySettings
+from rota.api import naming
 from rota.kit.aio import Backoff, wait_any
 from rota.kit.kube import load_api_client
 from rota.kit.listwatch import ListWatch

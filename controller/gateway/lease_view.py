@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from controller.claimants import DRIVER
+from controller.urls import normalize_base_url
 from rota.api import naming
 from rota.api.controller_lease import ControllerLease
 from rota.api.gpu_lease import GpuLease
-from controller.claimants import DRIVER
-from controller.urls import normalize_base_url
 
 __all__ = ["activation_url", "controller_lease_of", "gpu_lease_of", "slim_claim", "slim_pod"]
 

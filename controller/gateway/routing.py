@@ -60,9 +60,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
-from rota.api import naming
-from rota.api.controller_lease import ControllerLease, LeaseObserver
-from rota.api.gpu_lease import GpuLease
 from controller.claimants import DRIVER, Claimant, claimants_from
 from controller.gateway.binding import ModelBinding
 from controller.gateway.engine_keys import secret_ref
@@ -74,6 +71,9 @@ from controller.gateway.lease_view import (
     slim_pod,
 )
 from controller.urls import http_url
+from rota.api import naming
+from rota.api.controller_lease import ControllerLease, LeaseObserver
+from rota.api.gpu_lease import GpuLease
 
 __all__ = [
     "Action",

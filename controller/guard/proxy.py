@@ -41,15 +41,15 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from controller.credentials import Credential, bearer
+from controller.guard.paths import Access, PathRefused, Target, classify, target
+from controller.guard.settings import GuardSettings
 from rota.api.engine_guard import (
     CONTROL_TOKEN_HEADER,
     FENCE_HEADER,
     FenceHeaderError,
     parse_fences,
 )
-from controller.credentials import Credential, bearer
-from controller.guard.paths import Access, PathRefused, Target, classify, target
-from controller.guard.settings import GuardSettings
 
 __all__ = ["CREDENTIALS", "FENCES", "SESSION", "SETTINGS", "make_app"]
 

@@ -33,6 +33,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from controller.claimants import Claimant
+from controller.credentials import ApiKeys
+from controller.lease import metrics
+from controller.lease.node import NodeController, UnknownModel
+from controller.lease.switch import Fenced
 from rota.api.activation import (
     MAX_BODY_BYTES,
     PATH,
@@ -48,11 +53,6 @@ from rota.api.activation import (
     refusal_of,
     wire_reason,
 )
-from controller.claimants import Claimant
-from controller.credentials import ApiKeys
-from controller.lease import metrics
-from controller.lease.node import NodeController, UnknownModel
-from controller.lease.switch import Fenced
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,6 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rota.api import naming
-from rota.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease.switch import (
     Fenced,
@@ -44,6 +42,8 @@ from controller.lease.switch import (
     SwitchResult,
     reason_of,
 )
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 from rota.kit.aio import Backoff
 
 log = logging.getLogger(__name__)

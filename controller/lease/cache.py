@@ -28,10 +28,10 @@ from typing import Any
 
 from kubernetes import client
 
-from rota.api import naming
 from controller.claimants import DRIVER, Claimant, claimants_from, device_memory_of
 from controller.lease import metrics
 from controller.lease.pod_claims import PodClaims
+from rota.api import naming
 from rota.kit.kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube
 from rota.kit.listwatch import ListWatch, Obj
 

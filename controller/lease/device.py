@@ -11,9 +11,9 @@ import grpc
 
 from controller.claimants import Claimant
 from controller.lease.errors import LeaseControllerError
-from rota.pb.rota.v1 import inspect_pb2 as pb
 from rota.api.quantity import format_bytes
 from rota.kit.grpc_services import unary_client
+from rota.pb.rota.v1 import inspect_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["NodeInspection"]
 

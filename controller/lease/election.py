@@ -41,9 +41,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from controller.lease.kube import ControllerKube
 from rota.api import naming
 from rota.api.controller_lease import ControllerLease, LeaseObserver
-from controller.lease.kube import ControllerKube
 from rota.kit.errors import KubeConflictError, KubeError, KubeNotFoundError
 
 log = logging.getLogger(__name__)

@@ -40,8 +40,6 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rota.api import naming
-from rota.api.gpu_lease import GpuLease
 from controller.claimants import Claimant, gpu_order
 from controller.lease.admission import StartSwitch, StartTicket
 from controller.lease.engines.base import EngineAdapter
@@ -55,6 +53,8 @@ from controller.lease.switch import (
     gang_of,
     reason_of,
 )
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 
 log = logging.getLogger(__name__)
 

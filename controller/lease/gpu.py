@@ -34,8 +34,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rota.api import naming
-from rota.api.gpu_lease import GpuLease, lease_body
 from controller.claimants import Claimant
 from controller.lease import metrics, tenants
 from controller.lease import policy as switch_policy
@@ -56,9 +54,11 @@ from controller.lease.kube import ControllerKube
 from controller.lease.reconcile import Seen, classify, plan
 from controller.lease.switch import Fenced, Switcher, SwitchResult
 from controller.lease.visibility import GpuVisibility
+from rota.api import naming
+from rota.api.engine_config import EngineConfig
+from rota.api.gpu_lease import GpuLease, lease_body
 from rota.kit.aio import Backoff, wait_any
 from rota.kit.errors import KubeConflictError, KubeNotFoundError
-from rota.api.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from controller.lease.policy import RULES as POLICY_RULES
 from rota.api.activation import OTHER_REASON as OTHER_REASON
 from rota.api.activation import SWITCH_FAILURE_REASONS as SWITCH_FAILURE_REASONS
-from controller.lease.policy import RULES as POLICY_RULES
 from rota.kit.metrics_registry import new_registry, package_version
 
 REGISTRY = new_registry()

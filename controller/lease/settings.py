@@ -15,10 +15,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 
-from rota.api import naming
 from controller.lease.engines.base import Timeouts
 from controller.lease.policy import ModelPolicy, PolicyMode
 from controller.lease.tenants import Priority, TenantLimits
+from rota.api import naming
 from rota.kit.settings import LogLevel, parse_settings
 
 GIB = 1024**3

@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller.lease.device import DeviceError
 from controller.lease.node import NodeController
-from rota.kit.sockets import drop_link, point_link, prepare_socket_path
 from rota.api.start_contract import MAX_BODY_BYTES, PATH
+from rota.kit.sockets import drop_link, point_link, prepare_socket_path
 
 __all__ = ["MAX_BODY_BYTES", "PATH", "StartReply", "StartRequest", "StartServer", "StartSocket",
            "instance_socket", "listening", "make_app", "serve"]

@@ -43,8 +43,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from rota.api import naming
-from rota.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease import metrics
 from controller.lease.device import GpuSnapshot, HandbackProblem, check_before_wake
@@ -58,6 +56,8 @@ from controller.lease.engines.errors import (
 from controller.lease.errors import LeaseControllerError
 from controller.lease.in_flight import until_idle
 from controller.lease.settings import StepTimeouts
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 from rota.kit.aio import Backoff
 
 log = logging.getLogger(__name__)

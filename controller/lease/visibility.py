@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from rota.api import naming
-from rota.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease.switch import SwitchResult
 from controller.lease.visible_state import (
@@ -35,6 +33,8 @@ from controller.lease.visible_state import (
     pod_ref,
 )
 from controller.lease.visible_state_writer import VisibleStateWriter
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 
 __all__ = ["GpuVisibility"]
 

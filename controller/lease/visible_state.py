@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from rota.api.gpu_lease import micro_time
 from controller.claimants import DRIVER, Claimant
+from rota.api.gpu_lease import micro_time
 
 __all__ = [
     "FIELD_MANAGER",

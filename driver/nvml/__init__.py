@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rota.kit.errors import ConfigError
 from driver.nvml.api import (
     HealthEvent,
     HealthEventKind,
@@ -18,6 +17,7 @@ from driver.nvml.api import (
     NvmlBackend,
     ProcessInfo,
 )
+from rota.kit.errors import ConfigError
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 

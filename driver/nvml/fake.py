@@ -59,9 +59,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rota.kit.errors import ConfigError
 from driver.errors import NvmlError
 from driver.nvml.api import HealthEvent, HealthEventKind, MemoryInfo, ProcessInfo
+from rota.kit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import Any, Protocol, cast
 
 import grpc
 
-from rota.pb.dra.v1 import api_pb2 as v1
-from rota.pb.dra.v1beta1 import api_pb2 as v1beta1
 from driver.prepare import ClaimRef, DeviceAnswer
 from rota.kit.grpc_services import generic_handler
+from rota.pb.dra.v1 import api_pb2 as v1
+from rota.pb.dra.v1beta1 import api_pb2 as v1beta1
 
 log = logging.getLogger(__name__)
 

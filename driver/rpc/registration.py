@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from rota.pb.pluginregistration import api_pb2 as reg_pb
 from rota.kit.grpc_services import generic_handler
+from rota.pb.pluginregistration import api_pb2 as reg_pb
 
 log = logging.getLogger(__name__)
 

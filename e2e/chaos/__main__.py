@@ -7,10 +7,10 @@ import asyncio
 import sys
 from pathlib import Path
 
-from driver.logs import configure
 from e2e.chaos.campaign import CampaignOptions, run_campaign
 from e2e.chaos.rig import RigOptions
 from e2e.cluster import LocalCluster
+from rota.kit.logs import configure
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -15,7 +15,6 @@ from typing import Any
 import aiohttp
 from kubernetes import client
 
-from controller.api import naming
 from e2e.chaos.evidence import unreachable_engine
 from e2e.chaos.faults import CATALOGUE, Fault
 from e2e.chaos.load import client_loop, into_tally
@@ -26,6 +25,7 @@ from e2e.cluster import LocalCluster
 from e2e.objects import ROTA_NAMESPACE, read_gpu_lease
 from e2e.scenario import AwakeMonitor, sim_state
 from e2e.stats import summary_ms
+from rota.api import naming
 
 __all__ = ["CampaignOptions", "run_campaign"]
 

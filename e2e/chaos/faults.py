@@ -26,12 +26,12 @@ from pathlib import Path
 import aiohttp
 from kubernetes import client
 
-from controller.api import naming
-from driver.aio import Backoff
 from e2e.chaos.evidence import engine_log
 from e2e.chaos.rig import NodeRig, Rig, slow_starters
 from e2e.objects import ROTA_NAMESPACE, node_gpu_leases
 from e2e.scenario import Engine, set_faults
+from rota.api import naming
+from rota.kit.aio import Backoff
 
 __all__ = ["CATALOGUE", "Fault", "Injected"]
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from controller.api import naming
 from e2e.gang_node import GangNode, gang_node, node_of, start_sim
+from rota.api import naming
 
 __all__ = ["GangCampaign", "Report", "run"]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
-from driver.aio import Backoff
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
+from rota.kit.aio import Backoff
 
 __all__ = ["LeaseObserver", "Transition"]
 

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from driver.logs import configure
 from e2e.cluster import binaries
 from e2e.cluster.local import STATE_FILE, ClusterOptions, LocalCluster, stop_from_state
 from e2e.cluster.nodes import create_node
+from rota.kit.logs import configure
 
 DEFAULT_DIR = Path(".rota/cluster")
 

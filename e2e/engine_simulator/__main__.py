@@ -12,10 +12,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from driver.logs import configure
 from e2e.engine_simulator.app import run
 from e2e.engine_simulator.engine import StartFailed
 from e2e.engine_simulator.settings import settings_from_args
+from rota.kit.logs import configure
 
 log = logging.getLogger("e2e.engine_simulator")
 

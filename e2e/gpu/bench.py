@@ -36,10 +36,8 @@ import aiohttp
 from controller.lease.device import DeviceReader
 from driver.devices import GpuDevice, discover
 from driver.inspection import InspectionService
-from driver.logs import configure
 from driver.nvml import open_backend
 from driver.nvml.api import NvmlBackend
-from driver.rpc.sockets import UnixServer
 from e2e.gpu import report
 from e2e.gpu.context import (
     ASSUMED_H2D_BYTES_PER_S,
@@ -62,6 +60,8 @@ from e2e.gpu.engines import (
 from e2e.gpu.instrument import HttpTrace
 from e2e.gpu.sampler import NvmlSampler
 from e2e.ports import ReaderDevice
+from rota.kit.logs import configure
+from rota.kit.sockets import UnixServer
 
 log = logging.getLogger("e2e.gpu.bench")
 

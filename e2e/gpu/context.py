@@ -20,8 +20,6 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease.device import GpuSnapshot
 from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
@@ -30,8 +28,6 @@ from controller.lease.settings import StepTimeouts
 from controller.lease.switch import Limits, Ports, Switcher, SwitchResult
 from driver.devices import GpuDevice
 from driver.nvml.api import NvmlBackend
-from driver.opaque import API_VERSION, KIND, parse_engine_config
-from driver.quantity import parse_quantity
 from e2e.gpu.engines import (
     EngineProcess,
     EngineRecord,
@@ -43,6 +39,10 @@ from e2e.gpu.instrument import AdapterCall, BenchAdapter, HttpTrace
 from e2e.gpu.sampler import NvmlSampler
 from e2e.gpu.vllm_log import LogCursor, LogEvent, summarise_start
 from e2e.ports import MemoryLeasePort, ReaderDevice
+from rota.api import naming
+from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
+from rota.api.gpu_lease import GpuLease
+from rota.api.quantity import parse_quantity
 
 log = logging.getLogger("e2e.gpu.context")
 

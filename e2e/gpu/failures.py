@@ -17,7 +17,6 @@ from typing import Any
 
 from controller.claimants import Claimant
 from controller.lease.settings import StepTimeouts
-from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.gpu import report
 from e2e.gpu.context import (
     GIB,
@@ -43,6 +42,7 @@ from e2e.gpu.steps import (
     wait_released,
 )
 from e2e.waiting import WaitTimeout, eventually_async
+from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
 
 __all__ = [
     "Ballast",

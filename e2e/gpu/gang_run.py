@@ -36,8 +36,6 @@ from typing import Any
 
 import aiohttp
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease.device import DeviceReader, GpuSnapshot
 from controller.lease.engines.base import EngineAdapter
@@ -46,7 +44,6 @@ from controller.lease.gpu_locks import GpuLocks
 from controller.lease.switch import Ports, Switcher, SwitchResult
 from driver.inspection import InspectionService
 from driver.nvml.api import NvmlBackend
-from driver.rpc.sockets import UnixServer
 from e2e.gpu.context import NODE
 from e2e.gpu.instrument import AdapterCall, BenchAdapter
 from e2e.gpu.one_awake import OneAwakeSampler
@@ -56,6 +53,9 @@ from e2e.gpu.switch_run import IDENTITY, Run, engine_timeouts, limits, remaining
 from e2e.gpu.switch_summary import common, values
 from e2e.ports import MemoryLeasePort, ReaderDevice
 from e2e.stats import summary_s
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
+from rota.kit.sockets import UnixServer
 
 __all__ = ["gang_summary", "run_gang_protocol"]
 

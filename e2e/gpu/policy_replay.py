@@ -31,8 +31,6 @@ from typing import Any
 
 import aiohttp
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease import metrics
 from controller.lease.engines.base import EngineAdapter
@@ -42,6 +40,8 @@ from controller.lease.settings import LeaseSettings
 from controller.lease.switch import Switcher, SwitchResult
 from e2e.ports import MemoryLeasePort
 from e2e.stats import percentile
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 
 __all__ = ["Arrival", "ClientSettings", "Outcome", "PolicyRun", "RecordingSwitcher",
            "SwitchRecord", "replay", "rows"]

@@ -44,16 +44,12 @@ from typing import Any
 
 import aiohttp
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from controller.lease.device import DeviceReader
 from controller.lease.policy import PolicyMode
 from controller.lease.switch import Ports
 from driver.devices import discover
 from driver.inspection import InspectionService
-from driver.logs import configure
 from driver.nvml import open_backend
-from driver.rpc.sockets import UnixServer
 from e2e import bench_policy
 from e2e.gpu.context import GIB, MIB, REPO_ROOT, Bench, BenchError, BenchState, byte_count
 from e2e.gpu.engines import EngineSpec, Launcher, SimulatorLauncher, VllmLauncher, boot_id
@@ -70,6 +66,10 @@ from e2e.gpu.policy_replay import (
 from e2e.gpu.sampler import NvmlSampler
 from e2e.gpu.steps import admit, say
 from e2e.ports import MemoryLeasePort, ReaderDevice
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
+from rota.kit.logs import configure
+from rota.kit.sockets import UnixServer
 
 MODES = {"first-come": PolicyMode.FIRST_COME, "rota": PolicyMode.ROTA}
 SIM_NAMES = {"first-come": "on-demand", "rota": "rota"}

@@ -29,8 +29,6 @@ import aiohttp
 
 from controller.lease.switch import Fenced
 from driver.devices import GpuDevice, discover
-from driver.errors import ConfigError
-from driver.logs import configure
 from driver.nvml import open_backend
 from driver.nvml.api import NvmlBackend
 from e2e.gpu.bandwidth import h2d_bandwidth, measure_child
@@ -39,6 +37,8 @@ from e2e.gpu.load import LoadError
 from e2e.gpu.simulators import Sim, spawn, stop_sims
 from e2e.gpu.switch_run import Run, remaining, run_protocol, say
 from e2e.gpu.switch_summary import note, summary
+from rota.kit.errors import ConfigError
+from rota.kit.logs import configure
 
 __all__ = ["main", "parser"]
 

@@ -16,11 +16,11 @@ from controller.lease.device import GpuSnapshot
 from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
 from controller.lease.engines.registry import make_adapter
 from driver.devices import GpuDevice
-from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.gpu.context import NAMESPACE, NODE, BenchError, mib
 from e2e.gpu.simulators import Sim
 from e2e.ports import ReaderDevice
 from e2e.waiting import WaitTimeout, eventually_async
+from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
 
 __all__ = ["claimant", "engines", "view", "view_line", "wait_attributed"]
 

@@ -19,8 +19,6 @@ from typing import Any
 
 import aiohttp
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from controller.lease import reconcile
 from controller.lease.device import DeviceReader
 from controller.lease.engines.base import Timeouts
@@ -29,12 +27,14 @@ from controller.lease.switch import Limits, Ports, Switcher, SwitchResult
 from driver.devices import GpuDevice
 from driver.inspection import InspectionService
 from driver.nvml.api import NvmlBackend
-from driver.rpc.sockets import UnixServer
 from e2e.gpu.context import NODE, BenchError
 from e2e.gpu.load import output_throughput
 from e2e.gpu.simulators import Sim, sim_state, wait_listening
 from e2e.gpu.switch_ports import claimant, engines, view, view_line, wait_attributed
 from e2e.ports import MemoryLeasePort, ReaderDevice
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
+from rota.kit.sockets import UnixServer
 
 __all__ = ["Run", "remaining", "run_protocol", "say", "step_timeouts"]
 

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from driver.logs import configure
 from e2e.images import PAUSE_IMAGE, ROTA_IMAGE, SIMULATOR_IMAGE, build_images
+from rota.kit.logs import configure
 
 REPO = Path(__file__).resolve().parent.parent.parent
 

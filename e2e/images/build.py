@@ -56,7 +56,7 @@ SMOKE_IMPORTS = ("driver.app", "controller.lease.app", "controller.gateway.app",
 """Imported in the finished image, so a missing shared library fails the build."""
 HARNESS_SMOKE_IMPORTS = ("e2e.engine_simulator.app",)
 """Imported in a test image once the harness layer is on top."""
-SOURCES = ("pyproject.toml", "README.md", "driver", "controller")
+SOURCES = ("pyproject.toml", "README.md", "driver", "controller", "rota")
 """What the rota wheel is built from (``Dockerfile`` copies the same)."""
 HARNESS = "e2e"
 """The harness package that the test images carry on top of rota (the engine simulator)."""

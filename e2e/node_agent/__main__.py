@@ -8,9 +8,9 @@ import signal
 import sys
 from pathlib import Path
 
-from driver.kube import ClientAgent, load_api_client
-from driver.logs import configure
 from e2e.node_agent.agent import NodeAgent
+from rota.kit.kube import ClientAgent, load_api_client
+from rota.kit.logs import configure
 
 
 async def _run(args: argparse.Namespace) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 
-from driver.pb.dra.v1 import api_pb2 as dra_v1
-from driver.pb.pluginregistration import api_pb2 as reg_pb
-from driver.rpc.services import unary_client
+from rota.kit.grpc_services import unary_client
+from rota.pb.dra.v1 import api_pb2 as dra_v1
+from rota.pb.pluginregistration import api_pb2 as reg_pb
 
 log = logging.getLogger(__name__)
 

@@ -50,8 +50,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from controller.claimants import DRIVER, Claimant
 from controller.lease.cache import NodeCache
 from controller.lease.election import Election
@@ -61,15 +59,17 @@ from controller.lease.settings import LeaseSettings
 from controller.lease.switch import Fenced, Switcher, SwitchResult
 from controller.lease.visibility import GpuVisibility
 from controller.lease.visible_state_writer import VisibleStateKube, VisibleStateWriter
-from driver.aio import wait_any
 from driver.devices import GpuDevice
-from driver.errors import KubeError
 from driver.gc import LedgerCollector
-from driver.kube import ClientAgent, Kube, load_api_client
 from driver.ledger import ClaimRecord, LedgerState, PreparedDevice
 from driver.publisher import SlicePublisher
 from driver.settings import DriverSettings
 from driver.slices import SharingMode
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
+from rota.kit.aio import wait_any
+from rota.kit.errors import KubeError
+from rota.kit.kube import ClientAgent, Kube, load_api_client
 
 log = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ from typing import Any
 
 from kubernetes import client
 
-from controller.api import naming
 from e2e.cluster import ClusterOptions, LocalCluster
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
 from e2e.scale import apimetrics, audit, fleet, kwok, world
 from e2e.scale.report import Phase, ProcessSample, report
+from rota.api import naming
 
 log = logging.getLogger(__name__)
 

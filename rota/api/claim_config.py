@@ -86,7 +86,7 @@ def select_engine_config(
 
 
 def engine_config_of(claim: Mapping[str, Any], *, driver: str) -> EngineConfig | None:
-    """The claim's EngineConfig for ``driver``, chosen by the rules prepare applies (``driver.claims``, rule 8).
+    """The claim's EngineConfig for ``driver``, chosen by the rule this module states.
 
     For readers other than prepare (the lease controller, the gateway): None when the
     claim has no config for the driver or no allocation result of it.

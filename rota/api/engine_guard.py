@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from rota.api.errors import ContractError
+
 __all__ = ["CONTROL_TOKEN_HEADER", "FENCE_HEADER", "MAX_FENCES", "FenceHeaderError",
            "format_fences", "parse_fences"]
 
@@ -43,7 +45,7 @@ _LEASE_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _FENCE = re.compile(r"[0-9]{1,19}")
 
 
-class FenceHeaderError(ValueError):
+class FenceHeaderError(ContractError, ValueError):
     """A :data:`FENCE_HEADER` value that is not ``name=fence[,name=fence...]``."""
 
 

@@ -55,7 +55,7 @@ from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
 
 from rota.kit.aio import Backoff
-from driver.errors import RotaDriverError
+from rota.kit.errors import KitError
 
 __all__ = ["MAX_DEPTH", "ListWatch", "Obj", "Undecodable", "decode", "decode_object",
            "decode_page", "report_fields"]
@@ -83,7 +83,7 @@ _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 
 
-class Undecodable(RotaDriverError):
+class Undecodable(KitError):
     """An API object (or a whole answer) that is not decoded: not JSON, not an object,
     nested deeper than :data:`MAX_DEPTH`, or of a shape its reader cannot read.
 

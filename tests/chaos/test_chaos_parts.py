@@ -13,11 +13,8 @@ from typing import cast
 import pytest
 from kubernetes import client
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from driver.nvml import fixture_path
 from driver.nvml.fake import load_fixture, register_process
-from driver.quantity import parse_quantity
 from e2e.chaos.evidence import engine_log, unreachable_engine
 from e2e.chaos.load import classify
 from e2e.chaos.observe import transition
@@ -28,6 +25,9 @@ from e2e.cluster import LocalCluster
 from e2e.engine_simulator.settings import settings_from_args
 from e2e.harness import GpuNode
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
+from rota.api.quantity import parse_quantity
 
 DONE = b'data: {"choices": [{"delta": {"content": "7"}}]}\n\ndata: [DONE]\n\n'
 

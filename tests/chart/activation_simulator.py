@@ -7,7 +7,7 @@ over the contract's limit (``request_too_large``), validates ``POST /v1/activate
 with the contract's model (``invalid_request`` otherwise), answers ``unknown_model`` for a
 model it does not serve and ``failures[model]`` (an error code) when one is set, and
 records every request with its headers. Every error is the contract's
-:class:`~controller.api.activation.ErrorBody`, sent with the status and ``Retry-After``
+:class:`~rota.api.activation.ErrorBody`, sent with the status and ``Retry-After``
 that the contract's table gives its code, as the controller sends it. ``redirect_to``
 makes it answer every call with a 302 to another URL instead, as a pod that is not rota's
 controller might.
@@ -28,7 +28,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from controller.api.activation import (
+from controller.urls import http_url
+from rota.api.activation import (
     MAX_BODY_BYTES,
     PATH,
     STATE_PATH,
@@ -39,7 +40,6 @@ from controller.api.activation import (
     StateAnswer,
     refusal_of,
 )
-from controller.urls import http_url
 
 
 def proxyable_address() -> str | None:

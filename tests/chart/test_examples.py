@@ -14,9 +14,9 @@ import pytest
 import yaml
 from kubernetes import client, dynamic
 
-from driver.opaque import EngineConfig, parse_engine_config
-from driver.quantity import parse_quantity
 from e2e.chart import Rendered, render
+from rota.api.engine_config import EngineConfig, parse_engine_config
+from rota.api.quantity import parse_quantity
 from tests.chart.minimal import ENGINE_NAMESPACE, MINIMAL
 from tests.chart.test_dry_run import _dry_run_apply
 

@@ -25,8 +25,6 @@ import pytest
 import yaml
 from kubernetes import client
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease, lease_body
 from controller.credentials import PLACEHOLDERS
 from e2e.chart import CHART, run_tool
 from e2e.cluster import LocalCluster
@@ -36,6 +34,8 @@ from e2e.objects import claim
 from e2e.rota_node import client_with_token
 from e2e.scenario import deploy
 from e2e.waiting import eventually
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease, lease_body
 from tests.engines_on_cluster import MODEL_A, MODEL_B
 
 pytestmark = pytest.mark.cluster

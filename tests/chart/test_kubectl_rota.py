@@ -15,10 +15,6 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from controller.api import naming
-from controller.api.activation import TOKEN_HEADER, ActivateAnswer
-from controller.api.controller_lease import ControllerLease
-from controller.api.gpu_lease import GpuLease, lease_body
 from controller.kubectl_rota import (
     find_claimant,
     interpret_activation,
@@ -32,6 +28,10 @@ from e2e.cluster.nodes import create_node
 from e2e.harness import GpuNode
 from e2e.scenario import Engine
 from e2e.waiting import eventually
+from rota.api import naming
+from rota.api.activation import TOKEN_HEADER, ActivateAnswer
+from rota.api.controller_lease import ControllerLease
+from rota.api.gpu_lease import GpuLease, lease_body
 from tests.chart.activation_simulator import ActivationApiSimulator, proxyable_address, serving
 from tests.engines_on_cluster import MODEL_A, MODEL_B
 

@@ -7,12 +7,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease.gpu import Activation, GpuWorker, Policy
 from controller.lease.settings import LeaseSettings
 from controller.lease.switch import Fenced
-from driver.opaque import parse_engine_config
+from rota.api.engine_config import parse_engine_config
+from rota.api.gpu_lease import GpuLease
 
 MODEL = "org/model-b"
 CLAIM = "ns/claim-b"

@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease.device import GpuProcess, GpuSnapshot
 from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeouts
 from controller.lease.engines.registry import make_adapter
 from controller.lease.settings import StepTimeouts
 from controller.lease.switch import Limits, Ports, Switcher
-from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.ports import MemoryLeasePort
+from rota.api import naming
+from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
+from rota.api.gpu_lease import GpuLease
 from tests.controller.conftest import ENGINE_SIM_GIB, EngineSim, EngineSimFactory
 
 GPU_TOTAL = 141 * ENGINE_SIM_GIB

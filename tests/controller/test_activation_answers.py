@@ -18,9 +18,6 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller.api import naming
-from controller.api.activation import PATH, STATE_PATH, ErrorBody
-from controller.api.gpu_lease import GpuLease
 from controller.credentials import ApiKeys
 from controller.gateway.activation import ActivationFailed, Activator
 from controller.gateway.metrics import GatewayMetrics
@@ -28,6 +25,9 @@ from controller.lease.activation import make_app
 from controller.lease.gpu import Activation, GpuWorker, Policy
 from controller.lease.node import NodeController
 from controller.lease.switch import Fenced
+from rota.api import naming
+from rota.api.activation import PATH, STATE_PATH, ErrorBody
+from rota.api.gpu_lease import GpuLease
 from tests.controller.activation_kit import CLAIM, MODEL, RoutingNode, claimant_b, make_worker
 
 pytestmark = pytest.mark.controller

@@ -22,8 +22,6 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease, lease_body
 from controller.credentials import ApiKeys
 from controller.gateway import keys
 from controller.gateway.app import make_app as make_gateway_app
@@ -34,6 +32,8 @@ from controller.lease.activation import make_app as make_controller_app
 from controller.lease.gpu import GpuWorker, Policy
 from controller.lease.node import NodeController
 from e2e.waiting import eventually_async
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease, lease_body
 from tests.controller.activation_kit import RoutingNode
 from tests.controller.conftest import EngineSim, EngineSimFactory
 from tests.controller.switch_kit import NODE, a_awake_b_asleep

@@ -13,8 +13,14 @@ from typing import Any, cast
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller.api import naming
-from controller.api.activation import (
+from controller.credentials import ApiKeys
+from controller.gateway.activation import KNOWN_OUTCOMES
+from controller.lease.activation import make_app
+from controller.lease.engines.probe import ProbeReason
+from controller.lease.gpu import Activation
+from controller.lease.node import NodeController
+from rota.api import naming
+from rota.api.activation import (
     ENGINE_UNAUTHORIZED,
     ERRORS,
     PATH,
@@ -29,13 +35,7 @@ from controller.api.activation import (
     refusal_of,
     wire_reason,
 )
-from controller.api.gpu_lease import GpuLease
-from controller.credentials import ApiKeys
-from controller.gateway.activation import KNOWN_OUTCOMES
-from controller.lease.activation import make_app
-from controller.lease.engines.probe import ProbeReason
-from controller.lease.gpu import Activation
-from controller.lease.node import NodeController
+from rota.api.gpu_lease import GpuLease
 from tests.chart.activation_simulator import ActivationApiSimulator, serving
 from tests.controller.activation_kit import CLAIM, MODEL, RoutingNode, claimant_b, make_worker
 

@@ -17,15 +17,15 @@ from typing import Any, cast
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller.api import naming
-from controller.api.activation import STATE_PATH, ClaimantState, StateAnswer
-from controller.api.gpu_lease import GpuLease
 from controller.credentials import ApiKeys
 from controller.lease.activation import make_app
 from controller.lease.gpu import Activation
 from controller.lease.node import NodeController
 from controller.lease.switch import SwitchResult
 from e2e.waiting import eventually_async
+from rota.api import naming
+from rota.api.activation import STATE_PATH, ClaimantState, StateAnswer
+from rota.api.gpu_lease import GpuLease
 from tests.controller.activation_kit import CLAIM, RoutingNode, claimant_b, make_worker
 
 pytestmark = pytest.mark.controller

@@ -12,10 +12,10 @@ from typing import Any, cast
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller.api.activation import TOKEN_HEADER
 from controller.credentials import ApiKeys, SecretFile
 from controller.lease.activation import make_app
 from controller.lease.node import NodeController
+from rota.api.activation import TOKEN_HEADER
 
 TOKEN, ROTATED = "a1b2c3d4e5f6a7b8c9d0e1f2a3b4c5d6", "f0e1d2c3b4a5968778695a4b3c2d1e0f"
 

@@ -16,9 +16,9 @@ from kubernetes import client
 
 from controller.gateway import settings as gateway_settings
 from controller.lease import settings as lease_settings
-from driver import kube_client
 from driver import settings as driver_settings
-from driver.kube import Kube
+from rota.kit import kube_client
+from rota.kit.kube import Kube
 
 pytestmark = pytest.mark.controller
 

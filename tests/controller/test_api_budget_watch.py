@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from driver.aio import Backoff
-from driver.listwatch import ListWatch, Obj
 from e2e.chaos.proxy import FlakyRelay
 from e2e.cluster import LocalCluster
 from e2e.waiting import eventually_async
+from rota.kit.aio import Backoff
+from rota.kit.listwatch import ListWatch, Obj
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]
 

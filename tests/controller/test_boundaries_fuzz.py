@@ -2,10 +2,10 @@
 
 - The activation API (``POST /v1/activate``, :mod:`controller.lease.activation`): every
   body and token is answered by the contract's table, an
-  :class:`~controller.api.activation.ErrorBody` whose code decides the status, or an
-  :class:`~controller.api.activation.ActivateAnswer`; never a 5xx of its own.
+  :class:`~rota.api.activation.ErrorBody` whose code decides the status, or an
+  :class:`~rota.api.activation.ActivateAnswer`; never a 5xx of its own.
 - The start gate (``POST /v1/start``, :mod:`controller.lease.starts`, contract
-  :mod:`driver.start_contract`): every body is answered with a
+  :mod:`rota.api.start_contract`): every body is answered with a
   :class:`~controller.lease.starts.StartReply` and a 200, 400, 401 or 413.
 
 Neither node behind them is the real one: each fake answers as the real one does for the
@@ -26,13 +26,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from controller.api.activation import (
-    PATH,
-    TOKEN_HEADER,
-    ActivateAnswer,
-    ErrorBody,
-    refusal_of,
-)
 from controller.credentials import ApiKeys, SecretFile
 from controller.lease.activation import make_app as activation_app
 from controller.lease.gpu import Activation
@@ -40,6 +33,13 @@ from controller.lease.node import NodeController, StartAnswer, UnknownModel
 from controller.lease.starts import PATH as START_PATH
 from controller.lease.starts import StartReply
 from controller.lease.starts import make_app as start_app
+from rota.api.activation import (
+    PATH,
+    TOKEN_HEADER,
+    ActivateAnswer,
+    ErrorBody,
+    refusal_of,
+)
 from tests.controller.activation_kit import CLAIM, MODEL, claimant_b
 
 pytestmark = pytest.mark.controller

@@ -16,7 +16,7 @@ from controller import engine_gate, kubectl_rota
 from controller.__main__ import main as controller_main
 from controller.guard.__main__ import main as guard_main
 from driver.__main__ import main as driver_main
-from driver.kube_client import version
+from rota.kit.kube_client import version
 
 Main = Callable[[list[str]], int]
 

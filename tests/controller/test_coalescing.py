@@ -8,7 +8,7 @@ from typing import Any
 
 from controller.claimants import Claimant
 from controller.lease.gpu import GpuWorker, Policy
-from driver.opaque import parse_engine_config
+from rota.api.engine_config import parse_engine_config
 
 
 class _Clock:

@@ -20,7 +20,6 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.api.engine_guard import CONTROL_TOKEN_HEADER
 from controller.claimants import Claimant
 from controller.guard.app import control_credential
 from controller.guard.proxy import make_app
@@ -37,9 +36,10 @@ from driver.control_tokens import ControlTokens
 from driver.inspection import InspectionService
 from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml
-from driver.opaque import parse_engine_config
-from driver.rpc.sockets import UnixServer
 from driver.startgate import KEY_BYTES
+from rota.api.engine_config import parse_engine_config
+from rota.api.engine_guard import CONTROL_TOKEN_HEADER
+from rota.kit.sockets import UnixServer
 from tests.controller.conftest import EngineSim, EngineSimFactory
 from tests.driver.test_cdi import DEVICES, ENGINE, SHARED_RESULT
 from tests.driver.test_control_tokens import environment, plan

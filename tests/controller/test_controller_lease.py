@@ -1,4 +1,4 @@
-"""The controller Lease contract (:mod:`controller.api.controller_lease`): one parser, one
+"""The controller Lease contract (:mod:`rota.api.controller_lease`): one parser, one
 renderer, one freshness rule on the reader's monotonic clock."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from controller.api import naming
-from controller.api.controller_lease import ControllerLease, LeaseObserver
+from rota.api import naming
+from rota.api.controller_lease import ControllerLease, LeaseObserver
 
 NAME = naming.controller_lease_name("node-1")
 T0 = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC)

@@ -14,11 +14,11 @@ from typing import Any, cast
 
 import pytest
 
-from controller.api import naming
-from controller.api.controller_lease import ControllerLease
 from controller.lease.election import Election
 from controller.lease.kube import ControllerKube
-from driver.errors import KubeConflictError, KubeNotFoundError
+from rota.api import naming
+from rota.api.controller_lease import ControllerLease
+from rota.kit.errors import KubeConflictError, KubeNotFoundError
 
 pytestmark = pytest.mark.controller
 

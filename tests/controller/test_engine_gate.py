@@ -23,7 +23,7 @@ from aiohttp import web
 
 from controller import engine_gate
 from controller.lease.starts import StartReply, StartRequest
-from driver.start_contract import PATH
+from rota.api.start_contract import PATH
 
 pytestmark = [pytest.mark.controller]
 

@@ -15,7 +15,7 @@ from controller.lease.engines import (
     make_adapter,
 )
 from controller.lease.engines.probe import probe_payload
-from driver.opaque import EngineConfig, HttpAdapterConfig, parse_engine_config
+from rota.api.engine_config import EngineConfig, HttpAdapterConfig, parse_engine_config
 from tests.controller.conftest import EngineSim
 
 

@@ -21,7 +21,7 @@ from controller.lease.engines.errors import EngineProtocolError
 from controller.lease.engines.probe import probe_payload
 from controller.lease.engines.transport import Answer
 from controller.lease.engines.vllm_omni import parse_acks
-from driver.opaque import parse_engine_config
+from rota.api.engine_config import parse_engine_config
 from tests.controller.conftest import ENGINE_SIM_GIB, EngineSimFactory
 
 RELEASABLE = 9 * ENGINE_SIM_GIB  # awake 10 GiB, resident 1 GiB

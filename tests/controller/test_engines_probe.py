@@ -27,7 +27,7 @@ from controller.lease.engines import (
 )
 from controller.lease.engines.probe import PROBE_QUESTION, ProbeMode, content_is_correct
 from controller.lease.engines.sse import SseParser
-from driver.opaque import ProbeConfig
+from rota.api.engine_config import ProbeConfig
 from tests.controller.conftest import EngineSim, EngineSimFactory
 
 QUICK = Timeouts(probe_total_s=5.0, probe_first_token_s=0.3)

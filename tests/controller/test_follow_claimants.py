@@ -14,7 +14,7 @@ import pytest
 from controller.claimants import Claimant
 from controller.lease.node import NodeController
 from controller.lease.settings import LeaseSettings
-from driver.opaque import parse_engine_config
+from rota.api.engine_config import parse_engine_config
 
 pytestmark = pytest.mark.controller
 

@@ -10,10 +10,10 @@ import dataclasses
 import aiohttp
 import pytest
 
-from controller.api import naming
-from controller.api.engine_guard import parse_fences
 from controller.lease.policy import SwitchCost
 from e2e.gang_node import gang_node, node_of
+from rota.api import naming
+from rota.api.engine_guard import parse_fences
 from tests.controller.conftest import EngineSimFactory
 
 pytestmark = pytest.mark.controller

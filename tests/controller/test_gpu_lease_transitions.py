@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease, lease_body
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease, lease_body
 
 ROOT = Path(__file__).resolve().parents[2]
 

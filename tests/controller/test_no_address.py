@@ -14,7 +14,7 @@ from controller.lease.engines.errors import EngineUnreachable
 from controller.lease.node import NodeController
 from controller.lease.settings import LeaseSettings
 from controller.lease.switch import Fenced
-from driver.opaque import parse_engine_config
+from rota.api.engine_config import parse_engine_config
 
 pytestmark = pytest.mark.controller
 

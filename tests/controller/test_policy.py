@@ -7,10 +7,10 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller.api import naming
 from e2e.harness import GpuNode
 from e2e.scenario import Engine, activate, ask_seven, sim_state
 from e2e.waiting import eventually_async
+from rota.api import naming
 from tests.engines_on_cluster import MODEL_B
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]

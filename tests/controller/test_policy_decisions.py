@@ -17,8 +17,8 @@ from controller.lease.policy import (
     decide,
     policy_for,
 )
-from driver.errors import OpaqueConfigError
-from driver.opaque import parse_engine_config
+from rota.api.engine_config import parse_engine_config
+from rota.api.errors import OpaqueConfigError
 
 COST = {"a": SwitchCost(sleep_s=0.5, wake_s=0.6, probe_s=0.1),
         "b": SwitchCost(sleep_s=0.05, wake_s=0.05, probe_s=0.05),

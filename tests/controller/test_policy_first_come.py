@@ -20,7 +20,7 @@ from controller.lease.policy import (
     policy_for,
 )
 from controller.lease.settings import load
-from driver.opaque import parse_engine_config
+from rota.api.engine_config import parse_engine_config
 
 FIRST_COME = ModelPolicy(mode=PolicyMode.FIRST_COME)
 COSTS = {"a": SwitchCost(sleep_s=0.5, wake_s=0.6, probe_s=0.1),

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.lease import gpu, metrics
 from controller.lease.gpu import Activation, GpuWorker, Policy
 from controller.lease.policy import ModelPolicy
 from controller.lease.switch import Switcher, SwitchResult
-from driver.opaque import parse_engine_config
+from rota.api import naming
+from rota.api.engine_config import parse_engine_config
+from rota.api.gpu_lease import GpuLease
 
 
 class _Clock:

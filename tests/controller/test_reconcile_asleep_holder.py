@@ -9,8 +9,8 @@ import logging
 import aiohttp
 import pytest
 
-from controller.api import naming
 from e2e.gang_node import GangNode, gang_node
+from rota.api import naming
 from tests.controller.conftest import EngineSimFactory
 
 pytestmark = pytest.mark.controller

@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from driver.aio import wait_any
 from e2e.harness import GpuNode
 from e2e.scenario import EngineSpec, activate, ask_seven, deploy, set_faults, sim_state
 from e2e.waiting import eventually_async
+from rota.kit.aio import wait_any
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]
 

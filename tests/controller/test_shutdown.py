@@ -17,7 +17,6 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller.api import naming
 from e2e.harness import GpuNode
 from e2e.scenario import (
     AwakeMonitor,
@@ -29,6 +28,7 @@ from e2e.scenario import (
     sim_state,
 )
 from e2e.waiting import eventually_async
+from rota.api import naming
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]
 

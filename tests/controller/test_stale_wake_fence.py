@@ -23,8 +23,6 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from controller.claimants import Claimant
 from controller.credentials import Credential
 from controller.guard.proxy import make_app
@@ -37,6 +35,8 @@ from controller.lease.settings import StepTimeouts
 from controller.lease.switch import Fenced, Limits, Ports, Switcher, SwitchResult
 from e2e.gang_node import TOLERANCE, Engine, GangNode, gang_claimant, node_of
 from e2e.ports import MemoryLeasePort
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 from tests.controller.conftest import EngineSimFactory
 
 pytestmark = pytest.mark.controller

@@ -1,4 +1,4 @@
-"""The start-gate contract has one home (driver/start_contract.py): the lease controller's
+"""The start-gate contract has one home (rota/api/start_contract.py): the lease controller's
 models carry exactly its fields, and the driver's CDI environment uses its names (the gate's
 zipapp carries it: ``test_engine_gate.py`` runs the installed copy without rota)."""
 
@@ -8,9 +8,9 @@ import typing
 from pathlib import Path
 
 from controller.lease import starts
-from driver import start_contract
-from driver.start_contract import StartAnswer, StartQuestion
 from driver.startgate import KEY_BYTES, StartGate
+from rota.api import start_contract
+from rota.api.start_contract import StartAnswer, StartQuestion
 
 
 def test_the_controllers_models_carry_the_contracts_fields() -> None:

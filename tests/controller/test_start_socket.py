@@ -19,9 +19,9 @@ import pytest
 from controller import engine_gate
 from controller.lease import starts
 from controller.lease.node import NodeController, StartAnswer
-from driver.start_contract import StartQuestion
 from driver.startgate import SOCKET_NAME
 from e2e.waiting import eventually_async
+from rota.api.start_contract import StartQuestion
 
 pytestmark = pytest.mark.controller
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from controller.api import naming
+from rota.api import naming
 from tests.controller.conftest import EngineSimFactory
 from tests.controller.test_start_failover import DEADLINE_S, _a_awake_b_asleep, _granted
 

@@ -24,8 +24,8 @@ from controller.lease.policy import (
 )
 from controller.lease.settings import load
 from controller.lease.tenants import MAX_WAIT_FLOOR_S, Binding, TenantLimits, bound, bounded
-from driver.errors import ConfigError
-from driver.opaque import EngineConfig, parse_engine_config
+from rota.api.engine_config import EngineConfig, parse_engine_config
+from rota.kit.errors import ConfigError
 
 DEFAULT = ModelPolicy(priority=0, max_wait_s=30.0, share_weight=1.0, keep_alive_s=600.0)
 COST = SwitchCost(sleep_s=0.5, wake_s=0.6, probe_s=0.1)

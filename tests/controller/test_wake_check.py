@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from controller.claimants import Claimant
 from controller.lease.device import GpuProcess, GpuSnapshot, HandbackProblem, check_before_wake
-from driver.opaque import API_VERSION, KIND, parse_engine_config
+from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
 
 GIB = 2**30
 TOTAL = 141 * GIB

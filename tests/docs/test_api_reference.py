@@ -10,11 +10,11 @@ import json
 import re
 from typing import Any, cast
 
-from controller.api.activation import ERRORS, SWITCH_FAILURE_REASONS
 from controller.gateway.activation import ACTIVATION_CODES, Activator
 from controller.gateway.errors import CODES, Code, EngineRefused, Unavailable
 from controller.gateway.routes import _model_object
 from controller.gateway.routing import ModelInfo
+from rota.api.activation import ERRORS, SWITCH_FAILURE_REASONS
 from tests.docs.blocks import ROOT, blocks_of
 
 API = ROOT / "docs" / "api.md"

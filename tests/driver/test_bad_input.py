@@ -14,10 +14,10 @@ import grpc
 import pytest
 from kubernetes import client
 
-from driver.pb.dra.v1 import api_pb2 as dra
-from driver.rpc.services import method_path, unary_client
 from e2e.harness import GpuNode
 from e2e.objects import GROUP, VERSION, claim, create_claim, engine_config
+from rota.kit.grpc_services import method_path, unary_client
+from rota.pb.dra.v1 import api_pb2 as dra
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
 

@@ -14,8 +14,9 @@ from driver.budget import (
     check_others_still_fit,
 )
 from driver.claims import AllocatedShare, ClaimPlan
-from driver.errors import BudgetError, ClaimError
-from driver.opaque import parse_engine_config
+from driver.errors import BudgetError
+from rota.api.engine_config import parse_engine_config
+from rota.api.errors import ClaimError
 
 GIB = 2**30
 GPU = "GPU-aaa"

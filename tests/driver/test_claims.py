@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from driver.claims import ClaimPlan, PublishedDevice, base_request_name, plan_claim
-from driver.errors import BudgetError, ClaimError, OpaqueConfigError
+from driver.errors import BudgetError
+from rota.api.errors import ClaimError, OpaqueConfigError
 
 DRIVER = "gpu.rota.dev"
 POOL = "node-a"

@@ -13,13 +13,13 @@ import pytest
 from controller.lease.device import DeviceError, DeviceReader
 from driver.cdi import build_claim_spec, render_spec
 from driver.claims import ClaimPlan, plan_claim
-from driver.control_contract import CONTROL_TOKEN_ENV
 from driver.control_tokens import ControlTokens
 from driver.inspection import InspectionService
 from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml
-from driver.rpc.sockets import UnixServer
 from driver.startgate import KEY_BYTES, StartGate
+from rota.api.control_contract import CONTROL_TOKEN_ENV
+from rota.kit.sockets import UnixServer
 from tests.driver.test_cdi import DEVICES, ENGINE, EXCLUSIVE_RESULT, SHARED_RESULT
 
 KEY = bytes(range(KEY_BYTES))

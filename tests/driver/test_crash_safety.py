@@ -18,12 +18,12 @@ import grpc
 import pytest
 from kubernetes import client
 
-from driver.pb.dra.v1 import api_pb2 as dra
-from driver.rpc.services import method_path
 from e2e.driver_campaign import run_campaign
 from e2e.harness import GpuNode
 from e2e.objects import claim, create_claim, engine_config, engine_pod, read_claim
 from e2e.waiting import eventually
+from rota.kit.grpc_services import method_path
+from rota.pb.dra.v1 import api_pb2 as dra
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver, pytest.mark.slow]
 

@@ -14,7 +14,6 @@ from kubernetes import client
 
 from driver.nvml import fixture_path
 from driver.nvml.fake import load_fixture
-from driver.pb.dra.v1 import api_pb2
 from e2e.cluster import LocalCluster
 from e2e.engine_simulator.settings import settings_from_args
 from e2e.harness import GpuNode
@@ -28,6 +27,7 @@ from e2e.objects import (
     read_claim,
 )
 from e2e.waiting import eventually
+from rota.pb.dra.v1 import api_pb2
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
 

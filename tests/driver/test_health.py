@@ -13,10 +13,10 @@ from driver.health import HealthMonitor
 from driver.nvml import fixture_path
 from driver.nvml.api import HealthEvent, HealthEventKind
 from driver.nvml.fake import FakeNvml
-from driver.pb.drahealth.v1 import api_pb2 as pb_v1
-from driver.pb.drahealth.v1alpha1 import api_pb2 as pb
-from driver.rpc.services import stream_client
-from driver.rpc.sockets import UnixServer
+from rota.kit.grpc_services import stream_client
+from rota.kit.sockets import UnixServer
+from rota.pb.drahealth.v1 import api_pb2 as pb_v1
+from rota.pb.drahealth.v1alpha1 import api_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["DRAResourceHealth"]
 SERVICE_V1 = pb_v1.DESCRIPTOR.services_by_name["DRAResourceHealth"]

@@ -19,7 +19,7 @@ from driver.devices import discover
 from driver.inspection import InspectionService
 from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml, register_process
-from driver.pb.rota.v1 import inspect_pb2 as pb
+from rota.pb.rota.v1 import inspect_pb2 as pb
 
 GIB = 2**30
 POD_A = "3f2a8c1e-5b7d-4e9f-a1c2-0d6e8b4f7a95"

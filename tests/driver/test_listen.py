@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp import web
 
-from driver.listen import split_host_port, start_site
+from rota.kit.listen import split_host_port, start_site
 from tests.listening import NO_IPV6_LOOPBACK, has_ipv6_loopback, status_of
 
 needs_ipv6_loopback = pytest.mark.skipif(not has_ipv6_loopback(), reason=NO_IPV6_LOOPBACK)

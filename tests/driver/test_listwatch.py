@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from driver.listwatch import ListWatch, Obj
 from e2e.waiting import eventually_async
+from rota.kit.listwatch import ListWatch, Obj
 
 pytestmark = [pytest.mark.cluster]
 

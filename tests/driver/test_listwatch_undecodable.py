@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from driver.errors import KubeError
-from driver.kube import Kube
-from driver.listwatch import MAX_DEPTH, ListWatch, Obj, Undecodable, nesting
+from rota.kit.errors import KubeError
+from rota.kit.kube import Kube
+from rota.kit.listwatch import MAX_DEPTH, ListWatch, Obj, Undecodable, nesting
 
 pytestmark = [pytest.mark.cluster]
 

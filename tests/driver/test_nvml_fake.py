@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 import driver.nvml.fake as fake_module
-from driver.errors import ConfigError, NvmlError
+from driver.errors import NvmlError
 from driver.nvml import HealthEvent, HealthEventKind, MemoryInfo, NvmlBackend, fixture_path
 from driver.nvml.fake import (
     LOCK_FILE,
@@ -27,6 +27,7 @@ from driver.nvml.fake import (
     unregister_process,
 )
 from e2e.record_nvml import record
+from rota.kit.errors import ConfigError
 
 H200_UUID = "GPU-b2d6f492-0cde-9a2c-447e-a98f56e7d2ed"
 H200_TOTAL = 150754820096

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from driver.errors import OpaqueConfigError
-from driver.opaque import EngineConfig, HttpAdapterConfig, parse_engine_config
+from rota.api.engine_config import EngineConfig, HttpAdapterConfig, parse_engine_config
+from rota.api.errors import OpaqueConfigError
 
 
 def params(**fields: Any) -> dict[str, Any]:
@@ -208,7 +208,7 @@ def test_config_is_frozen() -> None:
 
 def test_importable_without_grpc_or_kubernetes() -> None:
     code = (
-        "import sys, driver.opaque; "
+        "import sys, rota.api.engine_config; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'kubernetes')); "
         "print(','.join(bad)); sys.exit(1 if bad else 0)"
     )

@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from driver.errors import OpaqueConfigError
-from driver.opaque import (
+from rota.api.engine_config import (
     DEFAULT_PROBE_ANSWER,
     DEFAULT_PROBE_MAX_TOKENS,
     DEFAULT_PROBE_PROMPT,
     parse_engine_config,
 )
+from rota.api.errors import OpaqueConfigError
 
 
 def params(**extra: Any) -> dict[str, Any]:

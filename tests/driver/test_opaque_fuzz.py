@@ -1,5 +1,5 @@
 """Fuzzing the opaque engine config's parser (issue 28): whatever a tenant writes in a
-claim's opaque parameters, :func:`driver.opaque.parse_engine_config` returns a valid
+claim's opaque parameters, :func:`rota.api.engine_config.parse_engine_config` returns a valid
 config or raises :class:`OpaqueConfigError` with a short message; never another
 exception (which would fail a prepare or a routing rebuild in an unplanned place).
 
@@ -15,8 +15,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from driver.errors import OpaqueConfigError
-from driver.opaque import API_VERSION, KIND, EngineConfig, parse_engine_config
+from rota.api.engine_config import API_VERSION, KIND, EngineConfig, parse_engine_config
+from rota.api.errors import OpaqueConfigError
 
 FIELDS = ("model", "awakeMemory", "sleepLevel", "enginePort", "adapter", "omniStageIds",
           "http", "apiKeySecret", "probe", "priority", "keepAliveSeconds", "maxWaitSeconds",

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from driver.kube import Kube
 from driver.prepare import ClaimRef
 from e2e.preparing import NodeFiles, allocated_claim, node_devices, set_allocation
+from rota.kit.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from driver.errors import ClaimError
-from driver.kube import Kube
 from e2e.preparing import NodeFiles, allocated_claim, node_devices
+from rota.api.errors import ClaimError
+from rota.kit.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
 

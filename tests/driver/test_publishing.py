@@ -11,7 +11,6 @@ import pytest
 from kubernetes import client
 
 from driver.devices import discover
-from driver.kube import Kube
 from driver.metrics import REGISTRY
 from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml
@@ -21,6 +20,7 @@ from e2e.cluster import LocalCluster, create_node
 from e2e.harness import GpuNode
 from e2e.objects import GROUP, VERSION, node_slices
 from e2e.waiting import eventually, eventually_async
+from rota.kit.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
 

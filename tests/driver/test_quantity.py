@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from driver.quantity import (
+from rota.api.quantity import (
     MAX_QUANTITY,
     format_bytes,
     format_quantity,

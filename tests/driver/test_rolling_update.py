@@ -8,11 +8,11 @@ import urllib.request
 import grpc
 import pytest
 
-from driver.pb.dra.v1 import api_pb2 as dra
-from driver.pb.pluginregistration import api_pb2 as reg
-from driver.rpc.services import unary_client
 from e2e.harness import GpuNode
 from e2e.waiting import eventually
+from rota.kit.grpc_services import unary_client
+from rota.pb.dra.v1 import api_pb2 as dra
+from rota.pb.pluginregistration import api_pb2 as reg
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
 

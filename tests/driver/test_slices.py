@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from driver.devices import GpuDevice, discover
 from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml
-from driver.quantity import parse_quantity
 from driver.slices import (
     GATE_CONSUMABLE_CAPACITY,
     GATE_DEVICE_TAINTS,
@@ -27,11 +26,12 @@ from driver.slices import (
     dropped_fields,
     dropped_gates,
     fallback_mode,
-    physical_device,
     slice_name,
     unhealthy_taint,
     with_taints,
 )
+from rota.api.naming import physical_device
+from rota.api.quantity import parse_quantity
 
 JSON = dict[str, Any]
 MI = 1 << 20

@@ -14,10 +14,10 @@ from driver.cdi import build_claim_spec, render_spec
 from driver.inspection import InspectionService
 from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml
-from driver.pb.rota.v1 import inspect_pb2 as pb
-from driver.rpc.services import unary_client
-from driver.rpc.sockets import UnixServer
 from driver.startgate import KEY_BYTES, StartGate, load_or_create_key
+from rota.kit.grpc_services import unary_client
+from rota.kit.sockets import UnixServer
+from rota.pb.rota.v1 import inspect_pb2 as pb
 from tests.driver.test_cdi import DEVICES, ENGINE, EXCLUSIVE_RESULT, SHARED_RESULT, UID, make_plan
 
 GATE_DIR = Path("/var/run/rota/start")

@@ -13,10 +13,10 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 from kubernetes import client
 
-from driver.pb.dra.v1 import api_pb2 as generated_v1
 from e2e.harness import GpuNode
 from e2e.objects import claim, create_claim, engine_config, engine_pod, read_claim
 from e2e.waiting import eventually
+from rota.pb.dra.v1 import api_pb2 as generated_v1
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
 

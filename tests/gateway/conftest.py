@@ -22,9 +22,6 @@ import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller.api import naming
-from controller.api.activation import ErrorBody, refusal_of
-from controller.api.gpu_lease import micro_time
 from controller.gateway import keys
 from controller.gateway.app import make_app
 from controller.gateway.routing import ObjectKind, RoutingState, StaticSource
@@ -34,6 +31,9 @@ from e2e.engine_simulator import create_app as create_sim
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.waiting import eventually_async
+from rota.api import naming
+from rota.api.activation import ErrorBody, refusal_of
+from rota.api.gpu_lease import micro_time
 
 MODEL_A = "sim/model-a"
 MODEL_B = "sim/model-b"

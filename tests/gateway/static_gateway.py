@@ -15,7 +15,7 @@ from pathlib import Path
 from controller.gateway.app import make_app, serve
 from controller.gateway.routing import StaticSource
 from controller.gateway.settings import load
-from driver import logs
+from rota.kit import logs
 
 
 def main(argv: list[str]) -> int:

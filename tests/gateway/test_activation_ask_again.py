@@ -13,9 +13,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.api.activation import ERRORS
 from controller.gateway.activation import ActivationFailed, Activator
 from controller.gateway.metrics import GatewayMetrics
+from rota.api.activation import ERRORS
 from tests.gateway.conftest import MODEL_B, Failure, RigFactory, contract_error
 
 pytestmark = pytest.mark.gateway

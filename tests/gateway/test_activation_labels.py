@@ -103,7 +103,7 @@ def test_every_reason_the_controller_reports_is_known() -> None:
 
 def test_every_switch_failure_reason_of_the_controller_keeps_its_label() -> None:
     """The gateway labels an activation by the same set of reasons the controller counts
-    its failures by (one home: controller.api.activation); start-up admission's reasons
+    its failures by (one home: rota.api.activation); start-up admission's reasons
     were once 'other' on the gateway's side."""
     from controller.gateway.activation import KNOWN_OUTCOMES
     from controller.lease import metrics

@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.api.activation import PATH, ActivateAnswer
 from controller.gateway.activation import Activator
 from controller.gateway.metrics import GatewayMetrics
+from rota.api.activation import PATH, ActivateAnswer
 
 pytestmark = pytest.mark.gateway
 

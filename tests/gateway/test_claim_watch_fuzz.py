@@ -5,7 +5,7 @@ one is decoded and applied to the routing state, or skipped and reported (counte
 exception escapes the list or the watch, and the good claims around it are followed.
 
 The claims go through the gateway's own claim stream (:class:`kube_source._Watch`: its
-``keep`` and ``cut``, the shared :class:`~driver.listwatch.ListWatch`, the routing state),
+``keep`` and ``cut``, the shared :class:`~rota.kit.listwatch.ListWatch`, the routing state),
 one list page and one watch event at a time, as JSON text; the stream's loop is a fake
 that runs each delivery at once (the thread and HTTP around it are covered by
 test_kube_source_undecodable). Example counts are modest and derandomized.
@@ -24,7 +24,7 @@ from controller.gateway.binding import ModelBinding
 from controller.gateway.kube_source import _Watch
 from controller.gateway.routing import RoutingState
 from controller.gateway.settings import GatewaySettings
-from driver.listwatch import MAX_DEPTH, decode_event, decode_page
+from rota.kit.listwatch import MAX_DEPTH, decode_event, decode_page
 from tests.gateway.conftest import claim_obj
 
 GOOD = ("org/a", "org/b", "org/c")

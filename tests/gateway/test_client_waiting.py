@@ -20,8 +20,8 @@ from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 from openai import AsyncOpenAI
 
-from controller.api.activation import STATE_PATH, ClaimantState, StateAnswer
 from controller.gateway import keys
+from rota.api.activation import STATE_PATH, ClaimantState, StateAnswer
 from tests.gateway.conftest import (
     DEADLINE,
     DEVICE,

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from controller.api import naming
-from controller.api.controller_lease import ControllerLease
 from controller.gateway.binding import ModelBinding
 from controller.gateway.routing import Action, RoutingState
+from rota.api import naming
+from rota.api.controller_lease import ControllerLease
 from tests.gateway.conftest import claim_obj, gpu_lease, pod_obj
 
 pytestmark = pytest.mark.gateway

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from controller.api import naming
+from rota.api import naming
 from tests.gateway.conftest import (
     DEADLINE,
     MODEL_A,

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from controller.api import naming
 from controller.gateway import keys
+from rota.api import naming
 from tests.gateway.conftest import (
     DEADLINE,
     MODEL_A,

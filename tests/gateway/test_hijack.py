@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.api import naming
+from rota.api import naming
 from tests.gateway.conftest import (
     MODEL_A,
     MODEL_B,

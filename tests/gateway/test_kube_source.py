@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from controller.api import naming
 from controller.claimants import claimants_from
 from controller.gateway import kube_source
 from controller.gateway.binding import ModelBinding
@@ -18,6 +17,7 @@ from controller.gateway.kube_source import KubeSource
 from controller.gateway.routing import Action, RoutingState
 from controller.gateway.settings import GatewaySettings
 from e2e.cluster import create_node
+from rota.api import naming
 from tests.gateway.conftest import claim_obj, controller_lease, gpu_lease
 
 pytestmark = [pytest.mark.cluster, pytest.mark.gateway]

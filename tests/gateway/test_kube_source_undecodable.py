@@ -31,7 +31,7 @@ from controller.gateway.kube_source import KubeSource
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routing import RoutingState
 from controller.gateway.settings import GatewaySettings
-from driver.aio import wait_any
+from rota.kit.aio import wait_any
 from tests.gateway.conftest import claim_obj, pod_obj
 
 pytestmark = pytest.mark.gateway
@@ -190,13 +190,13 @@ def _pods() -> dict[str, list[dict[str, Any]]]:
 
 def _skip_reports(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.levelno == logging.WARNING
-            and getattr(r, "name", None) == "driver.listwatch"
+            and getattr(r, "name", None) == "rota.kit.listwatch"
             and r.__dict__.get("uid") == f"uid-{name}"]
 
 
 async def test_a_deeply_nested_claim_in_a_list_is_skipped_and_the_rest_syncs(
         running: Start, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="driver.listwatch")
+    caplog.set_level(logging.WARNING, logger="rota.kit.listwatch")
     fake = ClaimStreamFake(pods=_pods(), claims=[
         claim_text("engine-good", model=MODEL_GOOD, namespace=GOOD),
         claim_text("engine-deep", model=MODEL_DEEP, namespace=TENANT, depth=DEPTH),
@@ -220,7 +220,7 @@ async def test_a_deeply_nested_claim_in_a_list_is_skipped_and_the_rest_syncs(
 
 async def test_a_deeply_nested_claim_in_a_watch_is_passed_and_the_stream_goes_on(
         running: Start, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="driver.listwatch")
+    caplog.set_level(logging.WARNING, logger="rota.kit.listwatch")
     fake = ClaimStreamFake(pods=_pods(), claims=[
         claim_text("engine-good", model=MODEL_GOOD, namespace=GOOD)])
     run = await running(fake)

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller.api import naming
 from controller.gateway.app import make_app
 from controller.gateway.routing import RoutingState
 from controller.gateway.settings import GatewaySettings
+from rota.api import naming
 from tests.gateway.conftest import MODEL_A, MODEL_B, RigFactory, gpu_lease
 
 pytestmark = pytest.mark.gateway

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from controller.api import naming
 from controller.gateway.binding import ModelBinding
 from controller.gateway.routing import Action, RoutingState
+from rota.api import naming
 from tests.gateway.conftest import claim_obj, controller_lease, gpu_lease, pod_obj
 
 pytestmark = pytest.mark.gateway

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from controller import claimants
-from controller.api import naming
-from controller.api.controller_lease import ControllerLease, LeaseObserver
 from controller.gateway import routing
 from controller.gateway.binding import ModelBinding
 from controller.gateway.routing import Action, RoutingState
+from rota.api import naming
+from rota.api.controller_lease import ControllerLease, LeaseObserver
 from tests.gateway.conftest import claim_obj, controller_lease, gpu_lease, pod_obj
 
 pytestmark = pytest.mark.gateway

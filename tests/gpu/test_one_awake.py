@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 from controller.claimants import Claimant
 from controller.lease.device import GpuProcess, GpuSnapshot
-from driver.opaque import API_VERSION, KIND, parse_engine_config
 from e2e.gpu.one_awake import OneAwakeSampler, awake_on
+from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
 
 GIB = 2**30
 TOLERANCE = GIB // 2

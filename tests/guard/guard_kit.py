@@ -17,10 +17,10 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.api.engine_guard import CONTROL_TOKEN_HEADER
 from controller.credentials import Credential
 from controller.guard.proxy import make_app
 from controller.guard.settings import GuardSettings
+from rota.api.engine_guard import CONTROL_TOKEN_HEADER
 
 TOKEN = "rota-control-1"
 KEY = "sk-engine-1"

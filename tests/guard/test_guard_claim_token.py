@@ -19,9 +19,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from controller.api.engine_guard import CONTROL_TOKEN_HEADER
 from e2e.cluster.local import free_port
 from e2e.waiting import eventually_async
+from rota.api.engine_guard import CONTROL_TOKEN_HEADER
 from tests.guard.test_guard_process import DEADLINE, ROOT, _port
 
 CLAIM_TOKEN = "0f" * 32

@@ -49,7 +49,7 @@ def _error(answer: Answer) -> dict[str, object]:
 
 
 def test_the_header_is_the_contracts() -> None:
-    from controller.api.engine_guard import FENCE_HEADER, format_fences, parse_fences
+    from rota.api.engine_guard import FENCE_HEADER, format_fences, parse_fences
     assert FENCE_HEADER == FENCE
     fences = {GPU1: 7, GPU0: 12}
     assert format_fences(fences) == f"{GPU0}=12,{GPU1}=7"

@@ -6,7 +6,7 @@ import pytest
 
 from controller.guard.app import run
 from controller.guard.settings import load, split_command
-from driver.errors import ConfigError
+from rota.kit.errors import ConfigError
 
 
 def test_the_engine_command_comes_after_the_double_dash() -> None:

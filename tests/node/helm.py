@@ -14,7 +14,6 @@ from pathlib import Path
 import aiohttp
 from kubernetes import client
 
-from controller.api import naming
 from controller.lease.visible_state import LABEL_STATE
 from e2e.chart import run_tool, tools_bin
 from e2e.cluster import LocalCluster
@@ -25,6 +24,7 @@ from e2e.images import BuiltImages
 from e2e.rota_node import GATEWAY_PORT, EnginePod, RotaOnNodes
 from e2e.scenario import ask_seven
 from e2e.waiting import WaitTimeout, eventually, eventually_async
+from rota.api import naming
 
 PROC_DIR = "/var/lib/kubelet/plugins/gpu.rota.dev/fake-nvml"
 """The fake NVML process registry: inside the driver's plugin directory, a host path the

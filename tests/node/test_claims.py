@@ -12,12 +12,12 @@ import grpc
 import pytest
 from kubernetes import client
 
-from driver.pb.rota.v1 import inspect_pb2 as inspect
-from driver.rpc.services import unary_client
 from e2e.cluster.realnode import RealNode
 from e2e.objects import read_claim
 from e2e.rota_node import EnginePod, RotaOnNodes, exec_in
 from e2e.waiting import eventually, eventually_async
+from rota.kit.grpc_services import unary_client
+from rota.pb.rota.v1 import inspect_pb2 as inspect
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root]

@@ -29,12 +29,12 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller.api import naming
 from e2e.deploy import NAMESPACE, is_ready
 from e2e.objects import create_namespace
 from e2e.rota_node import RotaOnNodes, gated_engine_docs
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven, stream_chat
 from e2e.waiting import eventually, eventually_async
+from rota.api import naming
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, pytest.mark.sampled,

@@ -34,9 +34,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from controller.api import naming
 from controller.lease.device import DeviceReader
-from driver.quantity import parse_quantity
 from e2e.chaos.load import Record, client_loop
 from e2e.chaos.tally import Answer
 from e2e.deploy import MODEL_BINDING, NAMESPACE, is_ready
@@ -44,6 +42,8 @@ from e2e.objects import create_namespace
 from e2e.rota_node import RotaOnNodes, gated_engine_docs
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
 from e2e.waiting import eventually, eventually_async
+from rota.api import naming
+from rota.api.quantity import parse_quantity
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, needs_root]

@@ -22,13 +22,13 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller.api import naming
-from controller.api.gpu_lease import GpuLease
 from e2e.deploy import NAMESPACE, is_ready
 from e2e.rota_node import RotaOnNodes
 from e2e.scenario import stream_chat
 from e2e.soak import DISRUPTIONS, MODELS, SoakStage, soak, soak_stage
 from e2e.waiting import eventually, eventually_async
+from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, pytest.mark.sampled,

@@ -7,10 +7,10 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller.api import naming
 from e2e.rota_node import RotaOnNodes
 from e2e.scenario import ask_seven
 from e2e.waiting import WaitTimeout, eventually, eventually_async
+from rota.api import naming
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root]

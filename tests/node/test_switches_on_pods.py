@@ -25,13 +25,13 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller.api import naming
 from controller.lease.visible_state import LABEL_STATE
 from e2e.deploy import NAMESPACE, is_ready
 from e2e.objects import create_namespace
 from e2e.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
 from e2e.waiting import eventually, eventually_async
+from rota.api import naming
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, needs_root]

@@ -33,7 +33,6 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller.api import naming
 from e2e.deploy import NAMESPACE
 from e2e.objects import create_namespace
 from e2e.rota_node import (
@@ -47,6 +46,7 @@ from e2e.rota_node import (
 )
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
 from e2e.waiting import eventually_async
+from rota.api import naming
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, pytest.mark.sampled,

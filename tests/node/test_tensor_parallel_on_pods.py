@@ -32,16 +32,16 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from controller.api import naming
 from controller.lease.device import DeviceReader
 from controller.lease.visible_state import LABEL_STATE
-from driver.quantity import parse_quantity
 from e2e.deploy import DRIVER, NAMESPACE
 from e2e.objects import DRIVER as DRA_DRIVER
 from e2e.objects import create_namespace, node_slices
 from e2e.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
 from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
 from e2e.waiting import eventually, eventually_async
+from rota.api import naming
+from rota.api.quantity import parse_quantity
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, needs_root]

@@ -69,7 +69,7 @@ def test_the_wheel_and_sdist_hold_the_runtime_only(built: Release) -> None:
         requires = [line for line in archive.read(metadata).decode().splitlines()
                     if line.startswith("Requires-Dist:")]
     assert not [n for n in names if n.startswith(("e2e/", "tests/"))]
-    assert any(n.startswith("driver/pb/") for n in names)  # the generated gRPC code
+    assert any(n.startswith("rota/pb/") for n in names)  # the generated gRPC code
     runtime = [r for r in requires if "extra ==" not in r]
     assert not [r for r in runtime if "cryptography" in r]  # the harness's, in an extra
     assert "kubectl-rota" in wheel_entry_points(wheel)

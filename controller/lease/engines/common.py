@@ -58,8 +58,8 @@ from controller.lease.engines.errors import (
 from controller.lease.engines.probe import ProbeMode, ProbeReason, ProbeResult, run_probe
 from controller.lease.engines.prom import label_values_at_one, sum_samples
 from controller.lease.engines.transport import Answer, EngineHttp
-from rota.kit.aio import both
 from rota.api.engine_config import ProbeConfig
+from rota.kit.aio import both
 
 __all__ = [
     "ALL_TAGS",

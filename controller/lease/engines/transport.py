@@ -39,7 +39,6 @@ from typing import Any
 
 import aiohttp
 
-from rota.api.engine_guard import FENCE_HEADER, format_fences
 from controller.lease.engines.base import CONTROL_TOKEN_HEADER, EngineEndpoint, Timeouts
 from controller.lease.engines.errors import (
     EngineDead,
@@ -52,6 +51,7 @@ from controller.lease.engines.errors import (
     parse_json,
     truncate,
 )
+from rota.api.engine_guard import FENCE_HEADER, format_fences
 from rota.kit.aio import Backoff, retry
 
 __all__ = ["MAX_ANSWER_BYTES", "Answer", "EngineHttp", "api_key_path", "map_client_error"]

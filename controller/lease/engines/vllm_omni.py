@@ -53,8 +53,8 @@ from controller.lease.engines.errors import (
 )
 from controller.lease.engines.transport import Answer
 from controller.lease.engines.vllm import RESET_PREFIX_CACHE, check_reset_answer
-from rota.kit.aio import Backoff
 from rota.api.engine_config import ProbeConfig
+from rota.kit.aio import Backoff
 
 __all__ = ["OMNI_LEVELS", "OmniAck", "OmniAnswer", "VllmOmniAdapter", "parse_acks"]
 
