@@ -33,7 +33,8 @@ Optional sections:
   answer cannot be predicted).
 - ``omniStageIds`` (required for ``adapter: vllm-omni``): the pipeline's stages.
 - Switch policy (``controller/lease/policy.py``): ``priority``, ``keepAliveSeconds``,
-  ``maxWaitSeconds``, ``shareWeight``, ``home``; each absent field takes the lease
+  ``maxWaitSeconds``, ``shareWeight``, ``home``, and the service objectives
+  ``firstTokenSeconds`` and ``longestFreezeSeconds``; each absent field takes the lease
   controller's node-wide default. Each buys GPU time, so the lease controller holds each,
   set or not, to what the admin allows the claim's namespace
   (``controller/lease/tenants.py``) before its policy reads it; the ranges here only
@@ -232,6 +233,16 @@ class EngineConfig(_Model):
     home: bool = False
     """Switch policy: this model is its GPU's home model, woken when the GPU has been idle
     for the node's home delay (the controller's ``--home-model`` setting wins)."""
+    first_token_seconds: float | None = Field(default=None, gt=0, le=3600)
+    """Switch policy, service objective: a request's first token within this many seconds
+    of its arrival. The policy may preempt a holder that keeps its requests to meet it.
+    Absent: the node's default (``--first-token-objective-s``, 2 s). Never tighter than
+    the admin allows the claim's namespace."""
+    longest_freeze_seconds: float | None = Field(default=None, gt=0, le=3600)
+    """Switch policy, service objective: the longest gap a started stream of this model
+    may suffer while its engine sleeps with the stream kept; the policy wakes it before.
+    Absent: the node's default (``--longest-freeze-s``, 3 s). Never tighter than the admin
+    allows the claim's namespace."""
 
     @field_validator("model")
     @classmethod
