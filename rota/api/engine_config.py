@@ -40,6 +40,10 @@ Optional sections:
   (``controller/lease/tenants.py``) before its policy reads it; the ranges here only
   check the values are meaningful.
 
+- ``keepRequests``: whether a switch may freeze the engine's requests in flight (sleep
+  with them kept, continued at its next wake) instead of draining it; absent, rota decides
+  (:func:`keeps_requests`).
+
 ``adapter: vllm-omni`` takes ``sleepLevel: 1`` only: vLLM-Omni 0.26 and 0.30 cannot wake
 after a level-2 sleep (501, and the engine stays asleep until restarted).
 """
@@ -76,6 +80,7 @@ __all__ = [
     "HttpAdapterConfig",
     "ProbeConfig",
     "SecretKeyRef",
+    "keeps_requests",
     "parse_engine_config",
 ]
 
@@ -243,6 +248,14 @@ class EngineConfig(_Model):
     may suffer while its engine sleeps with the stream kept; the policy wakes it before.
     Absent: the node's default (``--longest-freeze-s``, 3 s). Never tighter than the admin
     allows the claim's namespace."""
+    keep_requests: bool | None = None
+    """Whether a switch may freeze this engine's requests in flight (put it to sleep with
+    them kept; they continue at its next wake) instead of waiting for them to finish.
+    Absent: rota decides (:func:`keeps_requests`): true for ``adapter: vllm`` at
+    ``sleepLevel: 1``, false otherwise; an ``http`` claim may set true (its engine keeps
+    requests across ``/sleep?mode=keep`` as vLLM does). True is refused at ``sleepLevel:
+    2`` and for ``vllm-omni``: not shown safe there. A tensor-parallel engine is drained
+    whatever this says (vLLM #45520: sleeping mid-decode at TP > 1 crashes)."""
 
     @field_validator("model")
     @classmethod
@@ -294,13 +307,38 @@ class EngineConfig(_Model):
                 raise ValueError(
                     "adapter vllm-omni needs omniStageIds, the pipeline's stages (vLLM-Omni "
                     "cannot list them; Qwen2.5-Omni and Qwen3-Omni have [0, 1, 2])")
+        if self.keep_requests:
+            self._check_keep()
         if self.http is not None and self.adapter != "http":
             raise ValueError(f"http applies only to adapter http, not {self.adapter}")
         return self
 
+    def _check_keep(self) -> None:
+        if self.adapter == "vllm-omni":
+            raise ValueError(
+                "keepRequests is not supported for adapter vllm-omni: its stages sleep "
+                "without pausing (a request running on a stage is not kept); leave it out")
+        if self.sleep_level == 2:
+            raise ValueError(
+                "keepRequests is not supported with sleepLevel 2: kept requests are "
+                "recomputed after a wake that reloads the weights from disk, which is not "
+                "shown safe; use sleepLevel 1 or leave keepRequests out")
+
     def to_parameters(self) -> dict[str, Any]:
         """The config as opaque parameters (camelCase JSON), fields at their defaults left out."""
         return self.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+
+
+def keeps_requests(config: EngineConfig, *, gang: bool) -> bool:
+    """Whether a switch may put this claim's engine to sleep with its requests kept
+    (``keepRequests`` as it takes effect): never for a tensor-parallel ``gang`` (vLLM
+    #45520), never at level 2 or for vLLM-Omni; the claim's word where it gave one; by
+    default for vLLM at level 1, the case measured on real engines."""
+    if gang or config.sleep_level != 1 or config.adapter == "vllm-omni":
+        return False
+    if config.keep_requests is not None:
+        return config.keep_requests
+    return config.adapter == "vllm"
 
 
 def _cut(text: str, limit: int) -> str:
