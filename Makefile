@@ -43,42 +43,42 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 k8s:
-	bash e2e/build-k8s.sh
+	bash e2e/toolchain/build-k8s.sh
 
 host:
-	bash e2e/setup-host.sh
+	bash e2e/toolchain/setup-host.sh
 
 images: $(STAMP)
 	$(PY) -m e2e.images
 
 chart-tools:
-	bash e2e/build-chart-tools.sh
+	bash e2e/toolchain/build-chart-tools.sh
 
 registry-tools:
-	bash e2e/build-registry.sh
+	bash e2e/toolchain/build-registry.sh
 
 kwok:
-	bash e2e/build-kwok.sh
+	bash e2e/toolchain/build-kwok.sh
 
 # The scale harness (docs/scale.md): minutes of two cores at 20 nodes; not run by make test.
 SCALE_ARGS ?= --nodes 20 --idle-s 60 --switch-s 60 --switches-per-gpu-hour 60
 scale: $(STAMP)
-	ROTA_K8S_BIN="$$(bash e2e/build-k8s.sh | tail -n 1)" \
-	ROTA_KWOK_BIN="$$(bash e2e/build-kwok.sh | tail -n 1)" \
+	ROTA_K8S_BIN="$$(bash e2e/toolchain/build-k8s.sh | tail -n 1)" \
+	ROTA_KWOK_BIN="$$(bash e2e/toolchain/build-kwok.sh | tail -n 1)" \
 	$(PY) -m e2e.scale $(SCALE_ARGS)
 
 manifests: $(STAMP)
-	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" $(PY) -m e2e.chart render-manifests
+	ROTA_CHART_TOOLS_BIN="$$(bash e2e/toolchain/build-chart-tools.sh | tail -n 1)" $(PY) -m e2e.release.chart render-manifests
 
 chart-readme: $(STAMP)
-	$(PY) -m e2e.chart_readme
+	$(PY) -m e2e.release.chart_readme
 
 # Without VERSION: a snapshot of the commit (or the release HEAD is tagged as); with it, a
 # release, checked against pyproject.toml (the one source), CHANGELOG.md and the tag.
 VERSION ?=
 IMAGE   ?= 1
 release: $(STAMP)
-	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" \
+	ROTA_CHART_TOOLS_BIN="$$(bash e2e/toolchain/build-chart-tools.sh | tail -n 1)" \
 	$(PY) -m e2e.release build --version "$(VERSION)" $(if $(filter 0,$(IMAGE)),--no-image,)
 
 # dist/ to REGISTRY (host[:port]/path), signed with the cosign key file SIGNING_KEY (or
@@ -89,22 +89,22 @@ PUBLIC_KEY  ?=
 PLAIN_HTTP  ?= 0
 UNSIGNED    ?= 0
 DIST        ?= dist
-PUBLISH_ENV = ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" \
-	ROTA_REGISTRY_TOOLS_BIN="$$(bash e2e/build-registry.sh | tail -n 1)" \
-	ROTA_COSIGN_BIN="$$(bash e2e/build-cosign.sh | tail -n 1)"
+PUBLISH_ENV = ROTA_CHART_TOOLS_BIN="$$(bash e2e/toolchain/build-chart-tools.sh | tail -n 1)" \
+	ROTA_REGISTRY_TOOLS_BIN="$$(bash e2e/toolchain/build-registry.sh | tail -n 1)" \
+	ROTA_COSIGN_BIN="$$(bash e2e/toolchain/build-cosign.sh | tail -n 1)"
 push: $(STAMP)
 	$(PUBLISH_ENV) $(PY) -m e2e.release push --registry "$(REGISTRY)" --key "$(SIGNING_KEY)" \
 	--dist "$(DIST)" \
 	$(if $(filter 1,$(PLAIN_HTTP)),--plain-http,) $(if $(filter 1,$(UNSIGNED)),--unsigned,)
 
 verify: $(STAMP)
-	ROTA_COSIGN_BIN="$$(bash e2e/build-cosign.sh | tail -n 1)" \
+	ROTA_COSIGN_BIN="$$(bash e2e/toolchain/build-cosign.sh | tail -n 1)" \
 	$(PY) -m e2e.release verify --registry "$(REGISTRY)" --public-key "$(PUBLIC_KEY)" \
 	--version "$(VERSION)" --dist "$(DIST)" \
 	$(if $(filter 1,$(PLAIN_HTTP)),--plain-http,) $(if $(filter 0,$(IMAGE)),--no-image,)
 
 signing-tools:
-	bash e2e/build-cosign.sh
+	bash e2e/toolchain/build-cosign.sh
 
 proto: $(STAMP)
 	$(PY) -m proto.generate
@@ -119,15 +119,15 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy driver controller rota e2e tests proto
 
 test: $(STAMP) host lint typecheck proto-check
-	ROTA_K8S_BIN="$$(bash e2e/build-k8s.sh | tail -n 1)" \
-	ROTA_CHART_TOOLS_BIN="$$(bash e2e/build-chart-tools.sh | tail -n 1)" \
+	ROTA_K8S_BIN="$$(bash e2e/toolchain/build-k8s.sh | tail -n 1)" \
+	ROTA_CHART_TOOLS_BIN="$$(bash e2e/toolchain/build-chart-tools.sh | tail -n 1)" \
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest -m "not cluster" $(PYTEST_ARGS)
 
 demo: $(STAMP) host
-	ROTA_K8S_BIN="$$(bash e2e/build-k8s.sh | tail -n 1)" $(PY) -m e2e.demo
+	ROTA_K8S_BIN="$$(bash e2e/toolchain/build-k8s.sh | tail -n 1)" $(PY) -m e2e.tools.demo
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .rota dist

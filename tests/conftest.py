@@ -2,7 +2,7 @@
 every async test fails when it leaks an asyncio task (:mod:`tests.leaks`).
 
 The cluster is started once per test session from real binaries (built and cached by
-``e2e/build-k8s.sh`` on first use) and only when a test asks for it, so unit tests run
+``e2e/toolchain/build-k8s.sh`` on first use) and only when a test asks for it, so unit tests run
 without it.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import LocalCluster
-from e2e.objects import MANIFESTS, apply_manifest, create_namespace
+from e2e.harness.objects import MANIFESTS, apply_manifest, create_namespace
 
 pytest_plugins = [
     "pytester", "tests.engines_on_cluster", "tests.leaks", "tests.real_node", "tests.sampling",

@@ -11,8 +11,8 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import LocalCluster
-from e2e.harness import GpuNode
-from e2e.scenario import Engine, EngineSpec, deploy
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import Engine, EngineSpec, deploy
 
 MODEL_A = EngineSpec("engine-a", "org/model-a", resident="2Gi", awake="60Gi")
 MODEL_B = EngineSpec("engine-b", "org/model-b", resident="1Gi", awake="20Gi")

@@ -9,7 +9,7 @@ import socket
 import aiohttp
 
 from controller.urls import http_url
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 
 DEADLINE_S = 30.0
 

@@ -20,9 +20,9 @@ from kubernetes import client
 from e2e.cluster import LocalCluster
 from e2e.cluster.binaries import locate
 from e2e.cluster.realnode import RealNode
-from e2e.deploy import deploy
+from e2e.harness.deploy import deploy
+from e2e.harness.rota_node import RotaOnNodes, build_rota_images
 from e2e.images import BuiltImages
-from e2e.rota_node import RotaOnNodes, build_rota_images
 
 REAL_NODE = "rota-node-1"
 MISSING = [tool for tool in ("unshare", "nsenter", "socat", "runc", "ip", "iptables")
@@ -30,7 +30,7 @@ MISSING = [tool for tool in ("unshare", "nsenter", "socat", "runc", "ip", "iptab
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or bool(MISSING),
     reason=f"a real node needs root and {', '.join(MISSING) or 'nothing missing'} "
-           "(run e2e/setup-host.sh)")
+           "(run e2e/toolchain/setup-host.sh)")
 
 
 @pytest.fixture(scope="session")

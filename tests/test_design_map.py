@@ -47,3 +47,15 @@ def test_the_kubernetes_importers_named_are_the_allowed_ones() -> None:
     paragraph = paragraph[:paragraph.index("\n\n")]
     named = set(re.findall(r"`((?:driver|controller|rota)/[^`]+\.py)`", paragraph))
     assert named == KUBERNETES_IMPORTERS
+
+
+def test_the_harness_map_names_every_folder_of_e2e_and_no_module_is_loose() -> None:
+    """``e2e/`` is grouped by purpose: each folder is in DESIGN.md's harness table, each
+    folder of the table exists, and nothing but the package marker sits at its top."""
+    named = {f.rstrip("/") for f in _first_column_folders("| folder | holds", 1)}
+    e2e = ROOT / "e2e"
+    present = {f"e2e/{p.name}" for p in e2e.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert named == present
+    loose = sorted(p.name for p in e2e.iterdir()
+                   if p.is_file() and p.name not in ("__init__.py", "py.typed", "README.md"))
+    assert not loose

@@ -1,6 +1,6 @@
 """The gateway's HTTP surface against vLLM 0.26's: what is routed, and what is refused why.
 
-Every route of vLLM 0.26's server (read from the real wheel by ``e2e/vllm_routes.py`` into
+Every route of vLLM 0.26's server (read from the real wheel by ``e2e/tools/vllm_routes.py`` into
 ``controller/gateway/vllm_routes.json``; ``tests/gateway/test_vllm_routes.py`` checks this
 module against that table) is one of:
 

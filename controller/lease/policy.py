@@ -7,7 +7,7 @@ stay, switch to a claimant, put the holder to sleep, or cancel a switch whose wa
 left, with the rule that fired (a short stable string, :data:`RULES`: an Event's note
 and a metric label) and a reason in words. No I/O and no clock: time is ``now`` in the
 input. The lease controller (:mod:`controller.lease.gpu`) and the policy benchmark
-(``python -m e2e.bench_policy``) call this same function.
+(``python -m e2e.bench.policy``) call this same function.
 
 The rules, in the order they are tried:
 

@@ -1,7 +1,7 @@
 """A fake :class:`~driver.nvml.api.NvmlBackend` for machines without a GPU.
 
 The GPUs come from a JSON fixture (:class:`NvmlFixture`; ``fixtures/h200.json`` holds the
-answers of a real H200, recorded by ``e2e/record_nvml.py``). Compute processes come from
+answers of a real H200, recorded by ``e2e/tools/record_nvml.py``). Compute processes come from
 a registry directory that other programs write, so the engine simulator can "hold" GPU
 memory the way a real engine does and every layer above sees it through the same calls:
 

@@ -1,6 +1,6 @@
 """Benchmark: what one node's lease controller asks of the API server.
 
-    python -m e2e.bench_api [--seconds 60] [--unrelated-claims 10000]
+    python -m e2e.bench.api [--seconds 60] [--unrelated-claims 10000]
 
 A local cluster, one GPU node (driver, node agent, two simulated engines) and its lease
 controller, whose kubeconfig points at a counting TLS proxy in front of the API server: so
@@ -39,10 +39,10 @@ from kubernetes import client
 
 from e2e.cluster import LocalCluster, pki
 from e2e.cluster.local import free_port
-from e2e.harness import GpuNode, engine_node
-from e2e.objects import claim, create_claim
-from e2e.scenario import EngineSpec, activate, deploy
-from e2e.waiting import eventually_async
+from e2e.harness.local_node import GpuNode, engine_node
+from e2e.harness.objects import claim, create_claim
+from e2e.harness.scenario import EngineSpec, activate, deploy
+from e2e.harness.waiting import eventually_async
 
 _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 
@@ -254,7 +254,7 @@ async def _measure(node: GpuNode, api: client.ApiClient, namespace: str, proxy: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.bench_api", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.api", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="length of each phase (default 60)")

@@ -1,6 +1,6 @@
 """Benchmark of the lease controller's own overhead on the local cluster.
 
-    python -m e2e.bench_controller [--handoffs 40] [--later-sleep 0.05] [--wake 0.1]
+    python -m e2e.bench.controller [--handoffs 40] [--later-sleep 0.05] [--wake 0.1]
                                    [--ttft 0.02]
 
 A GPU node with the driver, the node agent and one lease controller; two simulated engines
@@ -32,11 +32,11 @@ from typing import Any
 import aiohttp
 from kubernetes import client
 
+from e2e.bench.stats import summary_ms
 from e2e.cluster import LocalCluster
-from e2e.harness import engine_node
-from e2e.scenario import EngineSpec, activate, deploy
-from e2e.stats import summary_ms
-from e2e.waiting import eventually_async
+from e2e.harness.local_node import engine_node
+from e2e.harness.scenario import EngineSpec, activate, deploy
+from e2e.harness.waiting import eventually_async
 
 TARGET_P50_MS = 20.0
 TARGET_P99_MS = 80.0
@@ -136,7 +136,7 @@ def summarise(warmup: list[Handoff], measured: list[Handoff], delays: Delays
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.bench_controller",
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.controller",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--handoffs", type=int, default=40,

@@ -1,6 +1,6 @@
 """Benchmark of the DRA driver on the local cluster, over its real socket.
 
-    python -m e2e.bench_driver [--rounds 200] [--batch-rounds 30]
+    python -m e2e.bench.driver [--rounds 200] [--batch-rounds 30]
 
 Prints one line per measurement and a JSON object last:
 - prepare latency of one claim and of 32 claims in one call (p50, p99), each claim read
@@ -28,10 +28,10 @@ from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml
 from driver.publisher import SlicePublisher
 from driver.slices import SharingMode
+from e2e.bench.stats import summary_ms
 from e2e.cluster import LocalCluster, create_node
-from e2e.harness import GpuNode
-from e2e.objects import GROUP, VERSION, claim, create_claim, create_namespace, engine_config
-from e2e.stats import summary_ms
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import GROUP, VERSION, claim, create_claim, create_namespace, engine_config
 from rota.kit.grpc_services import unary_client
 from rota.kit.kube import Kube
 from rota.pb.dra.v1 import api_pb2 as dra
@@ -95,7 +95,7 @@ async def _publish_times(cluster: LocalCluster, api: client.ApiClient) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.bench_driver",
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.driver",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=200, help="one-claim prepares")

@@ -1,6 +1,6 @@
 """Benchmark of the gateway's cost on the streaming path, on the local cluster.
 
-    python -m e2e.bench_gateway [--requests 20] [--streams 64] [--rounds 6]
+    python -m e2e.bench.gateway [--requests 20] [--streams 64] [--rounds 6]
                                 [--max-tokens 64] [--tokens-per-second 50] [--ttft 0.05]
                                 [--gateway-arg=--FLAG=VALUE ...]
 
@@ -45,11 +45,11 @@ from typing import Any
 import aiohttp
 from kubernetes import client
 
+from e2e.bench.stats import percentile
 from e2e.cluster import LocalCluster
-from e2e.harness import engine_node
-from e2e.scenario import EngineSpec, activate, deploy
-from e2e.stats import percentile
-from e2e.waiting import eventually_async
+from e2e.harness.local_node import engine_node
+from e2e.harness.scenario import EngineSpec, activate, deploy
+from e2e.harness.waiting import eventually_async
 
 TTFT_RATIO_TARGET = 1.10
 ADDED_P99_TARGET_MS = 5.0
@@ -312,7 +312,7 @@ def summarise(phases: dict[str, dict[str, Phase]], load: Load, before: dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.bench_gateway", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.gateway", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20,
                         help="sequential requests per side with 1 stream (20)")

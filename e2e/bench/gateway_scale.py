@@ -1,6 +1,6 @@
 """Benchmark of the gateway against a large synthetic fleet: what an event and a request cost.
 
-    python -m e2e.bench_gateway_scale [--nodes 0,10,100,1000] [--seconds 10] [--clients 16]
+    python -m e2e.bench.gateway_scale [--nodes 0,10,100,1000] [--seconds 10] [--clients 16]
                                       [--switches-per-gpu-hour 60] [--latency-requests 200]
 
 For every N, a gateway process (the real app of :mod:`controller.gateway`, real aiohttp,
@@ -58,11 +58,11 @@ from controller.gateway import keys
 from controller.gateway.app import make_app
 from controller.gateway.routing import RoutingState
 from controller.gateway.settings import GatewaySettings
-from e2e.bench_gateway import stream_once
+from e2e.bench.gateway import stream_once
+from e2e.bench.stats import percentile
 from e2e.engine_simulator import Settings as SimSettings
 from e2e.engine_simulator import create_app as create_sim
-from e2e.objects import DRIVER, claim, engine_config, engine_pod
-from e2e.stats import percentile
+from e2e.harness.objects import DRIVER, claim, engine_config, engine_pod
 from rota.api import naming
 from rota.api.controller_lease import ControllerLease
 from rota.api.gpu_lease import GpuLease, lease_body, micro_time
@@ -489,7 +489,7 @@ async def measure(nodes: int, *, engine_url: str, engine_port: int, seconds: flo
                   ) -> dict[str, Any]:
     """One N: start the gateway process, load it, stop it; its figures."""
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "e2e.bench_gateway_scale", "--serve", str(nodes),
+        sys.executable, "-m", "e2e.bench.gateway_scale", "--serve", str(nodes),
         "--engine-port", str(engine_port),
         "--switches-per-gpu-hour", str(switches_per_gpu_hour),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
@@ -555,7 +555,7 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.bench_gateway_scale",
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.gateway_scale",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="0,10,100,1000",

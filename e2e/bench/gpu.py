@@ -1,9 +1,9 @@
 """GPU switch benchmark: the controller's switch protocol on one GPU (or, with
 ``--tensor-parallel N``, gang switches over N GPUs), WITHOUT a cluster.
 
-    python -m e2e.bench_gpu                          # on a GPU node: real NVML, real memory
-    python -m e2e.bench_gpu --fake-nvml h200         # anywhere: fake NVML, counted memory
-    python -m e2e.bench_gpu --fake-nvml h200x8 --tensor-parallel 2   # a TP=2 engine
+    python -m e2e.bench.gpu                          # on a GPU node: real NVML, real memory
+    python -m e2e.bench.gpu --fake-nvml h200         # anywhere: fake NVML, counted memory
+    python -m e2e.bench.gpu --fake-nvml h200x8 --tensor-parallel 2   # a TP=2 engine
 
 No Kubernetes is involved: no apiserver, no DRA allocation, no Lease object. What runs
 for real is the rest of the path a switch takes:

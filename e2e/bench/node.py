@@ -1,4 +1,4 @@
-"""Benchmark of a real node: ``python -m e2e.bench_node``.
+"""Benchmark of a real node: ``python -m e2e.bench.node``.
 
 Measures what starting a real node and rota on it costs on this machine: the images (built
 or cached), the control plane, the node until Ready (and its parts: namespaces, containerd,
@@ -17,14 +17,14 @@ import uuid
 
 from kubernetes import client
 
+from e2e.bench.stats import summary_ms
 from e2e.cluster import LocalCluster, binaries
 from e2e.cluster.realnode import RealNode
-from e2e.deploy import deploy
+from e2e.harness.deploy import deploy
+from e2e.harness.objects import claim, create_claim, create_namespace
+from e2e.harness.rota_node import RotaOnNodes, build_rota_images
+from e2e.harness.waiting import eventually
 from e2e.images import PAUSE_IMAGE
-from e2e.objects import claim, create_claim, create_namespace
-from e2e.rota_node import RotaOnNodes, build_rota_images
-from e2e.stats import summary_ms
-from e2e.waiting import eventually
 from rota.kit.logs import configure
 
 
@@ -56,7 +56,7 @@ def _pod_starts(api: client.ApiClient, node: str, count: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.bench_node", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.node", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pods", type=int, default=5, help="pods with a claim to start")
     parser.add_argument("--log-level", default="warning")

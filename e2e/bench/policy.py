@@ -1,6 +1,6 @@
 """Switch policy on a real trace: models taking turns on one simulated GPU, side by side.
 
-``python -m e2e.bench_policy`` replays a trace (by default the Azure LLM inference trace
+``python -m e2e.bench.policy`` replays a trace (by default the Azure LLM inference trace
 2023 in ``shared/data/azure-llm-inference-2023``, or any CSV of ``timestamp, model,
 context_tokens, generated_tokens`` given with ``--trace``) against N models sharing one
 GPU, and compares, on the same arrivals:
@@ -57,7 +57,7 @@ from controller.lease.policy import (
     decide,
 )
 from controller.lease.settings import LeaseSettings
-from e2e.stats import percentile
+from e2e.bench.stats import percentile
 
 ATTRIBUTION = (
     "Trace data: Azure LLM inference trace 2023 (AzurePublicDataset), CC-BY 4.0; Pratyush "
@@ -70,7 +70,7 @@ def _data_dir() -> Path:
     beside the checkout."""
     if os.environ.get("ROTA_TRACE_DIR"):
         return Path(os.environ["ROTA_TRACE_DIR"])
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     for base in (root / "shared", root.parent / "shared"):
         if (base / "data/azure-llm-inference-2023").exists():
             return base / "data/azure-llm-inference-2023"
@@ -559,7 +559,7 @@ def plot(res: Result, path: Path, n: int) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m e2e.bench_policy", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m e2e.bench.policy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", type=Path, default=None, help="CSV of timestamp, model, "
                    "context tokens, generated tokens (default: the Azure trace)")

@@ -1,6 +1,6 @@
 """Benchmark: reading an engine's gauges from a vLLM-sized ``/metrics`` page.
 
-    python -m e2e.bench_prom [--repeats 200]
+    python -m e2e.bench.prom [--repeats 200]
 
 A drain and every sleep or wake confirmation read ``vllm:num_requests_*`` or
 ``vllm:engine_sleep_state`` from the engine's page, on the switch's critical path. The page
@@ -47,7 +47,7 @@ def vllm_page() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m e2e.bench_prom", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.prom", description=__doc__)
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
     page = vllm_page()

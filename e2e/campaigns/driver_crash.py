@@ -2,10 +2,10 @@
 points, the driver dying at random calls; after every round the driver restarts and its
 ledger, CDI specs and answers must agree.
 
-    python -m e2e.driver_campaign [--rounds 1000] [--seed 20261201] [--claims 8]
+    python -m e2e.campaigns.driver_crash [--rounds 1000] [--seed 20261201] [--claims 8]
 
 Each round runs one driver incarnation (the real :class:`driver.prepare.Preparer`, claims
-read from the local cluster's API server) on a :mod:`e2e.disk_simulator` disk that fails
+read from the local cluster's API server) on a :mod:`e2e.harness.disk_simulator` disk that fails
 calls at random with ENOSPC or EIO, sometimes stays full, and sometimes crashes at a
 random call. A kubelet sends up to three calls at once on disjoint claims, each cancelled
 at a random instant with some probability (its deadline, as the kubelet's 45 s deadline
@@ -46,10 +46,16 @@ from kubernetes import client
 
 from driver.ledger import file_lock
 from driver.prepare import ClaimRef, Preparer
-from e2e.disk_simulator import DiskSimulator, SimulatedCrash
-from e2e.objects import read_claim
-from e2e.preparing import NodeFiles, allocated_claim, node_devices, overcommits, set_allocation
-from e2e.waiting import eventually_async
+from e2e.harness.disk_simulator import DiskSimulator, SimulatedCrash
+from e2e.harness.objects import read_claim
+from e2e.harness.preparing import (
+    NodeFiles,
+    allocated_claim,
+    node_devices,
+    overcommits,
+    set_allocation,
+)
+from e2e.harness.waiting import eventually_async
 from rota.kit.kube import Kube
 
 GPU_BYTES = 150754820096  # the fake H200

@@ -1,14 +1,14 @@
 """A soak of rota on a real node: clients of three models through the gateway replicas,
 while the lease controllers and the gateways are rolled and restarted under them.
 
-    python -m e2e.soak [--minutes 30] [--clients 12] [--disrupt-every 90]
+    python -m e2e.campaigns.soak [--minutes 30] [--clients 12] [--disrupt-every 90]
 
 Three engine simulators share the node's (fake) GPU, started through rota's start gate.
 Each client sends chat completions (streamed, with usage, and not), and completions, for a
 model drawn at random (its own model more often than the others, so that switches keep
 coming), over a connection of its own to a gateway replica that is Ready and not being
 deleted (as an EndpointSlice would name it), and reads every byte with the strict parser
-of :mod:`e2e.wire`. Like the OpenAI SDK, a client tries again after a 429 or a 503, as
+of :mod:`e2e.harness.wire`. Like the OpenAI SDK, a client tries again after a 429 or a 503, as
 long as ``Retry-After`` says. Meanwhile, one after another, every ``--disrupt-every``
 seconds: a rollout of the controller DaemonSet, a rollout of the gateway Deployment, and
 the deletion of the node's controller pod (SIGTERM, then the DaemonSet's new pod).
@@ -36,12 +36,12 @@ from urllib.parse import urlsplit
 
 from kubernetes import client
 
-from e2e.deploy import CONTROLLER, GATEWAY, is_ready, restarted
-from e2e.objects import create_namespace
-from e2e.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
-from e2e.scenario import AwakeMonitor, Engine, EngineSpec
-from e2e.waiting import eventually
-from e2e.wire import Exchange, Malformed, parse_answer, parse_sse
+from e2e.harness.deploy import CONTROLLER, GATEWAY, is_ready, restarted
+from e2e.harness.objects import create_namespace
+from e2e.harness.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
+from e2e.harness.scenario import AwakeMonitor, Engine, EngineSpec
+from e2e.harness.waiting import eventually
+from e2e.harness.wire import Exchange, Malformed, parse_answer, parse_sse
 
 MODELS = {"soak-a": "org/soak-a", "soak-b": "org/soak-b", "soak-c": "org/soak-c"}
 RESIDENT, AWAKE = "1Gi", "40Gi"
@@ -356,11 +356,11 @@ async def soak(stage: SoakStage, *, seconds: float, clients: int, disrupt_every_
 def main(argv: list[str] | None = None) -> int:
     from e2e.cluster import LocalCluster, binaries
     from e2e.cluster.realnode import RealNode
-    from e2e.deploy import deploy
-    from e2e.rota_node import build_rota_images
+    from e2e.harness.deploy import deploy
+    from e2e.harness.rota_node import build_rota_images
     from rota.kit.logs import configure
 
-    parser = argparse.ArgumentParser(prog="python -m e2e.soak", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m e2e.campaigns.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0, help="how long clients run")
     parser.add_argument("--clients", type=int, default=12, help="concurrent clients")

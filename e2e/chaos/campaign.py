@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 from kubernetes import client
 
+from e2e.bench.stats import summary_ms
 from e2e.chaos.evidence import unreachable_engine
 from e2e.chaos.faults import CATALOGUE, Fault
 from e2e.chaos.load import client_loop, into_tally
@@ -22,9 +23,8 @@ from e2e.chaos.observe import LeaseObserver, Transition
 from e2e.chaos.rig import NodeRig, Rig, RigOptions, namespace_for
 from e2e.chaos.tally import Tally
 from e2e.cluster import LocalCluster
-from e2e.objects import ROTA_NAMESPACE, read_gpu_lease
-from e2e.scenario import AwakeMonitor, sim_state
-from e2e.stats import summary_ms
+from e2e.harness.objects import ROTA_NAMESPACE, read_gpu_lease
+from e2e.harness.scenario import AwakeMonitor, sim_state
 from rota.api import naming
 
 __all__ = ["CampaignOptions", "run_campaign"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.lease.starts import listening
-from e2e.scenario import Engine
+from e2e.harness.scenario import Engine
 
 __all__ = ["LINES", "engine_log", "start_gate_view", "unreachable_engine"]
 

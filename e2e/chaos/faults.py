@@ -28,8 +28,8 @@ from kubernetes import client
 
 from e2e.chaos.evidence import engine_log
 from e2e.chaos.rig import NodeRig, Rig, slow_starters
-from e2e.objects import ROTA_NAMESPACE, node_gpu_leases
-from e2e.scenario import Engine, set_faults
+from e2e.harness.objects import ROTA_NAMESPACE, node_gpu_leases
+from e2e.harness.scenario import Engine, set_faults
 from rota.api import naming
 from rota.kit.aio import Backoff
 

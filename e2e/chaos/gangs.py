@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from e2e.gang_node import GangNode, gang_node, node_of, start_sim
+from e2e.harness.gang_node import GangNode, gang_node, node_of, start_sim
 from rota.api import naming
 
 __all__ = ["GangCampaign", "Report", "run"]

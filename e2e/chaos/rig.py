@@ -19,9 +19,9 @@ from e2e.chaos.proxy import FlakyRelay
 from e2e.cluster import LocalCluster, pki
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
-from e2e.harness import GpuNode
-from e2e.objects import MANIFESTS, apply_manifest
-from e2e.scenario import AwakeMonitor, Engine, EngineSpec, deploy
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import MANIFESTS, apply_manifest
+from e2e.harness.scenario import AwakeMonitor, Engine, EngineSpec, deploy
 
 __all__ = ["NodeRig", "Rig", "RigOptions", "slow_starters"]
 

@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 def _real_nodes(cluster: LocalCluster, api: Any, names: list[str], *,
                 deploy_rota: bool) -> dict[str, object]:
     from e2e.cluster.realnode import RealNode
-    from e2e.deploy import deploy
-    from e2e.rota_node import RotaOnNodes, build_rota_images
+    from e2e.harness.deploy import deploy
+    from e2e.harness.rota_node import RotaOnNodes, build_rota_images
 
     started = time.monotonic()
     images = build_rota_images()

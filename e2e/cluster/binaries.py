@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 REQUIRED = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager")
-BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "build-k8s.sh"
+BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "toolchain" / "build-k8s.sh"
 
 
 class BinariesMissing(RuntimeError):

@@ -10,7 +10,7 @@ taint Nodes without heartbeats). Authorization is the Node authorizer and RBAC, 
 ``NodeRestriction`` and ``ServiceAccount`` admission: kubelets act as ``system:node:<name>``
 and pods get projected, node-bound service-account tokens. A pod created right after its
 namespace must wait for the namespace's ``default`` ServiceAccount
-(:func:`e2e.objects.create_namespace` does).
+(:func:`e2e.harness.objects.create_namespace` does).
 
 The apiserver reaches a kubelet by the Node's ``Hostname`` address. It runs in a mount
 namespace of its own where ``/etc/hosts`` is the cluster's file, so real nodes' names

@@ -38,8 +38,8 @@ from e2e.cluster.node_cgroups import NodeCgroups
 from e2e.cluster.node_namespace import NodeNamespace
 from e2e.cluster.processes import ManagedProcess
 from e2e.cluster.relays import Relays, joined
+from e2e.harness.waiting import WaitTimeout, eventually
 from e2e.images import BuiltImages
-from e2e.waiting import WaitTimeout, eventually
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class RealNode:
         (cni_dir / "10-rota.conflist").write_text(node_config.cni_conflist(self.pod_cidr))
         runc = shutil.which("runc")
         if runc is None:
-            raise NodeStartError("runc is not installed (run e2e/setup-host.sh)")
+            raise NodeStartError("runc is not installed (run e2e/toolchain/setup-host.sh)")
         hosts = self.dir / "certs.d"
         for port in self.options.registry_ports:
             address = f"127.0.0.1:{port}"

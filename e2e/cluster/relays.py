@@ -25,7 +25,7 @@ from pathlib import Path
 
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
-from e2e.waiting import eventually
+from e2e.harness.waiting import eventually
 
 JOIN_CGROUP = 'for f in $ROTA_JOIN; do echo $$ > "$f"; done; exec "$@"'
 """A shell prefix that moves itself into the cgroups named by ``$ROTA_JOIN`` (cgroup.procs

@@ -1,4 +1,4 @@
-"""rota's switch protocol on a GPU without a cluster (``python -m e2e.bench_gpu``): on engine
+"""rota's switch protocol on a GPU without a cluster (``python -m e2e.bench.gpu``): on engine
 simulators, one GPU or, with ``--tensor-parallel N``, gang switches over N GPUs
 (``switch_cli``, ``switch_run``, ``gang_run``, ``switch_summary``, ``switch_ports``,
 ``simulators``, ``bandwidth``, ``one_awake``); with real vLLM engines (``--engine vllm``:

@@ -2,7 +2,7 @@
 
 A level-1 wake copies the weights back from pinned host memory, so its floor is weight
 bytes over this bandwidth. :func:`h2d_bandwidth` measures it in a short-lived child process
-(``python -m e2e.bench_gpu --measure-h2d-only``, which runs :func:`measure_child`: a pinned
+(``python -m e2e.bench.gpu --measure-h2d-only``, which runs :func:`measure_child`: a pinned
 host tensor copied to the device with PyTorch, best of the repeats) when torch and CUDA
 are present; otherwise, or when asked, it takes 54e9 B/s, the rate measured on the H200.
 A child keeps the CUDA context (and its memory) out of the benchmark's own process.
@@ -61,7 +61,7 @@ def h2d_bandwidth(args: argparse.Namespace, env: dict[str, str]) -> dict[str, An
         return assumed | {"source": "assumed 54e9 B/s (--skip-h2d)"}
     if importlib.util.find_spec("torch") is None:
         return assumed | {"source": "assumed 54e9 B/s: torch is not installed"}
-    command = [sys.executable, "-m", "e2e.bench_gpu", "--measure-h2d-only",
+    command = [sys.executable, "-m", "e2e.bench.gpu", "--measure-h2d-only",
                "--h2d-bytes", str(args.h2d_bytes), "--h2d-repeats", str(args.h2d_repeats)]
     try:
         done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""The GPU benchmark with real vLLM engines: ``python -m e2e.bench_gpu --engine vllm``.
+"""The GPU benchmark with real vLLM engines: ``python -m e2e.bench.gpu --engine vllm``.
 
 No Kubernetes: the driver's NVML backend behind its inspection service (a unix socket),
 the controller's real :class:`~controller.lease.switch.Switcher` and vLLM adapter, claimants
@@ -59,7 +59,7 @@ from e2e.gpu.engines import (
 )
 from e2e.gpu.instrument import HttpTrace
 from e2e.gpu.sampler import NvmlSampler
-from e2e.ports import ReaderDevice
+from e2e.harness.ports import ReaderDevice
 from rota.kit.logs import configure
 from rota.kit.sockets import UnixServer
 
@@ -71,7 +71,7 @@ log = logging.getLogger("e2e.gpu.bench")
 def parser() -> argparse.ArgumentParser:
     from e2e.gpu.scenarios import EXTRA, SCENARIOS
 
-    p = argparse.ArgumentParser(prog="python -m e2e.bench_gpu --engine vllm",
+    p = argparse.ArgumentParser(prog="python -m e2e.bench.gpu --engine vllm",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=("vllm",), default="vllm", help=argparse.SUPPRESS)

@@ -38,7 +38,7 @@ from e2e.gpu.engines import (
 from e2e.gpu.instrument import AdapterCall, BenchAdapter, HttpTrace
 from e2e.gpu.sampler import NvmlSampler
 from e2e.gpu.vllm_log import LogCursor, LogEvent, summarise_start
-from e2e.ports import MemoryLeasePort, ReaderDevice
+from e2e.harness.ports import MemoryLeasePort, ReaderDevice
 from rota.api import naming
 from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
 from rota.api.gpu_lease import GpuLease

@@ -41,7 +41,7 @@ from e2e.gpu.steps import (
     say,
     wait_released,
 )
-from e2e.waiting import WaitTimeout, eventually_async
+from e2e.harness.waiting import WaitTimeout, eventually_async
 from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
 
 __all__ = [

@@ -44,6 +44,7 @@ from controller.lease.gpu_locks import GpuLocks
 from controller.lease.switch import Ports, Switcher, SwitchResult
 from driver.inspection import InspectionService
 from driver.nvml.api import NvmlBackend
+from e2e.bench.stats import summary_s
 from e2e.gpu.context import NODE
 from e2e.gpu.instrument import AdapterCall, BenchAdapter
 from e2e.gpu.one_awake import OneAwakeSampler
@@ -51,8 +52,7 @@ from e2e.gpu.simulators import Sim, wait_listening
 from e2e.gpu.switch_ports import claimant, engines, view, view_line, wait_attributed
 from e2e.gpu.switch_run import IDENTITY, Run, engine_timeouts, limits, remaining, say
 from e2e.gpu.switch_summary import common, values
-from e2e.ports import MemoryLeasePort, ReaderDevice
-from e2e.stats import summary_s
+from e2e.harness.ports import MemoryLeasePort, ReaderDevice
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
 from rota.kit.sockets import UnixServer

@@ -38,8 +38,8 @@ from controller.lease.gpu import GpuWorker, Policy
 from controller.lease.policy import RULES, PolicyMode
 from controller.lease.settings import LeaseSettings
 from controller.lease.switch import Switcher, SwitchResult
-from e2e.ports import MemoryLeasePort
-from e2e.stats import percentile
+from e2e.bench.stats import percentile
+from e2e.harness.ports import MemoryLeasePort
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
 

@@ -2,7 +2,7 @@
 (``python -m e2e.gpu.policy_run``): a short window of a trace, 3 models on one GPU, on-demand
 first-come switching against rota's default policy.
 
-``python -m e2e.bench_policy`` ranks the policies in a simulation. This runs the same
+``python -m e2e.bench.policy`` ranks the policies in a simulation. This runs the same
 comparison where the engines are real vLLM 0.26 servers (``--launcher vllm``) on the GPU,
 or the engine simulator standing in for them (``--launcher simulator --fake-nvml h200``),
 and where the decisions, queueing and switches are the lease controller's: for each
@@ -15,7 +15,7 @@ on the same arrivals, every engine asleep at each start.
 
 The window: ``--trace`` (a CSV of ``timestamp, model, context tokens, generated tokens``,
 replayed as written; ``--write-trace`` cuts one), else the Azure LLM inference trace 2023
-mapped as ``python -m e2e.bench_policy`` maps it (``--mapping``, ``--speed``,
+mapped as ``python -m e2e.bench.policy`` maps it (``--mapping``, ``--speed``,
 ``--start-s``, ``--window-s``). The window shrinks to what the deadline leaves. For the
 same arrivals it also prints what the simulation of ``e2e.bench_policy`` predicts, with
 its engines calibrated to these engines' weights, so the two rankings sit side by side.
@@ -50,7 +50,7 @@ from controller.lease.switch import Ports
 from driver.devices import discover
 from driver.inspection import InspectionService
 from driver.nvml import open_backend
-from e2e import bench_policy
+from e2e.bench import policy as bench_policy
 from e2e.gpu.context import GIB, MIB, REPO_ROOT, Bench, BenchError, BenchState, byte_count
 from e2e.gpu.engines import EngineSpec, Launcher, SimulatorLauncher, VllmLauncher, boot_id
 from e2e.gpu.instrument import HttpTrace
@@ -65,7 +65,7 @@ from e2e.gpu.policy_replay import (
 )
 from e2e.gpu.sampler import NvmlSampler
 from e2e.gpu.steps import admit, say
-from e2e.ports import MemoryLeasePort, ReaderDevice
+from e2e.harness.ports import MemoryLeasePort, ReaderDevice
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
 from rota.kit.logs import configure

@@ -8,6 +8,7 @@ import json
 import time
 from typing import Any
 
+from e2e.bench.stats import summary_s
 from e2e.gpu import report
 from e2e.gpu.context import (
     Bench,
@@ -23,7 +24,6 @@ from e2e.gpu.steps import (
     require,
     say,
 )
-from e2e.stats import summary_s
 
 __all__ = [
     "scenario_cuda_graphs",

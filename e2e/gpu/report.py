@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from e2e.stats import summary_s
+from e2e.bench.stats import summary_s
 
 __all__ = ["handoff_line", "handoff_summary", "level2_summary", "markdown", "scenario_verdict",
            "text", "wake_cycle_line", "wake_decomposition"]

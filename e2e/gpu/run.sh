@@ -157,7 +157,7 @@ bench() {  # bench STAGE SCENARIOS
   [ -s "$STATE/h2d.json" ] && h2d_arg=(--h2d-json "$STATE/h2d.json")
   # shellcheck disable=SC2086
   timeout -k 15 $(( budget + 10 )) env PYTHONPATH="$(rota_path)" ROTA_VLLM_PYTHONPATH="$SITE" \
-    "$PY" -m e2e.bench_gpu --engine vllm --stage "$stage" --out "$OUT" --state-dir "$STATE" \
+    "$PY" -m e2e.bench.gpu --engine vllm --stage "$stage" --out "$OUT" --state-dir "$STATE" \
     --models "$INPUT/models" --scenarios "$scenarios" --deadline-s "$budget" \
     --keep-engines --vllm-python "$(command -v "$PY")" "${h2d_arg[@]}" ${ROTA_BENCH_ARGS:-}
   local rc=$?

@@ -1,4 +1,4 @@
-"""Engine simulator processes of the switch benchmark (``python -m e2e.bench_gpu``).
+"""Engine simulator processes of the switch benchmark (``python -m e2e.bench.gpu``).
 
 Each :class:`Sim` is one ``python -m e2e.engine_simulator`` process standing for one claim:
 started with ``ROTA_CLAIM_UID`` (and the same value as ``ROTA_POD_UID``) so the driver's
@@ -30,7 +30,7 @@ import aiohttp
 from driver.devices import GpuDevice
 from e2e.gpu.context import REPO_ROOT, BenchError
 from e2e.gpu.vllm_log import tail
-from e2e.waiting import WaitTimeout, eventually_async
+from e2e.harness.waiting import WaitTimeout, eventually_async
 
 __all__ = ["Sim", "sim_state", "spawn", "stop_sims", "wait_listening"]
 

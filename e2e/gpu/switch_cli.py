@@ -1,4 +1,4 @@
-"""Command line of the switch benchmark on engine simulators (``python -m e2e.bench_gpu``):
+"""Command line of the switch benchmark on engine simulators (``python -m e2e.bench.gpu``):
 flags, the run's set-up and the one exit path that stops every simulator.
 
 With ``--tensor-parallel N`` (N above 1) the run is the gang benchmark of
@@ -56,12 +56,12 @@ def _engine_of(argv: Sequence[str]) -> str:
 
 
 def parser(description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m e2e.bench_gpu", description=description,
+    p = argparse.ArgumentParser(prog="python -m e2e.bench.gpu", description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--engine", choices=("simulator", "vllm"), default="simulator",
         help="simulator (default): engine simulators holding device memory; vllm: real vLLM "
-             "servers and the failure scenarios (python -m e2e.bench_gpu --engine vllm --help)")
+             "servers and the failure scenarios (python -m e2e.bench.gpu --engine vllm --help)")
     add("--fake-nvml", metavar="FIXTURE", default=None,
         help="use the fake NVML with this fixture (a path, or a shipped name such as h200 or "
              "h200x8) instead of pynvml; implies --memory-backend fake")

@@ -18,8 +18,8 @@ from controller.lease.engines.registry import make_adapter
 from driver.devices import GpuDevice
 from e2e.gpu.context import NAMESPACE, NODE, BenchError, mib
 from e2e.gpu.simulators import Sim
-from e2e.ports import ReaderDevice
-from e2e.waiting import WaitTimeout, eventually_async
+from e2e.harness.ports import ReaderDevice
+from e2e.harness.waiting import WaitTimeout, eventually_async
 from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
 
 __all__ = ["claimant", "engines", "view", "view_line", "wait_attributed"]

@@ -1,4 +1,4 @@
-"""The one-GPU switch protocol of ``python -m e2e.bench_gpu``, on two engine simulators.
+"""The one-GPU switch protocol of ``python -m e2e.bench.gpu``, on two engine simulators.
 
 The reference experiment (DESIGN.md): both engines start awake, the non-holder B is put to
 sleep first as start-up reconciliation would (its first sleep is reported on its own, as
@@ -31,7 +31,7 @@ from e2e.gpu.context import NODE, BenchError
 from e2e.gpu.load import output_throughput
 from e2e.gpu.simulators import Sim, sim_state, wait_listening
 from e2e.gpu.switch_ports import claimant, engines, view, view_line, wait_attributed
-from e2e.ports import MemoryLeasePort, ReaderDevice
+from e2e.harness.ports import MemoryLeasePort, ReaderDevice
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
 from rota.kit.sockets import UnixServer

@@ -10,9 +10,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from e2e.bench.stats import summary_s
 from e2e.gpu.context import ASSUMED_H2D_BYTES_PER_S
 from e2e.gpu.switch_run import Run
-from e2e.stats import summary_s
 
 __all__ = ["note", "summary", "timing_block", "values"]
 

@@ -25,8 +25,8 @@ from typing import Any
 import yaml
 from kubernetes import client, dynamic
 
-from e2e.objects import MANIFESTS, ROTA_NAMESPACE
-from e2e.waiting import eventually
+from e2e.harness.objects import MANIFESTS, ROTA_NAMESPACE
+from e2e.harness.waiting import eventually
 
 NAMESPACE = ROTA_NAMESPACE
 EXAMPLES = MANIFESTS / "examples"

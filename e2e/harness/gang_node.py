@@ -34,8 +34,8 @@ from e2e.engine_simulator.engine import Engine as SimEngine
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.loopback import SimulatorServer
 from e2e.engine_simulator.settings import Faults, FaultsPatch
-from e2e.ports import MemoryLeasePort
-from e2e.waiting import eventually_async
+from e2e.harness.ports import MemoryLeasePort
+from e2e.harness.waiting import eventually_async
 from rota.api import naming
 from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
 from rota.api.gpu_lease import GpuLease

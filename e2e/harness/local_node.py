@@ -24,8 +24,8 @@ from driver.nvml import fixture_path
 from e2e.cluster import LocalCluster, create_node
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
-from e2e.objects import MANIFESTS, apply_manifest, create_namespace
-from e2e.waiting import eventually
+from e2e.harness.objects import MANIFESTS, apply_manifest, create_namespace
+from e2e.harness.waiting import eventually
 
 
 @dataclass

@@ -15,7 +15,7 @@ from rota.api.gpu_lease import GpuLease
 GROUP, VERSION = "resource.k8s.io", "v1"
 DRIVER = "gpu.rota.dev"
 DEVICE_CLASS = "gpu.rota.dev"
-MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 ROTA_NAMESPACE = "rota-system"
 """Where rota runs and keeps its Leases (the lease controller's default namespace)."""
 
@@ -124,7 +124,7 @@ def create_namespace(api: client.ApiClient, name: str, *, labels: Mapping[str, s
                      timeout: float = 30.0) -> None:
     """Create a namespace and wait for its ``default`` ServiceAccount: with ServiceAccount
     admission on, a pod created before the service-account controller made it is refused."""
-    from e2e.waiting import eventually
+    from e2e.harness.waiting import eventually
 
     core = client.CoreV1Api(api)
     body: dict[str, Any] = {"apiVersion": "v1", "kind": "Namespace",

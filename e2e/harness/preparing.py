@@ -3,7 +3,7 @@
 Tests of prepare's guarantees and the driver crash campaign build on this: claims are
 created in the API server and allocated by writing their status (as the scheduler would),
 the preparer reads them through the driver's own API facade, and its ledger, lock and CDI
-specs live in one directory, on the real disk or on a :mod:`e2e.disk_simulator`.
+specs live in one directory, on the real disk or on a :mod:`e2e.harness.disk_simulator`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from driver.nvml.fake import FakeNvml
 from driver.prepare import ClaimRef, Preparer
 from driver.publisher import published_devices
 from driver.slices import PoolOptions, build_slices
-from e2e.objects import GROUP, VERSION, claim, create_claim, engine_config
+from e2e.harness.objects import GROUP, VERSION, claim, create_claim, engine_config
 from rota.kit.kube import Kube
 
 BOOT_ID = "00000000-0000-4000-8000-b00700000001"

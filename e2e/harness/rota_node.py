@@ -27,13 +27,21 @@ from kubernetes import client
 
 from e2e.cluster import LocalCluster
 from e2e.cluster.realnode import RealNode
-from e2e.deploy import EXAMPLES, Applier, RotaDeployment, images_of, is_ready, read, read_manifests
+from e2e.harness.deploy import (
+    EXAMPLES,
+    Applier,
+    RotaDeployment,
+    images_of,
+    is_ready,
+    read,
+    read_manifests,
+)
+from e2e.harness.objects import create_namespace
+from e2e.harness.scenario import AwakeMonitor, Engine, EngineSpec
+from e2e.harness.waiting import eventually
 from e2e.images import PAUSE_IMAGE, BuiltImages, build_images
-from e2e.objects import create_namespace
-from e2e.scenario import AwakeMonitor, Engine, EngineSpec
-from e2e.waiting import eventually
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GATEWAY_PORT = 8080
 CONTROLLER_PORT = 8090
 DRIVER_HTTP_PORT = 8081

@@ -23,8 +23,8 @@ from controller.lease.device import DeviceError, DeviceReader
 from driver.devices import device_name
 from driver.inspection import process_environment
 from driver.nvml.fake import FakeNvml
-from e2e.objects import claim, create_claim, engine_config, engine_pod
-from e2e.waiting import eventually
+from e2e.harness.objects import claim, create_claim, engine_config, engine_pod
+from e2e.harness.waiting import eventually
 from rota.api.quantity import parse_quantity
 
 PROC = Path("/proc")

@@ -5,7 +5,7 @@ tenant's container (``kubectl exec``), so every attempt comes from where a tenan
 is: its pod IP and network namespace, its own claim's CDI environment (start token,
 control credential, start-gate socket), its own mounted Secrets. Usage::
 
-    python -m e2e.tenant_probe '<JSON list of attempts>'
+    python -m e2e.harness.tenant_probe '<JSON list of attempts>'
 
 prints a JSON list of results, one per attempt, in order. An attempt is
 
@@ -143,7 +143,8 @@ async def run_attempts(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m e2e.tenant_probe '<JSON list of attempts>'", file=sys.stderr)
+        print("usage: python -m e2e.harness.tenant_probe '<JSON list of attempts>'",
+              file=sys.stderr)
         return 2
     attempts = json.loads(args[0])
     print(json.dumps(asyncio.run(run_attempts(list(attempts)))))

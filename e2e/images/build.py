@@ -259,7 +259,7 @@ def _scratch_parent(root: Path, need_bytes: int = 2 << 30) -> Path:
 def _pause_layer(layers: _Layers, scratch: Path) -> LayerInfo:
     gcc = shutil.which("gcc")
     if gcc is None:
-        raise BuildError("gcc is needed for the pause image (run e2e/setup-host.sh)")
+        raise BuildError("gcc is needed for the pause image (run e2e/toolchain/setup-host.sh)")
     version = _run([gcc, "--version"], "gcc --version").splitlines()[0]
     key = content_key("pause", RECIPE, PAUSE_SOURCE.read_text(), version)
 

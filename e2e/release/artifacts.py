@@ -49,8 +49,8 @@ the cosign key file and attests the provenance to both (``cosign sign``, ``cosig
 transparency log). ``make verify REGISTRY=... VERSION=<v> PUBLIC_KEY=cosign.pub``
 (``verify``) checks the signatures and the provenance of both before an install; docs/
 install.md has the same as plain cosign commands. crane, helm and cosign are built from
-the Go module proxy into rota's tool cache (``e2e/build-registry.sh``,
-``e2e/build-chart-tools.sh``, ``e2e/build-cosign.sh``).
+the Go module proxy into rota's tool cache (``e2e/toolchain/build-registry.sh``,
+``e2e/toolchain/build-chart-tools.sh``, ``e2e/toolchain/build-cosign.sh``).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from typing import Any
 import yaml
 from packaging.version import InvalidVersion, Version
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 IMAGE_REPOSITORY = "ghcr.io/rota-dev/rota"
 SOURCE_URL = "https://github.com/rota-dev/rota"
 RUNTIME_PACKAGES = ("driver", "controller", "rota")
@@ -473,7 +473,8 @@ def helm_binary() -> Path:
         return Path(bin_dir) / "helm"
     found = shutil.which("helm")
     if found is None:
-        raise ReleaseError("no helm: set ROTA_CHART_TOOLS_BIN (bash e2e/build-chart-tools.sh)")
+        raise ReleaseError("no helm: set ROTA_CHART_TOOLS_BIN "
+                           "(bash e2e/toolchain/build-chart-tools.sh)")
     return Path(found)
 
 
@@ -489,7 +490,7 @@ def write_sums(dist: Path) -> Path:
 
 
 PROVENANCE_PREDICATE = "https://slsa.dev/provenance/v1"
-BUILD_TYPE = f"{SOURCE_URL}/blob/main/e2e/release.py#build"
+BUILD_TYPE = f"{SOURCE_URL}/blob/main/e2e/release/artifacts.py#build"
 """What ``buildDefinition`` means: this module's ``build`` (its parameters below)."""
 
 
@@ -568,7 +569,7 @@ def build_main(args: argparse.Namespace) -> int:
 
 
 def push_main(args: argparse.Namespace) -> int:
-    from e2e.registry_publish import Target, Tools, install_hint, push
+    from e2e.release.publish import Target, Tools, install_hint, push
 
     key = Path(args.key) if args.key else None
     if key is None and not args.unsigned:
@@ -587,7 +588,7 @@ def push_main(args: argparse.Namespace) -> int:
 
 
 def verify_main(args: argparse.Namespace) -> int:
-    from e2e.registry_publish import Target, cosign_binary, verify
+    from e2e.release.publish import Target, cosign_binary, verify
 
     if not args.public_key:
         raise ReleaseError("give the public key: PUBLIC_KEY=<cosign.pub> (--public-key)")
@@ -603,7 +604,7 @@ def verify_main(args: argparse.Namespace) -> int:
 
 
 def _dist_version(dist: Path) -> str:
-    from e2e.registry_publish import chart_version
+    from e2e.release.publish import chart_version
 
     charts = sorted(dist.glob("rota-*.tgz"))
     if len(charts) != 1:
@@ -656,7 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Through the importable module, so e2e.registry_publish's ReleaseError is main's own.
-    from e2e.release import main as _main
+    # Through the importable module, so e2e.release.publish's ReleaseError is main's own.
+    from e2e.release.artifacts import main as _main
 
     sys.exit(_main())

@@ -6,7 +6,7 @@ module's ``render-manifests`` command) renders the chart with ``charts/rota/ci/
 manifests-values.yaml`` and writes one file per template; a test fails when the files and
 ``helm template`` disagree.
 
-The tools are built from the Go module proxy by ``e2e/build-chart-tools.sh`` into a cache
+The tools are built from the Go module proxy by ``e2e/toolchain/build-chart-tools.sh`` into a cache
 outside the repository; ``ROTA_CHART_TOOLS_BIN`` names a directory that holds them already.
 """
 
@@ -24,11 +24,11 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rota"
 MANIFESTS = ROOT / "manifests"
 MANIFEST_VALUES = CHART / "ci" / "manifests-values.yaml"
-BUILD_SCRIPT = ROOT / "e2e" / "build-chart-tools.sh"
+BUILD_SCRIPT = ROOT / "e2e" / "toolchain" / "build-chart-tools.sh"
 KUBE_VERSION = "1.37.2"
 """The Kubernetes version ``helm template`` renders for (it has no cluster to ask)."""
 RELEASE, NAMESPACE = "rota", "rota-system"
@@ -125,7 +125,7 @@ def write_manifests(bin_dir: Path | None = None) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.chart", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m e2e.release.chart", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("render-manifests", help="write manifests/*.yaml from the chart")
     sub.add_parser("tools", help="build or find helm and promtool; print their directory")

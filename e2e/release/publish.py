@@ -34,11 +34,11 @@ from typing import Any
 
 import yaml
 
-from e2e.release import ReleaseError, helm_binary, sha256
+from e2e.release.artifacts import ReleaseError, helm_binary, sha256
 
-ROOT = Path(__file__).resolve().parent.parent
-COSIGN_SCRIPT = ROOT / "e2e" / "build-cosign.sh"
-REGISTRY_SCRIPT = ROOT / "e2e" / "build-registry.sh"
+ROOT = Path(__file__).resolve().parents[2]
+COSIGN_SCRIPT = ROOT / "e2e" / "toolchain" / "build-cosign.sh"
+REGISTRY_SCRIPT = ROOT / "e2e" / "toolchain" / "build-registry.sh"
 PREDICATE_TYPE = "slsaprovenance1"
 """cosign's name for ``https://slsa.dev/provenance/v1``."""
 TOOL_TIMEOUT_S = 300.0

@@ -1,12 +1,12 @@
 """An OCI registry on the loopback address, holding rota's released image and chart.
 
 The registry is go-containerregistry's (``crane registry serve``, built from the Go module
-proxy by ``e2e/build-registry.sh`` into the tool cache; ``ROTA_REGISTRY_TOOLS_BIN`` names a
-directory that holds ``crane`` already). :class:`LocalRegistry` serves it on
+proxy by ``e2e/toolchain/build-registry.sh`` into the tool cache; ``ROTA_REGISTRY_TOOLS_BIN``
+names a directory that holds ``crane`` already). :class:`LocalRegistry` serves it on
 ``127.0.0.1:<free port>`` over plain HTTP with its blobs in a data directory, waits (bounded)
 until ``/v2/`` answers, and stops it on every exit path (a context manager; the process
 also dies with its parent). A release goes into it as an admin's goes into theirs
-(docs/install.md, ``e2e/registry_publish.py``): ``make push REGISTRY=<address>/rota-dev
+(docs/install.md, ``e2e/release/publish.py``): ``make push REGISTRY=<address>/rota-dev
 SIGNING_KEY=... PLAIN_HTTP=1`` (:attr:`LocalRegistry.target`) puts the image at
 ``<address>/rota-dev/rota:<v>`` (the manifest's bytes, so its digest, are the release
 archive's: the digest the released chart pins) and the chart at
@@ -31,10 +31,10 @@ from types import TracebackType
 
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
-from e2e.waiting import eventually
+from e2e.harness.waiting import eventually
 
-ROOT = Path(__file__).resolve().parent.parent
-BUILD_SCRIPT = ROOT / "e2e" / "build-registry.sh"
+ROOT = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = ROOT / "e2e" / "toolchain" / "build-registry.sh"
 PREFIX = "rota-dev"
 """The path below the registry's address that releases are pushed to (``REGISTRY``'s)."""
 IMAGE_PATH = f"{PREFIX}/rota"

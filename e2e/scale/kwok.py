@@ -11,7 +11,7 @@ writes per minute per node) and plays the Stages below, which are rota's own and
   Ready at once, with a pod IP from ``--cidr``. There is no DRA stage: kwok never calls a
   kubelet plugin, so nothing is prepared (the harness is about API load, not devices).
 
-The binary comes from ``e2e/build-kwok.sh`` (the tool cache) or ``ROTA_KWOK_BIN``.
+The binary comes from ``e2e/toolchain/build-kwok.sh`` (the tool cache) or ``ROTA_KWOK_BIN``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from e2e.cluster.processes import ManagedProcess
 
 NODE_LABEL = "rota.dev/scale-node"
-BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "build-kwok.sh"
+BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "toolchain" / "build-kwok.sh"
 POD_CIDR = "10.64.0.0/10"
 
 _NODE_CONDITIONS = """\

@@ -21,7 +21,7 @@ from kubernetes import client
 from controller.claimants import Claimant, claimants_from
 from driver.devices import GpuDevice
 from e2e.cluster.nodes import node_body
-from e2e.objects import (
+from e2e.harness.objects import (
     MANIFESTS,
     apply_manifest,
     claim,
@@ -29,8 +29,8 @@ from e2e.objects import (
     engine_config,
     engine_pod,
 )
+from e2e.harness.waiting import eventually
 from e2e.scale.kwok import NODE_LABEL
-from e2e.waiting import eventually
 
 NAMESPACE = "engines"
 LEASE_NAMESPACE = "rota-system"

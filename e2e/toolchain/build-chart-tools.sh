@@ -5,7 +5,7 @@
 # The binaries land in a cache outside the repository, keyed by version, and are reused
 # when present:   ${ROTA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rota}/tools/helm<v>-promtool<v>/bin
 # Prints that bin directory on its last line of stdout. Progress goes to stderr. The
-# prologue (cache, lock, one wrapper module per tool) is e2e/go-tools.sh's.
+# prologue (cache, lock, one wrapper module per tool) is e2e/toolchain/go-tools.sh's.
 #
 # Prometheus tags its Go module v0.<minor*100+patch>: v0.316.0 is Prometheus 3.16.0.
 set -euo pipefail
@@ -15,7 +15,7 @@ PROMETHEUS_MODULE_VERSION="${ROTA_PROMETHEUS_MODULE_VERSION:-0.316.0}"
 TOOL_LOG=build-chart-tools
 TOOL_KEY="helm${HELM_VERSION}-promtool${PROMETHEUS_MODULE_VERSION}"
 WANT=(helm promtool)
-# shellcheck source=e2e/go-tools.sh
+# shellcheck source=e2e/toolchain/go-tools.sh
 source "$(dirname "${BASH_SOURCE[0]}")/go-tools.sh"
 
 go_tools_begin

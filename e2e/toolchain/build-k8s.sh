@@ -6,7 +6,7 @@
 # The binaries land in a cache outside the repository, keyed by version, and are reused
 # when present:   ${ROTA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rota}/k8s/<k8s>-etcd<etcd>/bin
 # Prints that bin directory on its last line of stdout. Progress goes to stderr. The
-# prologue (cache, lock, Go, one wrapper module per build) is e2e/go-tools.sh's.
+# prologue (cache, lock, Go, one wrapper module per build) is e2e/toolchain/go-tools.sh's.
 #
 # Why a wrapper module: k8s.io/kubernetes requires its staging modules at v0.0.0 and
 # replaces them with ./staging paths, which only work inside its own repository. A small
@@ -24,7 +24,7 @@ TOOL_LOG=build-k8s
 TOOL_SHELF=k8s
 TOOL_KEY="v${K8S_VERSION}-etcd${ETCD_VERSION}-containerd${CONTAINERD_VERSION}"
 WANT=(etcd "${KUBE[@]}" "${CONTAINERD[@]}")
-# shellcheck source=e2e/go-tools.sh
+# shellcheck source=e2e/toolchain/go-tools.sh
 source "$(dirname "${BASH_SOURCE[0]}")/go-tools.sh"
 
 go_tools_begin

@@ -5,14 +5,14 @@
 # Stage objects the harness writes say, without any kubelet.
 #
 # Cache: ${ROTA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rota}/tools/kwok<v>/bin, printed on
-# the last line of stdout (e2e/go-tools.sh, shared with e2e/build-chart-tools.sh).
+# the last line of stdout (e2e/toolchain/go-tools.sh, shared with e2e/toolchain/build-chart-tools.sh).
 set -euo pipefail
 
 KWOK_VERSION="${ROTA_KWOK_VERSION:-0.8.0}"
 TOOL_LOG=build-kwok
 TOOL_KEY="kwok${KWOK_VERSION}"
 WANT=(kwok)
-# shellcheck source=e2e/go-tools.sh
+# shellcheck source=e2e/toolchain/go-tools.sh
 source "$(dirname "${BASH_SOURCE[0]}")/go-tools.sh"
 
 go_tools_begin

@@ -1,5 +1,5 @@
 # Sourced by the scripts that build binaries from the Go module proxy into rota's cache
-# (e2e/build-k8s.sh, e2e/build-chart-tools.sh, e2e/build-registry.sh, e2e/build-kwok.sh);
+# (e2e/toolchain/build-k8s.sh, e2e/toolchain/build-chart-tools.sh, e2e/toolchain/build-registry.sh, e2e/toolchain/build-kwok.sh);
 # not run by itself.
 #
 # The caller sets TOOL_LOG (its name in the log), TOOL_KEY (the cache entry, naming every

@@ -25,11 +25,11 @@ from kubernetes import client
 
 from e2e.cluster import LocalCluster, binaries
 from e2e.cluster.realnode import RealNode
-from e2e.deploy import deploy
-from e2e.objects import read_gpu_lease
-from e2e.rota_node import RotaOnNodes, build_rota_images
-from e2e.scenario import stream_chat
-from e2e.waiting import eventually
+from e2e.harness.deploy import deploy
+from e2e.harness.objects import read_gpu_lease
+from e2e.harness.rota_node import RotaOnNodes, build_rota_images
+from e2e.harness.scenario import stream_chat
+from e2e.harness.waiting import eventually
 from rota.api.activation import STATE_PATH, LastSwitch, StateAnswer
 from rota.kit.logs import configure
 
@@ -90,7 +90,7 @@ def _kubectl(kubeconfig: Path, *args: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m e2e.tools.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6, help="requests to send")
     parser.add_argument("--keep", action="store_true",

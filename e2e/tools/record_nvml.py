@@ -3,9 +3,9 @@
 Run it on a GPU machine; the output is the format ``driver/nvml/fake.py`` reads
 (``NvmlFixture``), so the fake answers like the recorded hardware::
 
-    python e2e/record_nvml.py                     # JSON on stdout
-    python e2e/record_nvml.py h200.json           # or into a file
-    python e2e/record_nvml.py --description "..." h200.json
+    python e2e/tools/record_nvml.py                     # JSON on stdout
+    python e2e/tools/record_nvml.py h200.json           # or into a file
+    python e2e/tools/record_nvml.py --description "..." h200.json
 
 It needs only ``pynvml`` (package nvidia-ml-py) and the standard library. When rota's
 package and pydantic are importable too, the result is validated against the fixture

@@ -6,8 +6,8 @@ every other one with a 404 that names the route and why
 never from memory or docs::
 
     pip download vllm==0.26.0 --no-deps -d "$DIR"
-    python -m e2e.vllm_routes "$DIR"/vllm-0.26.0-*.whl --write controller/gateway/vllm_routes.json
-    python -m e2e.vllm_routes "$DIR"/vllm-0.26.0-*.whl --check controller/gateway/vllm_routes.json
+    python -m e2e.tools.vllm_routes "$DIR"/*.whl --write controller/gateway/vllm_routes.json
+    python -m e2e.tools.vllm_routes "$DIR"/*.whl --check controller/gateway/vllm_routes.json
 
 The wheel is not imported (it needs CUDA and half of PyPI): its ``vllm/entrypoints``
 sources are parsed. A route is a function decorated ``@<router>.<method>("<path>", ...)``
@@ -495,7 +495,7 @@ def fetch(spec: str, cache: Path) -> Path:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m e2e.vllm_routes",
+        prog="python -m e2e.tools.vllm_routes",
         description="Read vLLM's HTTP route table (and its control handlers) from vLLM "
                     "wheels (not imported: their sources are parsed) and write it, compare "
                     "it with a committed table, or print it.")

@@ -23,8 +23,8 @@ from e2e.chaos.rig import NodeRig, Rig, RigOptions, slow_starters
 from e2e.chaos.tally import Answer, Tally
 from e2e.cluster import LocalCluster
 from e2e.engine_simulator.settings import settings_from_args
-from e2e.harness import GpuNode
-from e2e.scenario import AwakeMonitor, Engine, EngineSpec
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import AwakeMonitor, Engine, EngineSpec
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
 from rota.api.quantity import parse_quantity

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.chart import tools_bin
+from e2e.release.chart import tools_bin
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import yaml
 
 from controller.credentials import PLACEHOLDERS
 from driver.settings import DriverSettings
-from e2e.chart import CHART, KUBE_VERSION, Rendered, render, run_tool
+from e2e.release.chart import CHART, KUBE_VERSION, Rendered, render, run_tool
 from tests.chart.minimal import ENGINE_NAMESPACE, MINIMAL
 
 VALUE_SETS = sorted((CHART / "ci").glob("*-values.yaml"))

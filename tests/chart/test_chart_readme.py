@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from e2e.chart_readme import CHART, main, render, values_of
+from e2e.release.chart_readme import CHART, main, render, values_of
 
 
 def test_the_chart_readme_is_current() -> None:

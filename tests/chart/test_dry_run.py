@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from kubernetes import client, dynamic
 
-from e2e.chart import CHART, Rendered, render
-from e2e.waiting import eventually
+from e2e.harness.waiting import eventually
+from e2e.release.chart import CHART, Rendered, render
 from tests.chart.minimal import ENGINE_NAMESPACE, MINIMAL
 
 pytestmark = pytest.mark.cluster

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from kubernetes import client, dynamic
 
-from e2e.chart import Rendered, render
+from e2e.release.chart import Rendered, render
 from rota.api.engine_config import EngineConfig, parse_engine_config
 from rota.api.quantity import parse_quantity
 from tests.chart.minimal import ENGINE_NAMESPACE, MINIMAL

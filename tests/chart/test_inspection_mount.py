@@ -20,8 +20,8 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import LocalCluster
-from e2e.harness import GpuNode
-from e2e.waiting import eventually
+from e2e.harness.local_node import GpuNode
+from e2e.harness.waiting import eventually
 
 # A Python that another uid may run (not one under root's home).
 OTHER_PYTHON = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3")

@@ -26,14 +26,14 @@ import yaml
 from kubernetes import client
 
 from controller.credentials import PLACEHOLDERS
-from e2e.chart import CHART, run_tool
 from e2e.cluster import LocalCluster
 from e2e.cluster.nodes import create_node, node_body
-from e2e.harness import GpuNode
-from e2e.objects import claim
-from e2e.rota_node import client_with_token
-from e2e.scenario import deploy
-from e2e.waiting import eventually
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import claim
+from e2e.harness.rota_node import client_with_token
+from e2e.harness.scenario import deploy
+from e2e.harness.waiting import eventually
+from e2e.release.chart import CHART, run_tool
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease, lease_body
 from tests.engines_on_cluster import MODEL_A, MODEL_B

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.chart import CHART, KUBE_VERSION
+from e2e.release.chart import CHART, KUBE_VERSION
 from tests.docs.blocks import ROOT, blocks_of
 
 INSTALL_MD = ROOT / "docs" / "install.md"

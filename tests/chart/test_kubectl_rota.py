@@ -25,9 +25,9 @@ from controller.kubectl_rota import (
 )
 from e2e.cluster import LocalCluster
 from e2e.cluster.nodes import create_node
-from e2e.harness import GpuNode
-from e2e.scenario import Engine
-from e2e.waiting import eventually
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import Engine
+from e2e.harness.waiting import eventually
 from rota.api import naming
 from rota.api.activation import TOKEN_HEADER, ActivateAnswer
 from rota.api.controller_lease import ControllerLease

@@ -31,9 +31,9 @@ from controller.gateway.kube_source import KubeSource
 from controller.gateway.routing import RoutingState
 from controller.gateway.settings import GatewaySettings
 from controller.kubectl_rota import main
-from e2e.chart import Rendered, render
 from e2e.cluster import LocalCluster
-from e2e.objects import create_namespace
+from e2e.harness.objects import create_namespace
+from e2e.release.chart import Rendered, render
 from tests.chart.test_kubectl_rota import _leases
 
 GROUP, VERSION = "resource.k8s.io", "v1"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from e2e.chart import MANIFESTS, manifest_files
+from e2e.release.chart import MANIFESTS, manifest_files
 
 
 def test_manifests_are_the_rendered_chart(chart_bin: Path) -> None:

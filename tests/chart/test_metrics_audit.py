@@ -21,7 +21,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
-from e2e.chart import CHART, run_tool
+from e2e.release.chart import CHART, run_tool
 
 DASHBOARD = CHART / "files" / "dashboards" / "rota.json"
 RULES = CHART / "files" / "prometheus" / "rules.yaml"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.chart import CHART, KUBE_VERSION, Rendered, run_tool
-from e2e.chart_readme import main as readme_main
-from e2e.chart_readme import render as render_readme
+from e2e.release.chart import CHART, KUBE_VERSION, Rendered, run_tool
+from e2e.release.chart_readme import main as readme_main
+from e2e.release.chart_readme import render as render_readme
 
 NOTES_AS_OBJECT = """{{- define "test.notes" }}%s{{- end }}
 apiVersion: v1

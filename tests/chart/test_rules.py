@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from e2e.chart import render, run_tool
+from e2e.release.chart import render, run_tool
 from tests.chart.minimal import MINIMAL
 
 TESTS = Path(__file__).with_name("rules_test.yaml")

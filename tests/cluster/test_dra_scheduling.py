@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import ClusterOptions, LocalCluster, create_node
-from e2e.waiting import eventually
+from e2e.harness.waiting import eventually
 
 pytestmark = pytest.mark.cluster
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from kubernetes import client, utils
 
-from e2e.objects import MANIFESTS
+from e2e.harness.objects import MANIFESTS
 
 pytestmark = pytest.mark.cluster
 

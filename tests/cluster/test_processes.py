@@ -20,7 +20,7 @@ def _stubborn(tmp_path: Path) -> ManagedProcess:
 
 def test_a_process_ignoring_sigterm_is_killed(tmp_path: Path,
                                               caplog: pytest.LogCaptureFixture) -> None:
-    from e2e.waiting import eventually
+    from e2e.harness.waiting import eventually
 
     proc = _stubborn(tmp_path)
     with caplog.at_level(logging.INFO, logger="e2e.cluster.processes"):

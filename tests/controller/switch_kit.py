@@ -14,7 +14,7 @@ from controller.lease.engines.base import EngineAdapter, EngineEndpoint, Timeout
 from controller.lease.engines.registry import make_adapter
 from controller.lease.settings import StepTimeouts
 from controller.lease.switch import Limits, Ports, Switcher
-from e2e.ports import MemoryLeasePort
+from e2e.harness.ports import MemoryLeasePort
 from rota.api import naming
 from rota.api.engine_config import API_VERSION, KIND, parse_engine_config
 from rota.api.gpu_lease import GpuLease

@@ -31,7 +31,7 @@ from controller.lease import metrics
 from controller.lease.activation import make_app as make_controller_app
 from controller.lease.gpu import GpuWorker, Policy
 from controller.lease.node import NodeController
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease, lease_body
 from tests.controller.activation_kit import RoutingNode

@@ -22,7 +22,7 @@ from controller.lease.activation import make_app
 from controller.lease.gpu import Activation
 from controller.lease.node import NodeController
 from controller.lease.switch import SwitchResult
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from rota.api import naming
 from rota.api.activation import STATE_PATH, ClaimantState, StateAnswer
 from rota.api.gpu_lease import GpuLease

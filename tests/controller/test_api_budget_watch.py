@@ -13,7 +13,7 @@ from kubernetes import client
 
 from e2e.chaos.proxy import FlakyRelay
 from e2e.cluster import LocalCluster
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from rota.kit.aio import Backoff
 from rota.kit.listwatch import ListWatch, Obj
 

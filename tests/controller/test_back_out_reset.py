@@ -24,7 +24,7 @@ import struct
 import aiohttp
 import pytest
 
-from e2e.gang_node import Engine, gang_node
+from e2e.harness.gang_node import Engine, gang_node
 from tests.controller.conftest import EngineSimFactory
 
 pytestmark = pytest.mark.controller

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from e2e import bench_controller
+from e2e.bench import controller as bench_controller
 from e2e.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""The GPU switch benchmark (``e2e/bench_gpu.py``) runs end to end without a GPU.
+"""The GPU switch benchmark (``e2e/bench/gpu.py``) runs end to end without a GPU.
 
 The script is run as the lead runs it on the accelerator machine, as a subprocess, but
 with the fake NVML backend on the shipped H200 fixture, counted simulator memory, tiny
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.controller, pytest.mark.slow]
 
 def _run_bench(*extra: str, fixture: str = "h200"
                ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    command = [sys.executable, "-m", "e2e.bench_gpu",
+    command = [sys.executable, "-m", "e2e.bench.gpu",
                "--fake-nvml", str(fixture_path(fixture)), "--memory-backend", "fake",
                "--handoffs", "2", "--a-awake", "3Gi", "--a-resident", "512Mi",
                "--a-weights", "2Gi", "--b-awake", "1Gi", "--b-resident", "256Mi",
@@ -169,7 +169,7 @@ def test_tensor_parallel_needs_more_gpus_than_the_fixture_has() -> None:
 
 
 def test_tensor_parallel_refuses_real_memory_up_front() -> None:
-    done = subprocess.run([sys.executable, "-m", "e2e.bench_gpu", "--tensor-parallel", "2",
+    done = subprocess.run([sys.executable, "-m", "e2e.bench.gpu", "--tensor-parallel", "2",
                            "--memory-backend", "cuda"], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=RUN_TIMEOUT_S, check=False)
     assert done.returncode == 2

@@ -1,4 +1,4 @@
-"""Smoke test of the policy benchmark (e2e/bench_policy.py): a few hundred arrivals of the
+"""Smoke test of the policy benchmark (e2e/bench/policy.py): a few hundred arrivals of the
 Azure LLM inference trace 2023 through every policy. No timing is asserted.
 
 Trace data: Azure LLM inference trace 2023 (AzurePublicDataset), CC-BY 4.0; Pratyush
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import bench_policy
+from e2e.bench import policy as bench_policy
 
 
 @pytest.mark.skipif(not bench_policy.DATA.exists(), reason="no trace data")

@@ -12,7 +12,7 @@ import pytest
 from kubernetes import client
 
 from controller.lease.visible_state_writer import VisibleStateKube
-from e2e.objects import GROUP, VERSION, claim, create_claim, read_claim
+from e2e.harness.objects import GROUP, VERSION, claim, create_claim, read_claim
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]
 

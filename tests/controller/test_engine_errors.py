@@ -36,7 +36,7 @@ def test_refusals_get_distinct_reasons(status: int, body: str, reason: str) -> N
 
 
 # The answer vLLM 0.26 gave on an H200 to the request that met its dead engine core (the
-# abandoned-sleep trap; ``python -m e2e.bench_gpu --scenarios startup,dead_core``): the
+# abandoned-sleep trap; ``python -m e2e.bench.gpu --scenarios startup,dead_core``): the
 # exception's name is nowhere in it.
 VLLM026_DEAD_CORE = ('{"error":{"message":"EngineCore encountered an issue. See stack trace '
                      '(above) for the root cause.","type":"InternalServerError","param":null,'

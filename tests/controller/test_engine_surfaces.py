@@ -17,7 +17,7 @@ from controller.lease.engines import Timeouts, VllmAdapter
 from controller.lease.engines.dialect import Dialect
 from controller.lease.engines.surfaces import load_surfaces, supported, surface_for
 from controller.lease.engines.vllm import calls
-from e2e import vllm_routes
+from e2e.tools import vllm_routes
 from tests.controller.conftest import EngineSimFactory
 
 VLLM = supported("vllm")

@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from e2e.harness import GpuNode
-from e2e.scenario import Engine, activate, ask_seven, set_faults
-from e2e.waiting import eventually_async
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import Engine, activate, ask_seven, set_faults
+from e2e.harness.waiting import eventually_async
 from tests.engines_on_cluster import MODEL_A, MODEL_B
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]

@@ -13,8 +13,8 @@ import pytest
 
 from controller.lease.metrics import SwitchMetrics
 from controller.lease.settings import StepTimeouts
-from e2e.gang_node import Engine, GangNode, gang_node
-from e2e.waiting import eventually_async
+from e2e.harness.gang_node import Engine, GangNode, gang_node
+from e2e.harness.waiting import eventually_async
 from tests.controller.conftest import EngineSimFactory
 
 pytestmark = pytest.mark.controller

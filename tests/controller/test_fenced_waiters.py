@@ -10,7 +10,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from e2e.gang_node import gang_node
+from e2e.harness.gang_node import gang_node
 from tests.controller.conftest import EngineSimFactory
 
 pytestmark = pytest.mark.controller

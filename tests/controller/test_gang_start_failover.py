@@ -21,7 +21,7 @@ import pytest
 from e2e.engine_simulator import create_app
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.loopback import SimulatorServer
-from e2e.gang_node import Engine, GangNode, LoopbackSim, _watched, gang_node, node_of
+from e2e.harness.gang_node import Engine, GangNode, LoopbackSim, _watched, gang_node, node_of
 from rota.api import naming
 from tests.controller.conftest import EngineSimFactory
 

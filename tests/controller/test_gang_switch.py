@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from controller.lease.policy import SwitchCost
-from e2e.gang_node import gang_node, node_of
+from e2e.harness.gang_node import gang_node, node_of
 from rota.api import naming
 from rota.api.engine_guard import parse_fences
 from tests.controller.conftest import EngineSimFactory

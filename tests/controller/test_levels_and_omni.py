@@ -7,8 +7,8 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from e2e.harness import GpuNode
-from e2e.scenario import (
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import (
     AwakeMonitor,
     Engine,
     EngineSpec,
@@ -17,7 +17,7 @@ from e2e.scenario import (
     deploy,
     sim_state,
 )
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]
 

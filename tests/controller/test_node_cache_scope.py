@@ -14,8 +14,8 @@ from kubernetes import client
 
 from controller.lease.cache import NodeCache
 from e2e.cluster import LocalCluster
-from e2e.objects import GROUP, VERSION, claim, create_claim, engine_config
-from e2e.waiting import eventually_async
+from e2e.harness.objects import GROUP, VERSION, claim, create_claim, engine_config
+from e2e.harness.waiting import eventually_async
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]
 

@@ -7,9 +7,9 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from e2e.harness import GpuNode
-from e2e.scenario import Engine, activate, ask_seven, sim_state
-from e2e.waiting import eventually_async
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import Engine, activate, ask_seven, sim_state
+from e2e.harness.waiting import eventually_async
 from rota.api import naming
 from tests.engines_on_cluster import MODEL_B
 

@@ -9,7 +9,7 @@ import logging
 import aiohttp
 import pytest
 
-from e2e.gang_node import GangNode, gang_node
+from e2e.harness.gang_node import GangNode, gang_node
 from rota.api import naming
 from tests.controller.conftest import EngineSimFactory
 

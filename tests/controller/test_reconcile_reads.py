@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from controller.lease.gpu import GpuWorker
-from e2e.gang_node import GangNode, gang_node
+from e2e.harness.gang_node import GangNode, gang_node
 from tests.controller.conftest import EngineSimFactory
 
 pytestmark = pytest.mark.controller

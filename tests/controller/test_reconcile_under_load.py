@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from e2e.harness import GpuNode
-from e2e.scenario import EngineSpec, activate, ask_seven, deploy, set_faults, sim_state
-from e2e.waiting import eventually_async
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import EngineSpec, activate, ask_seven, deploy, set_faults, sim_state
+from e2e.harness.waiting import eventually_async
 from rota.kit.aio import wait_any
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]

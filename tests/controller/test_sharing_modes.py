@@ -15,10 +15,10 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import ClusterOptions, LocalCluster
-from e2e.harness import GpuNode
-from e2e.objects import MANIFESTS, apply_manifest, node_slices
-from e2e.scenario import AwakeMonitor, Engine, activate, ask_seven, deploy
-from e2e.waiting import eventually_async
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import MANIFESTS, apply_manifest, node_slices
+from e2e.harness.scenario import AwakeMonitor, Engine, activate, ask_seven, deploy
+from e2e.harness.waiting import eventually_async
 from rota.api import naming
 from tests.engines_on_cluster import MODEL_A, MODEL_B
 

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from e2e.harness import GpuNode
-from e2e.scenario import (
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import (
     AwakeMonitor,
     EngineSpec,
     activate,
@@ -27,7 +27,7 @@ from e2e.scenario import (
     set_faults,
     sim_state,
 )
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from rota.api import naming
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]

@@ -4,7 +4,7 @@ review's hypothesis, reproduced).
 
 Two real engine simulators, each behind its own engine guard with its own control token,
 on one in-memory GPU Lease. Instance B is the controller's own GPU worker
-(:func:`e2e.gang_node.node_of`); instance A is a :class:`Switcher` on the same Lease whose
+(:func:`e2e.harness.gang_node.node_of`); instance A is a :class:`Switcher` on the same Lease whose
 adapters stop at the wake call until the test lets them go: A passed
 ``Switcher.fenced_engine`` and is paused past its election Lease. B takes over, reconciles
 (and serves); then A's wake goes out. On the old code it lands (no one checks fences at
@@ -33,8 +33,8 @@ from controller.lease.engines.vllm import VllmAdapter
 from controller.lease.metrics import SwitchMetrics
 from controller.lease.settings import StepTimeouts
 from controller.lease.switch import Fenced, Limits, Ports, Switcher, SwitchResult
-from e2e.gang_node import TOLERANCE, Engine, GangNode, gang_claimant, node_of
-from e2e.ports import MemoryLeasePort
+from e2e.harness.gang_node import TOLERANCE, Engine, GangNode, gang_claimant, node_of
+from e2e.harness.ports import MemoryLeasePort
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
 from tests.controller.conftest import EngineSimFactory

@@ -22,7 +22,7 @@ import pytest
 from e2e.engine_simulator import create_app
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.loopback import SimulatorServer
-from e2e.gang_node import Engine, GangNode, LoopbackSim, _watched, gang_node, node_of
+from e2e.harness.gang_node import Engine, GangNode, LoopbackSim, _watched, gang_node, node_of
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease, lease_body
 from tests.controller.conftest import EngineSimFactory

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from controller.lease.admission import StartLimits
-from e2e.gang_node import Engine, GangNode, gang_node
+from e2e.harness.gang_node import Engine, GangNode, gang_node
 from tests.controller.conftest import EngineSimFactory
 
 pytestmark = pytest.mark.controller

@@ -20,7 +20,7 @@ from controller import engine_gate
 from controller.lease import starts
 from controller.lease.node import NodeController, StartAnswer
 from driver.startgate import SOCKET_NAME
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from rota.api.start_contract import StartQuestion
 
 pytestmark = pytest.mark.controller

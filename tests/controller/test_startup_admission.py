@@ -21,9 +21,9 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from e2e.harness import GpuNode
-from e2e.objects import claim, create_claim, engine_config, engine_pod
-from e2e.scenario import (
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import claim, create_claim, engine_config, engine_pod
+from e2e.harness.scenario import (
     AwakeMonitor,
     Engine,
     EngineSpec,
@@ -33,7 +33,7 @@ from e2e.scenario import (
     set_faults,
     sim_state,
 )
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]
 

@@ -22,8 +22,8 @@ from controller.lease.visible_state import (
     pod_ref,
 )
 from controller.lease.visible_state_writer import VisibleStateKube, VisibleStateWriter
-from e2e.harness import GpuNode
-from e2e.scenario import Engine
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import Engine
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 

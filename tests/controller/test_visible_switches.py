@@ -12,9 +12,9 @@ import pytest
 from kubernetes import client
 
 from controller.lease.visible_state import LABEL_STATE
-from e2e.harness import GpuNode
-from e2e.scenario import Engine, activate, set_faults
-from e2e.waiting import eventually, eventually_async
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import Engine, activate, set_faults
+from e2e.harness.waiting import eventually, eventually_async
 from tests.engines_on_cluster import MODEL_A, MODEL_B
 
 pytestmark = [pytest.mark.cluster, pytest.mark.controller]

@@ -254,11 +254,11 @@ def _sections(output: str) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.sampled
 def test_quick_start_and_admin_commands_on_a_real_node(tmp_path: Path) -> None:
-    from e2e.chart import tools_bin
     from e2e.cluster import LocalCluster
     from e2e.cluster.binaries import locate
     from e2e.cluster.realnode import FAKE_GPU_DEV_ROOT, RealNode, RealNodeOptions
-    from e2e.rota_node import build_rota_images
+    from e2e.harness.rota_node import build_rota_images
+    from e2e.release.chart import tools_bin
     from tests.real_node import MISSING
 
     if os.geteuid() != 0 or MISSING:

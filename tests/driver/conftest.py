@@ -9,7 +9,7 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import LocalCluster
-from e2e.harness import GpuNode
+from e2e.harness.local_node import GpuNode
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from kubernetes import client
 
-from e2e.harness import GpuNode
-from e2e.objects import GROUP, VERSION, claim, create_claim, engine_config
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import GROUP, VERSION, claim, create_claim, engine_config
 from rota.kit.grpc_services import method_path, unary_client
 from rota.pb.dra.v1 import api_pb2 as dra
 

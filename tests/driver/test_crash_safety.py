@@ -3,7 +3,7 @@ unprepares (some cut off by their gRPC deadline, as the kubelet's 45 s deadline 
 restarted each time: the ledger agrees with every answer it gave, no CDI spec is left for
 an unprepared claim, no GPU is over-committed. Then the same on a disk that fails (ENOSPC,
 EIO at random calls) and crashes, with calls cancelled at random points: a shorter run of
-``python -m e2e.driver_campaign``."""
+``python -m e2e.campaigns.driver_crash``."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import grpc
 import pytest
 from kubernetes import client
 
-from e2e.driver_campaign import run_campaign
-from e2e.harness import GpuNode
-from e2e.objects import claim, create_claim, engine_config, engine_pod, read_claim
-from e2e.waiting import eventually
+from e2e.campaigns.driver_crash import run_campaign
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import claim, create_claim, engine_config, engine_pod, read_claim
+from e2e.harness.waiting import eventually
 from rota.kit.grpc_services import method_path
 from rota.pb.dra.v1 import api_pb2 as dra
 

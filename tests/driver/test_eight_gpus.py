@@ -16,8 +16,8 @@ from driver.nvml import fixture_path
 from driver.nvml.fake import load_fixture
 from e2e.cluster import LocalCluster
 from e2e.engine_simulator.settings import settings_from_args
-from e2e.harness import GpuNode
-from e2e.objects import (
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import (
     DRIVER,
     claim,
     create_claim,
@@ -26,7 +26,7 @@ from e2e.objects import (
     node_slices,
     read_claim,
 )
-from e2e.waiting import eventually
+from e2e.harness.waiting import eventually
 from rota.pb.dra.v1 import api_pb2
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]

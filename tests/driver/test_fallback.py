@@ -10,9 +10,9 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import ClusterOptions, LocalCluster
-from e2e.harness import GpuNode
-from e2e.objects import GROUP, VERSION, node_slices
-from e2e.waiting import eventually
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import GROUP, VERSION, node_slices
+from e2e.harness.waiting import eventually
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]
 

@@ -12,9 +12,9 @@ from kubernetes import client
 
 from driver import DRIVER_NAME
 from driver.gc import LedgerCollector
-from e2e.objects import engine_pod
-from e2e.preparing import NodeFiles, allocated_claim, node_devices
-from e2e.waiting import eventually
+from e2e.harness.objects import engine_pod
+from e2e.harness.preparing import NodeFiles, allocated_claim, node_devices
+from e2e.harness.waiting import eventually
 from rota.kit.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]

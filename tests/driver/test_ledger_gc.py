@@ -13,8 +13,8 @@ from kubernetes import client
 
 from driver import DRIVER_NAME
 from driver.gc import LedgerCollector
-from e2e.objects import GROUP, VERSION, engine_pod
-from e2e.preparing import NodeFiles, allocated_claim, node_devices, set_allocation
+from e2e.harness.objects import GROUP, VERSION, engine_pod
+from e2e.harness.preparing import NodeFiles, allocated_claim, node_devices, set_allocation
 from rota.kit.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]

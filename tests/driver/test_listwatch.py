@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from rota.kit.listwatch import ListWatch, Obj
 
 pytestmark = [pytest.mark.cluster]

@@ -26,7 +26,7 @@ from driver.nvml.fake import (
     register_process,
     unregister_process,
 )
-from e2e.record_nvml import record
+from e2e.tools.record_nvml import record
 from rota.kit.errors import ConfigError
 
 H200_UUID = "GPU-b2d6f492-0cde-9a2c-447e-a98f56e7d2ed"
@@ -369,7 +369,7 @@ def test_recorder_output_loads_into_the_fake() -> None:
 def test_a_process_in_a_container_pid_namespace_is_reported_by_its_host_pid(
         fake: FakeNvml, proc_dir: Path) -> None:
     # NVML reports host pids; an engine in a container knows only its own pid (often 1).
-    from e2e.waiting import eventually
+    from e2e.harness.waiting import eventually
 
     script = ("import os, signal, sys; from driver.nvml.fake import register_process; "
               f"register_process(sys.argv[1], os.getpid(), {H200_UUID!r}, {GIB}); "

@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client
 
 from driver.prepare import ClaimRef
-from e2e.preparing import NodeFiles, allocated_claim, node_devices, set_allocation
+from e2e.harness.preparing import NodeFiles, allocated_claim, node_devices, set_allocation
 from rota.kit.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]

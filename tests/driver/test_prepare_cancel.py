@@ -20,9 +20,9 @@ import pytest
 from kubernetes import client
 
 from driver.ledger import file_lock
-from e2e.disk_simulator import DiskSimulator
-from e2e.preparing import NodeFiles, allocated_claim, node_devices
-from e2e.waiting import eventually_async
+from e2e.harness.disk_simulator import DiskSimulator
+from e2e.harness.preparing import NodeFiles, allocated_claim, node_devices
+from e2e.harness.waiting import eventually_async
 from rota.kit.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]

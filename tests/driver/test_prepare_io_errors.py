@@ -17,8 +17,8 @@ import pytest
 from kubernetes import client
 
 from driver.prepare import ClaimRef
-from e2e.disk_simulator import DiskSimulator
-from e2e.preparing import NodeFiles, allocated_claim, node_devices
+from e2e.harness.disk_simulator import DiskSimulator
+from e2e.harness.preparing import NodeFiles, allocated_claim, node_devices
 from rota.kit.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]

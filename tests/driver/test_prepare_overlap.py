@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from e2e.preparing import NodeFiles, allocated_claim, node_devices
+from e2e.harness.preparing import NodeFiles, allocated_claim, node_devices
 from rota.api.errors import ClaimError
 from rota.kit.kube import Kube
 

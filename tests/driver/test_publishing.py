@@ -17,9 +17,9 @@ from driver.nvml.fake import FakeNvml
 from driver.publisher import SlicePublisher
 from driver.slices import SharingMode
 from e2e.cluster import LocalCluster, create_node
-from e2e.harness import GpuNode
-from e2e.objects import GROUP, VERSION, node_slices
-from e2e.waiting import eventually, eventually_async
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import GROUP, VERSION, node_slices
+from e2e.harness.waiting import eventually, eventually_async
 from rota.kit.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]

@@ -8,8 +8,8 @@ import urllib.request
 import grpc
 import pytest
 
-from e2e.harness import GpuNode
-from e2e.waiting import eventually
+from e2e.harness.local_node import GpuNode
+from e2e.harness.waiting import eventually
 from rota.kit.grpc_services import unary_client
 from rota.pb.dra.v1 import api_pb2 as dra
 from rota.pb.pluginregistration import api_pb2 as reg

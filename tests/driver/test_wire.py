@@ -13,9 +13,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 from kubernetes import client
 
-from e2e.harness import GpuNode
-from e2e.objects import claim, create_claim, engine_config, engine_pod, read_claim
-from e2e.waiting import eventually
+from e2e.harness.local_node import GpuNode
+from e2e.harness.objects import claim, create_claim, engine_config, engine_pod, read_claim
+from e2e.harness.waiting import eventually
 from rota.pb.dra.v1 import api_pb2 as generated_v1
 
 pytestmark = [pytest.mark.cluster, pytest.mark.driver]

@@ -30,7 +30,7 @@ from e2e.engine_simulator import Settings as SimSettings
 from e2e.engine_simulator import create_app as create_sim
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.keys import ENGINE_KEY
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from rota.api import naming
 from rota.api.activation import ErrorBody, refusal_of
 from rota.api.gpu_lease import micro_time

@@ -15,7 +15,7 @@ from controller.gateway import keys
 from controller.gateway.app import StartupError, make_app, serve
 from controller.gateway.routing import StaticSource
 from controller.gateway.settings import GatewaySettings
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from tests.listening import free_port, has_ipv6_loopback, status_of, wait_listening
 
 pytestmark = pytest.mark.gateway

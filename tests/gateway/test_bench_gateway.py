@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from e2e import bench_gateway
+from e2e.bench import gateway as bench_gateway
 from e2e.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.gateway, pytest.mark.slow]

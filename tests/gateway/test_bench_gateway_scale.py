@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from e2e import bench_gateway_scale
+from e2e.bench import gateway_scale as bench_gateway_scale
 
 pytestmark = [pytest.mark.gateway, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ from openai import AsyncOpenAI
 
 from controller.gateway.binding import BindingError, ModelBinding, parse_binding
 from controller.gateway.downstream import PROGRESS_HEADER
-from e2e.wire import parse_sse
+from e2e.harness.wire import parse_sse
 from tests.gateway.conftest import (
     DEADLINE,
     MODEL_B,

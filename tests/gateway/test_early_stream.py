@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from controller.gateway import keys
 from controller.gateway.activation import ActivationFailed
 from controller.gateway.routes import MODEL_PATHS, STREAMING_PATHS
-from e2e.wire import Answer, Exchange, closing_error, parse_answer, parse_sse
+from e2e.harness.wire import Answer, Exchange, closing_error, parse_answer, parse_sse
 from tests.gateway.conftest import DEADLINE, MODEL_B, Rig, RigFactory, claim_obj
 from tests.gateway.surface_cases import JSON_CASES, STREAMED_BODIES
 

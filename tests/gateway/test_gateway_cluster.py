@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from e2e.harness import GpuNode
-from e2e.scenario import AwakeMonitor, Engine, deploy
+from e2e.harness.local_node import GpuNode
+from e2e.harness.scenario import AwakeMonitor, Engine, deploy
 from tests.engines_on_cluster import MODEL_A, MODEL_B
 
 pytestmark = [pytest.mark.cluster, pytest.mark.gateway]

@@ -29,7 +29,7 @@ from controller.gateway.kube_source import KubeSource
 from controller.gateway.metrics import GatewayMetrics
 from controller.gateway.routing import Action, RoutingState
 from controller.gateway.settings import GatewaySettings
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from rota.kit.aio import wait_any
 from tests.gateway.conftest import claim_obj, pod_obj
 

@@ -23,8 +23,8 @@ import yaml
 from controller.gateway.binding import parse_binding
 from controller.gateway.settings import load
 from e2e.cluster.local import free_port
-from e2e.objects import MANIFESTS
-from e2e.waiting import eventually_async
+from e2e.harness.objects import MANIFESTS
+from e2e.harness.waiting import eventually_async
 from tests.gateway.conftest import (
     MODEL_A,
     NAMESPACE,

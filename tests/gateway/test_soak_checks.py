@@ -1,5 +1,5 @@
-"""The soak's judgement of an answer (:func:`e2e.soak.check_answer`): a 200 is a good answer
-only when it is whole and of the model asked for; a stream that breaks the SSE format is
+"""The soak's judgement of an answer (:func:`e2e.campaigns.soak.check_answer`): a 200 is a good
+answer only when it is whole and of the model asked for; a stream that breaks the SSE format is
 malformed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from e2e.soak import check_answer
-from e2e.wire import Malformed
+from e2e.campaigns.soak import check_answer
+from e2e.harness.wire import Malformed
 
 pytestmark = pytest.mark.gateway
 

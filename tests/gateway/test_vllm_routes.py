@@ -1,5 +1,5 @@
 """vLLM 0.26's whole route surface, as read from the real wheel into
-``controller/gateway/vllm_routes.json`` (``e2e/vllm_routes.py``): every model-bearing route
+``controller/gateway/vllm_routes.json`` (``e2e/tools/vllm_routes.py``): every model-bearing route
 is routed through the gateway to the engine, with its model read where vLLM reads it (the
 JSON body, or the audio upload's form field); every other route answers a 404 naming the
 route and why. The audio routes and Anthropic's ``/v1/messages`` go end to end through real
@@ -19,8 +19,8 @@ import pytest
 from openai import AsyncOpenAI
 
 from controller.gateway.surface import OWN, REFUSED, ROUTED, routed
-from e2e import vllm_routes
-from e2e.wire import Exchange, parse_answer, parse_sse
+from e2e.harness.wire import Exchange, parse_answer, parse_sse
+from e2e.tools import vllm_routes
 from tests.gateway.conftest import DEADLINE, MODEL_A, MODEL_B, Failure, Rig, RigFactory
 from tests.gateway.surface_cases import JSON_CASES
 

@@ -1,4 +1,4 @@
-"""``python -m e2e.bench_gpu --engine vllm`` end to end without a GPU: the engine simulator
+"""``python -m e2e.bench.gpu --engine vllm`` end to end without a GPU: the engine simulator
 stands in for vLLM (``--launcher simulator``) on the fake H200, so that the process
 management, the scenario runner, the state kept between commands and the report run as
 they will on the GPU machine. Two commands, as the GPU calls make them: the first starts
@@ -18,7 +18,7 @@ import pytest
 
 from e2e.gpu.context import BenchState
 from e2e.gpu.engines import process_group
-from e2e.waiting import eventually
+from e2e.harness.waiting import eventually
 from tests.gpu.models import stop_recorded_engines, write_fake_weights, write_models
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow]
 
 def _bench(tmp: Path, stage: str, *extra: str, timeout: float = 240
            ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    command = [sys.executable, "-m", "e2e.bench_gpu", "--engine", "vllm",
+    command = [sys.executable, "-m", "e2e.bench.gpu", "--engine", "vllm",
                "--launcher", "simulator", "--fake-nvml", "h200", "--stage", stage,
                "--out", str(tmp / "out"), "--state-dir", str(tmp / "state"),
                "--models", str(tmp / "models"), "--handoffs", "3", "--wake-cycles", "3",
@@ -168,7 +168,7 @@ def test_a_state_from_another_boot_is_refused(tmp: Path) -> None:
 
 
 def test_sigterm_stops_the_run_keeps_its_results_and_stops_the_engines(tmp: Path) -> None:
-    command = [sys.executable, "-m", "e2e.bench_gpu", "--engine", "vllm",
+    command = [sys.executable, "-m", "e2e.bench.gpu", "--engine", "vllm",
                "--launcher", "simulator", "--fake-nvml", "h200", "--stage", "bench",
                "--out", str(tmp / "out"), "--state-dir", str(tmp / "state"),
                "--models", str(tmp / "models"), "--handoffs", "400", "--deadline-s", "200"]

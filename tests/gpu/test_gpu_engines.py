@@ -24,7 +24,7 @@ from e2e.gpu.engines import (
     process_group,
 )
 from e2e.gpu.sampler import NvmlSampler
-from e2e.waiting import eventually
+from e2e.harness.waiting import eventually
 from tests.gpu.models import write_models
 
 GIB = 2**30

@@ -16,7 +16,7 @@ import pytest
 from driver.nvml import fixture_path
 from driver.nvml.fake import FakeNvml
 from e2e.gpu import h2d, weights
-from e2e.waiting import eventually
+from e2e.harness.waiting import eventually
 from tests.gpu.models import write_models
 
 REPO = Path(__file__).resolve().parents[2]

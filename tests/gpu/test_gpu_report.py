@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from e2e.bench.stats import summary_s
 from e2e.gpu import report
 from e2e.gpu.shapes import weight_bytes, weight_tensors
 from e2e.gpu.vllm_log import LogCursor, parse, summarise_start
-from e2e.stats import summary_s
 from tests.gpu.models import CONFIGS
 
 # -- model sizes ------------------------------------------------------------------------

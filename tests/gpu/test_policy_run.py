@@ -68,7 +68,7 @@ def test_a_window_is_replayed_through_the_controller_in_both_modes(tmp: Path) ->
 
 
 def test_the_azure_window_is_cut_into_a_csv(tmp_path: Path) -> None:
-    from e2e.bench_policy import DATA
+    from e2e.bench.policy import DATA
 
     if not (DATA / "AzureLLMInferenceTrace_code.csv").is_file():
         pytest.skip(f"the Azure trace is not in {DATA}")

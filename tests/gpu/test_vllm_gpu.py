@@ -67,7 +67,7 @@ def _models_present() -> bool:
 @pytest.mark.skipif(not _models_present(), reason=f"no model folders in {MODELS}")
 def test_two_handoffs_between_real_vllm_engines(tmp_path: Path) -> None:
     state = _live_state()
-    command = [sys.executable, "-m", "e2e.bench_gpu", "--engine", "vllm",
+    command = [sys.executable, "-m", "e2e.bench.gpu", "--engine", "vllm",
                "--stage", "pytest-gpu", "--out", str(tmp_path), "--models", str(MODELS),
                "--state-dir", state or str(tmp_path / "state")]
     if state:

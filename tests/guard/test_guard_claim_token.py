@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from e2e.cluster.local import free_port
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from rota.api.engine_guard import CONTROL_TOKEN_HEADER
 from tests.guard.test_guard_process import DEADLINE, ROOT, _port
 

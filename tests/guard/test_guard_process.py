@@ -16,7 +16,7 @@ import aiohttp
 
 from controller.lease.engines import CONTROL_TOKEN_HEADER
 from e2e.cluster.local import free_port
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE = 60.0

@@ -15,15 +15,15 @@ import aiohttp
 from kubernetes import client
 
 from controller.lease.visible_state import LABEL_STATE
-from e2e.chart import run_tool, tools_bin
 from e2e.cluster import LocalCluster
 from e2e.cluster.binaries import locate
 from e2e.cluster.realnode import FAKE_GPU_DEV_ROOT, GPU_LABELS, RealNode, RealNodeOptions
-from e2e.deploy import RotaDeployment, is_ready
+from e2e.harness.deploy import RotaDeployment, is_ready
+from e2e.harness.rota_node import GATEWAY_PORT, EnginePod, RotaOnNodes
+from e2e.harness.scenario import ask_seven
+from e2e.harness.waiting import WaitTimeout, eventually, eventually_async
 from e2e.images import BuiltImages
-from e2e.rota_node import GATEWAY_PORT, EnginePod, RotaOnNodes
-from e2e.scenario import ask_seven
-from e2e.waiting import WaitTimeout, eventually, eventually_async
+from e2e.release.chart import run_tool, tools_bin
 from rota.api import naming
 
 PROC_DIR = "/var/lib/kubelet/plugins/gpu.rota.dev/fake-nvml"

@@ -11,8 +11,8 @@ import time
 import pytest
 from kubernetes import client
 
-from e2e.rota_node import RotaOnNodes, engine_docs
-from e2e.waiting import eventually
+from e2e.harness.rota_node import RotaOnNodes, engine_docs
+from e2e.harness.waiting import eventually
 from tests.node.test_claims import ledger
 from tests.real_node import needs_root
 

@@ -13,9 +13,9 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster.realnode import RealNode
-from e2e.objects import read_claim
-from e2e.rota_node import EnginePod, RotaOnNodes, exec_in
-from e2e.waiting import eventually, eventually_async
+from e2e.harness.objects import read_claim
+from e2e.harness.rota_node import EnginePod, RotaOnNodes, exec_in
+from e2e.harness.waiting import eventually, eventually_async
 from rota.kit.grpc_services import unary_client
 from rota.pb.rota.v1 import inspect_pb2 as inspect
 from tests.real_node import needs_root

@@ -13,10 +13,10 @@ from kubernetes import client, watch
 
 from driver.nvml import HealthEvent, HealthEventKind
 from driver.nvml.fake import write_health_event
-from e2e.deploy import FakeGpu, is_ready
-from e2e.objects import node_slices
-from e2e.rota_node import RotaOnNodes
-from e2e.waiting import eventually
+from e2e.harness.deploy import FakeGpu, is_ready
+from e2e.harness.objects import node_slices
+from e2e.harness.rota_node import RotaOnNodes
+from e2e.harness.waiting import eventually
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow, needs_root]

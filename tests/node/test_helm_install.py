@@ -24,11 +24,11 @@ from controller.kubectl_rota import main as kubectl_rota
 from controller.lease.visible_state import LABEL_STATE, EventReason
 from e2e.chaos.load import client_loop, into_tally
 from e2e.chaos.tally import Answer, Tally
-from e2e.chart import CHART
 from e2e.cluster import LocalCluster
-from e2e.deploy import is_ready
+from e2e.harness.deploy import is_ready
+from e2e.harness.waiting import eventually, eventually_async
 from e2e.images import BuiltImages
-from e2e.waiting import eventually, eventually_async
+from e2e.release.chart import CHART
 from tests.node.helm import (
     HelmRelease,
     helm_stage,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from e2e.objects import node_slices, read_claim
-from e2e.rota_node import RotaOnNodes
-from e2e.waiting import eventually
+from e2e.harness.objects import node_slices, read_claim
+from e2e.harness.rota_node import RotaOnNodes
+from e2e.harness.waiting import eventually
 from tests.node.test_claims import cdi_specs, ledger
 from tests.real_node import needs_root
 

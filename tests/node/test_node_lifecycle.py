@@ -18,8 +18,8 @@ from e2e.cluster.binaries import locate
 from e2e.cluster.leftovers import registry_dir, remove_leftovers, start_time
 from e2e.cluster.node_cgroups import NodeCgroups
 from e2e.cluster.realnode import RealNode, RealNodeOptions
+from e2e.harness.waiting import eventually
 from e2e.images import BuiltImages
-from e2e.waiting import eventually
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root]
@@ -61,7 +61,7 @@ CHILD = textwrap.dedent("""
     from e2e.cluster.node_cgroups import NodeCgroups
     from e2e.cluster.node_namespace import NodeNamespace
     from e2e.cluster.relays import joined
-    from e2e.waiting import eventually
+    from e2e.harness.waiting import eventually
 
     node_dir = Path(sys.argv[1])
     cgroups = NodeCgroups.for_node(sys.argv[2])

@@ -37,11 +37,11 @@ from kubernetes import client
 from controller.lease.device import DeviceReader
 from e2e.chaos.load import Record, client_loop
 from e2e.chaos.tally import Answer
-from e2e.deploy import MODEL_BINDING, NAMESPACE, is_ready
-from e2e.objects import create_namespace
-from e2e.rota_node import RotaOnNodes, gated_engine_docs
-from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
-from e2e.waiting import eventually, eventually_async
+from e2e.harness.deploy import MODEL_BINDING, NAMESPACE, is_ready
+from e2e.harness.objects import create_namespace
+from e2e.harness.rota_node import RotaOnNodes, gated_engine_docs
+from e2e.harness.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
+from e2e.harness.waiting import eventually, eventually_async
 from rota.api import naming
 from rota.api.quantity import parse_quantity
 from tests.real_node import needs_root

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from e2e.deploy import NAMESPACE, is_ready
-from e2e.rota_node import RotaOnNodes, client_with_token, exec_in
+from e2e.harness.deploy import NAMESPACE, is_ready
+from e2e.harness.rota_node import RotaOnNodes, client_with_token, exec_in
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root]

@@ -8,8 +8,8 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster.realnode import RealNode
-from e2e.objects import node_slices
-from e2e.rota_node import RotaOnNodes
+from e2e.harness.objects import node_slices
+from e2e.harness.rota_node import RotaOnNodes
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root]

@@ -24,10 +24,10 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster import LocalCluster
+from e2e.harness.waiting import WaitTimeout, eventually
 from e2e.images import BuiltImages
-from e2e.registry import CHART_PATH, IMAGE_PATH, LocalRegistry
-from e2e.registry_publish import cosign_binary
-from e2e.waiting import WaitTimeout, eventually
+from e2e.release.publish import cosign_binary
+from e2e.release.registry import CHART_PATH, IMAGE_PATH, LocalRegistry
 from tests.node.helm import (
     HelmRelease,
     helm_stage,

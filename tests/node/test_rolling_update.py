@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from e2e.deploy import DRIVER, is_ready, restarted
-from e2e.rota_node import RotaOnNodes, engine_docs
-from e2e.waiting import eventually
+from e2e.harness.deploy import DRIVER, is_ready, restarted
+from e2e.harness.rota_node import RotaOnNodes, engine_docs
+from e2e.harness.waiting import eventually
 from tests.real_node import needs_root
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root]

@@ -2,7 +2,7 @@
 controller, the gateway Deployment, engine pods on the real kubelet).
 
 - :func:`test_rollouts_and_a_restart_under_load_lose_no_request`: the soak of
-  :mod:`e2e.soak`, short: clients of three models through the gateway replicas while the
+  :mod:`e2e.campaigns.soak`, short: clients of three models through the gateway replicas while the
   controller DaemonSet is rolled, the gateway Deployment is rolled and the controller pod
   is deleted; every request answered, every answer well formed, never two engines awake.
 - :func:`test_sigterm_during_a_slow_wake_lets_the_switch_finish`: the controller pod is
@@ -22,11 +22,11 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from e2e.deploy import NAMESPACE, is_ready
-from e2e.rota_node import RotaOnNodes
-from e2e.scenario import stream_chat
-from e2e.soak import DISRUPTIONS, MODELS, SoakStage, soak, soak_stage
-from e2e.waiting import eventually, eventually_async
+from e2e.campaigns.soak import DISRUPTIONS, MODELS, SoakStage, soak, soak_stage
+from e2e.harness.deploy import NAMESPACE, is_ready
+from e2e.harness.rota_node import RotaOnNodes
+from e2e.harness.scenario import stream_chat
+from e2e.harness.waiting import eventually, eventually_async
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
 from tests.real_node import needs_root

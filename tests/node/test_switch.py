@@ -7,9 +7,9 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from e2e.rota_node import RotaOnNodes
-from e2e.scenario import ask_seven
-from e2e.waiting import WaitTimeout, eventually, eventually_async
+from e2e.harness.rota_node import RotaOnNodes
+from e2e.harness.scenario import ask_seven
+from e2e.harness.waiting import WaitTimeout, eventually, eventually_async
 from rota.api import naming
 from tests.real_node import needs_root
 

@@ -26,11 +26,11 @@ import pytest
 from kubernetes import client
 
 from controller.lease.visible_state import LABEL_STATE
-from e2e.deploy import NAMESPACE, is_ready
-from e2e.objects import create_namespace
-from e2e.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
-from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
-from e2e.waiting import eventually, eventually_async
+from e2e.harness.deploy import NAMESPACE, is_ready
+from e2e.harness.objects import create_namespace
+from e2e.harness.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
+from e2e.harness.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
+from e2e.harness.waiting import eventually, eventually_async
 from rota.api import naming
 from tests.real_node import needs_root
 

@@ -9,7 +9,7 @@ records every credential header rota sends it. NetworkPolicy is not enforced on 
 node's network (a plain bridge CNI, as on many clusters), so nothing but rota's own
 checks stands between B and A.
 
-From inside B's pod (:mod:`e2e.tenant_probe`, through ``kubectl exec``), B tries to read,
+From inside B's pod (:mod:`e2e.harness.tenant_probe`, through ``kubectl exec``), B tries to read,
 sleep, wake and ``collective_rpc`` A's engine directly at its pod IP, through A's guard
 with every credential it holds or has recorded, by every path trick (dot segments,
 encoded separators, double slashes), on the engine's own port behind the guard, through
@@ -33,9 +33,9 @@ import aiohttp
 import pytest
 from kubernetes import client
 
-from e2e.deploy import NAMESPACE
-from e2e.objects import create_namespace
-from e2e.rota_node import (
+from e2e.harness.deploy import NAMESPACE
+from e2e.harness.objects import create_namespace
+from e2e.harness.rota_node import (
     CONTROLLER_PORT,
     GATEWAY_PORT,
     QUICK_ENGINE_ARGS,
@@ -44,8 +44,8 @@ from e2e.rota_node import (
     gated_engine_docs,
     watched_engines,
 )
-from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
-from e2e.waiting import eventually_async
+from e2e.harness.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
+from e2e.harness.waiting import eventually_async
 from rota.api import naming
 from tests.real_node import needs_root
 
@@ -122,9 +122,9 @@ def stage(kube_api: client.ApiClient, rota_node: RotaOnNodes) -> Iterator[Stage]
 
 def _probe(stage: Stage, tenant: Tenant, attempts: list[dict[str, Any]]
            ) -> list[dict[str, Any]]:
-    """Run :mod:`e2e.tenant_probe` in ``tenant``'s engine container."""
+    """Run :mod:`e2e.harness.tenant_probe` in ``tenant``'s engine container."""
     out = exec_in(stage.rota.api, tenant.namespace, tenant.name,
-                  ["python", "-m", "e2e.tenant_probe", json.dumps(attempts)], timeout=120)
+                  ["python", "-m", "e2e.harness.tenant_probe", json.dumps(attempts)], timeout=120)
     results: list[dict[str, Any]] = json.loads(out.strip().splitlines()[-1])
     return results
 

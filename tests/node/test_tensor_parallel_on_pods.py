@@ -34,12 +34,12 @@ from kubernetes import client
 
 from controller.lease.device import DeviceReader
 from controller.lease.visible_state import LABEL_STATE
-from e2e.deploy import DRIVER, NAMESPACE
-from e2e.objects import DRIVER as DRA_DRIVER
-from e2e.objects import create_namespace, node_slices
-from e2e.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
-from e2e.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
-from e2e.waiting import eventually, eventually_async
+from e2e.harness.deploy import DRIVER, NAMESPACE
+from e2e.harness.objects import DRIVER as DRA_DRIVER
+from e2e.harness.objects import create_namespace, node_slices
+from e2e.harness.rota_node import RotaOnNodes, gated_engine_docs, watched_engines
+from e2e.harness.scenario import AwakeMonitor, Engine, EngineSpec, ask_seven
+from e2e.harness.waiting import eventually, eventually_async
 from rota.api import naming
 from rota.api.quantity import parse_quantity
 from tests.real_node import needs_root

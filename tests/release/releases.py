@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from e2e.chart import tools_bin
-from e2e.release import python_version
+from e2e.release.artifacts import python_version
+from e2e.release.chart import tools_bin
 
 REPO = Path(__file__).resolve().parents[2]
 GIT_ID = ["-c", "user.name=rota release test", "-c", "user.email=release-test@rota.invalid"]

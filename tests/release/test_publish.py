@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.registry import LocalRegistry
+from e2e.release.registry import LocalRegistry
 from tests.docs.blocks import ROOT, blocks_of
 from tests.release.releases import (
     COSIGN_ENV,
@@ -92,7 +92,7 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Published]:
     make_line, keygen, push_line = _doc_lines("make release")
     assert shlex.split(make_line) == ["make", "release"]
     snapshot = make_snapshot(repo)
-    from e2e.registry_publish import cosign_binary  # built on first use, after the release
+    from e2e.release.publish import cosign_binary  # built on first use, after the release
 
     with LocalRegistry(root / "data") as registry:
         pub = Published(snapshot, registry, cosign_binary())

@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.chart import tools_bin
-from e2e.release import (
+from e2e.release.artifacts import (
     ReleaseError,
     changelog_has,
     python_version,
@@ -31,6 +30,7 @@ from e2e.release import (
     wheel_entry_points,
     wheel_top_levels,
 )
+from e2e.release.chart import tools_bin
 from tests.release.releases import IMAGE_BUILDS, Release, clone, git, make_release
 
 pytestmark = pytest.mark.slow

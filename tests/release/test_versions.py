@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from e2e.release import (
+from e2e.release.artifacts import (
     SEMVER,
     ReleaseError,
     project_version,

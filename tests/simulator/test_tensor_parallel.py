@@ -25,7 +25,7 @@ from driver.nvml.fake import FakeNvml, NvmlFixture, load_fixture, pid_alive, reg
 from e2e.engine_simulator.engine import StartFailed
 from e2e.engine_simulator.memory import shards
 from e2e.engine_simulator.settings import Settings, settings_from_args
-from e2e.waiting import eventually_async
+from e2e.harness.waiting import eventually_async
 from tests.simulator.conftest import GIB, Sim, SimFactory
 from tests.simulator.test_process import ROOT, exit_code
 

@@ -1,6 +1,6 @@
 """What each supported vLLM (and vLLM-Omni) release serves, read from its own wheel.
 
-``e2e/vllm_routes.py --surfaces`` parses each release's ``vllm/entrypoints`` sources (never
+``e2e/tools/vllm_routes.py --surfaces`` parses each release's ``vllm/entrypoints`` sources (never
 importing vLLM) into one JSON file per release under ``vllm_surfaces/``: its whole route
 table and, for the routes rota's adapters call, the query parameters each handler reads and
 the answers it returns. The files ship with the controller because the adapters decide at
