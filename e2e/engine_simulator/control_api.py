@@ -194,7 +194,9 @@ async def pause(request: web.Request) -> web.Response:
     mode = request.query.get("mode", "abort")
     if mode not in _MODES:
         return web.json_response({"error": f"Invalid pause mode: {mode!r}"}, status=400)
-    await _engine(request).pause(cast(PauseMode, mode), request=request)
+    clear_cache = request.query.get("clear_cache", "true").lower() not in ("false", "0")
+    await _engine(request).pause(cast(PauseMode, mode), request=request,
+                                 clear_cache=clear_cache)
     return web.json_response({"status": "paused"})
 
 

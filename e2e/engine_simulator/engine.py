@@ -93,7 +93,10 @@ class Engine(Traffic):
         exit_process: Callable[[int], object] = os._exit,
     ) -> None:
         super().__init__(faults=settings.faults, ttft_seconds=settings.ttft_seconds,
-                         tokens_per_second=settings.tokens_per_second, omni=settings.omni)
+                         tokens_per_second=settings.tokens_per_second, omni=settings.omni,
+                         prefill_tokens_per_second=settings.prefill_tokens_per_second,
+                         resume_merge_tokens=settings.resume_merge_tokens,
+                         keep_fault=settings.keep_fault)
         self.settings = settings
         self.memory = memory
         self.pid = pid
@@ -286,7 +289,8 @@ class Engine(Traffic):
             return []
         if self.settings.sleep_ignores_requests:
             mode = "keep"  # RFC #51476: a memory step; running requests freeze under it
-        await self._pause_scheduler(mode, for_sleep=level > 0)
+        # vLLM: pause_scheduler(mode, clear_cache=level >= 1); a keep reset preempts.
+        await self._pause_scheduler(mode, for_sleep=level > 0, clear_cache=level > 0)
         if level == 0:
             return []
         pending = PendingSleep(level=level, mode=mode, registered_at=time.monotonic())
@@ -481,10 +485,12 @@ class Engine(Traffic):
             self._signal()
             return True
 
-    async def pause(self, mode: PauseMode, request: web.Request | None = None) -> None:
-        """``/pause``: hold new requests; ``wait`` returns once the running ones finished."""
+    async def pause(self, mode: PauseMode, request: web.Request | None = None, *,
+                    clear_cache: bool = True) -> None:
+        """``/pause``: hold new requests; ``wait`` returns once the running ones finished.
+        ``keep`` with ``clear_cache`` (vLLM 0.26 does not ignore it) preempts them."""
         self._alive()
-        await self._pause_scheduler(mode, for_sleep=False)
+        await self._pause_scheduler(mode, for_sleep=False, clear_cache=clear_cache)
         if mode == "wait":
             await self.wait_for(lambda: not self._running, request=request)
         log.info("generation paused", extra={"mode": mode})
@@ -541,6 +547,8 @@ class Engine(Traffic):
             "abandoned_sleeps": self.abandoned_sleeps,
             "generations_started": self.generations_started,
             "generations_aborted": self.generations_aborted,
+            "preemptions": self.preemptions,
+            "recompute_seconds": self.recompute_seconds,
             "sleeps": list(self.sleeps),
             "wakes": list(self.wakes),
             "stages": self.state.snapshot(),

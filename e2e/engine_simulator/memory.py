@@ -376,13 +376,33 @@ class FakeMemory:
     """Counts bytes; no device is touched."""
 
     def __init__(
-        self, *, resident_bytes: int, portions: Mapping[str, int], registration: Registration
+        self, *, resident_bytes: int, portions: Mapping[str, int], registration: Registration,
+        leak_per_cycle_bytes: int = 0,
     ) -> None:
         self._resident = resident_bytes
         self._sizes = dict(portions)
         self._on_device = set(self._sizes)
         self._on_host: set[str] = set()
         self._registration = registration
+        self._leak = leak_per_cycle_bytes
+        self._released = False
+        """Something was freed since the engine was last wholly on the device."""
+        self.leaked_bytes = 0
+        """What the ``leak_per_cycle_mib`` test knob left resident so far."""
+
+    async def _leak_a_cycle(self) -> None:
+        """A sleep/wake cycle just completed: leave ``_leak`` bytes more resident (the
+        ``leak_per_cycle_mib`` test knob; an engine whose footprint creeps)."""
+        self._released = False
+        if not self._leak:
+            return
+        self._resident += self._leak
+        try:
+            await self._registration.publish(self.used_bytes)
+        except DeviceOutOfMemory:
+            self._resident -= self._leak
+            raise
+        self.leaked_bytes += self._leak
 
     @property
     def used_bytes(self) -> int:
@@ -415,6 +435,7 @@ class FakeMemory:
                     self._on_device.discard(name)
                     moved = self._sizes[name]
                     released = True
+                    self._released = True
                     if op.action is MemoryAction.OFFLOAD:
                         self._on_host.add(name)
                     else:
@@ -434,6 +455,8 @@ class FakeMemory:
             transfers.append(Transfer(name, op.action, moved, 0.0, 0.0))
         if released:
             await self._registration.publish(self.used_bytes)
+        if self._released and self._on_device == set(self._sizes):
+            await self._leak_a_cycle()
         return transfers
 
     async def close(self) -> None:
@@ -444,6 +467,7 @@ class FakeMemory:
     def describe(self) -> dict[str, Any]:
         return {
             "backend": "fake",
+            "leaked_bytes": self.leaked_bytes,
             "host_bytes": sum(self._sizes[name] for name in self._on_host),
             "portions": {name: name in self._on_device for name in sorted(self._sizes)},
             "ranks": self._registration.describe(),
@@ -589,4 +613,5 @@ def make_memory(settings: Settings, *, pid: int) -> MemoryHolder:
         return CudaMemory(resident_bytes=settings.resident_memory_bytes, portions=portions,
                           registration=registration)
     return FakeMemory(resident_bytes=settings.resident_memory_bytes, portions=portions,
-                      registration=registration)
+                      registration=registration,
+                      leak_per_cycle_bytes=settings.leak_per_cycle_mib * 2**20)

@@ -7,7 +7,10 @@ gauges, as it would on a real vLLM:
   one still counts);
 - ``vllm:num_requests_waiting``: requests waiting to be scheduled;
 - ``vllm:engine_sleep_state{sleep_state=awake|weights_offloaded|discard_all}``: 1 for the
-  state vLLM last recorded (after a sleep call completed, after any wake call), 0 else.
+  state vLLM last recorded (after a sleep call completed, after any wake call), 0 else;
+- ``vllm:num_preemptions_total`` (the counter ``vllm:num_preemptions``): requests preempted,
+  here by a keep sleep or pause, counted when the request's next output is produced (after
+  its recompute at the wake), as vLLM counts the PREEMPTED event.
 
 As in vLLM, the in-flight values are those of the engine core's last step: requests held
 while the engine is paused with nothing running, or asleep, do not show. Each carries
@@ -84,7 +87,7 @@ def _family(name: str, kind: str, help_text: str,
 
 
 def render_metrics(model: str, *, running: int, waiting: int, sleep_level: int = 0,
-                   names: frozenset[str] | None = None) -> str:
+                   preemptions: int = 0, names: frozenset[str] | None = None) -> str:
     """The exposition text for the given counts and sleep level; ``names``: keep only the
     families with a sample of one of those names (prometheus_client's ``name[]``)."""
     labels = f'engine="0",model_name="{_label_value(model)}"'
@@ -98,8 +101,9 @@ def render_metrics(model: str, *, running: int, waiting: int, sleep_level: int =
         [("vllm:engine_sleep_state", f'{labels},sleep_state="{state}"',
           1.0 if level == sleep_level else 0.0) for level, state in enumerate(SLEEP_STATES)]))
     for name in _COUNTERS:
+        total = float(preemptions) if name == "vllm:num_preemptions" else 0.0
         families.append(_family(name, "counter", f"{name} (total).",
-                                [(f"{name}_total", labels, 0.0),
+                                [(f"{name}_total", labels, total),
                                  (f"{name}_created", labels, 1.7e9)]))
     for name, buckets in _HISTOGRAMS:
         samples = [(f"{name}_bucket", f'{labels},le="{float(b)}"', 0.0) for b in buckets]
@@ -123,7 +127,8 @@ def _page(request: web.Request, names: frozenset[str] | None) -> web.Response:
     else:
         running, waiting = engine.gauges
         body = render_metrics(engine.settings.model, running=running, waiting=waiting,
-                              sleep_level=engine.sleep_state_level, names=names)
+                              sleep_level=engine.sleep_state_level,
+                              preemptions=engine.preemptions, names=names)
     return web.Response(body=body.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -1,8 +1,10 @@
 """The OpenAI-compatible endpoints, shaped like vLLM 0.26's: models, chat and text
 completions.
 
-Streams are server-sent events: ``data: <json>\\n\\n`` per chunk, one token per chunk, then
-``data: [DONE]\\n\\n``. Chunks carry no ``usage`` field; with
+Streams are server-sent events: ``data: <json>\\n\\n`` per chunk, one token per chunk (the
+first after a kept request's recompute merges several, see :mod:`.traffic`), then
+``data: [DONE]\\n\\n``; ``logprobs``, ``return_token_ids`` and ``continuous_usage_stats`` add
+vLLM's per-chunk fields (:mod:`.chunk_extras`). Chunks carry no ``usage`` field; with
 ``stream_options.include_usage`` one last chunk has ``choices: []`` and the request's
 usage. An error after the 200 went out is sent as ``data: {"error": {...}}`` followed by
 ``[DONE]``, so a client must read the chunks, not the status. A stream gets its 200
@@ -21,9 +23,15 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from e2e.engine_simulator.chunk_extras import ChunkExtras
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.errors import SimError, error_body
-from e2e.engine_simulator.generation import TokenPlan, count_prompt_tokens, plan_tokens
+from e2e.engine_simulator.generation import (
+    TokenPlan,
+    count_prompt_tokens,
+    plan_tokens,
+    prompt_token_ids,
+)
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.traffic import Generation, GenerationFailed
 
@@ -168,17 +176,25 @@ def _stream_headers() -> web.StreamResponse:
 
 async def _stream(
     request: web.Request, response: web.StreamResponse, engine: Engine, gen: Generation,
-    plan: TokenPlan, shape: _Shape, prompt_tokens: int,
+    plan: TokenPlan, shape: _Shape, prompt_tokens: int, extras: ChunkExtras,
 ) -> web.StreamResponse:
-    sent = 0
+    """One chunk per engine output (several tokens after a kept request's recompute);
+    usage counts what the engine generated."""
+    sent = chars = 0
     try:
         if shape.kind == "chat":
-            await response.write(_sse(shape.chunk("", None, role=True)))
+            await response.write(_sse(extras.first(shape.chunk("", None, role=True))))
         try:
-            async for token in engine.tokens(gen, plan, request):
-                sent += 1
-                last = sent == len(plan.tokens)
-                await response.write(_sse(shape.chunk(token, plan.finish_reason if last else None)))
+            async for delta in engine.deltas(gen, plan, request, prompt_tokens=prompt_tokens):
+                text = "".join(delta.tokens)
+                chunk = shape.chunk(text, plan.finish_reason if delta.last else None)
+                if sent == 0 and shape.kind == "completion":
+                    chunk = extras.first(chunk)
+                sent = delta.generated
+                chunk = extras.decorate(chunk, delta.tokens, text_offset=chars,
+                                        usage=_usage(prompt_tokens, sent))
+                chars += len(text)
+                await response.write(_sse(chunk))
             if gen.aborted.is_set():
                 await response.write(_sse(shape.chunk("", "abort")))
             if shape.include_usage:
@@ -272,10 +288,18 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         return await _stream_error(response, exc)
     try:
         plan = plan_tokens(prompt, max_tokens=max_tokens, ignore_eos=parsed.ignore_eos,
-                           quality=gen.quality)
+                           quality=gen.quality, model=served)
         shape = _Shape(kind, served, gen, include_usage)
         if response is not None:
-            return await _stream(request, response, engine, gen, plan, shape, prompt_tokens)
+            ids = prompt_token_ids(prompt)
+            if isinstance(parsed, CompletionRequest) and not prompt:  # token ids given
+                ids = [p for p in parsed.prompt if isinstance(p, int)]
+            extras = ChunkExtras.of(kind, parsed.model_extra or {}, prompt_ids=ids,
+                                    continuous_usage=bool(
+                                        parsed.stream_options
+                                        and parsed.stream_options.continuous_usage_stats))
+            return await _stream(request, response, engine, gen, plan, shape, prompt_tokens,
+                                 extras)
         return await _collect(request, engine, gen, plan, shape, prompt_tokens)
     finally:
         await engine.finish(gen)

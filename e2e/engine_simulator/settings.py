@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_GPU_UUID",
     "Faults",
     "FaultsPatch",
+    "KeepFault",
     "Settings",
     "build_parser",
     "settings_from_args",
@@ -73,6 +74,8 @@ def _bytes(value: object) -> object:
 
 ByteCount = Annotated[int, BeforeValidator(_bytes), Field(ge=0)]
 Seconds = Annotated[float, Field(ge=0.0)]
+KeepFault = Literal["lose-token", "duplicate-token", "abort"]
+"""What the ``keep_fault`` test knob does to a request kept across a sleep."""
 
 
 class Faults(BaseModel):
@@ -193,6 +196,26 @@ class Settings(BaseModel):
     """Time to first token of every generation."""
     tokens_per_second: Seconds = 0.0
     """Decode speed, one token per chunk; 0 means instant."""
+    prefill_tokens_per_second: Seconds = 0.0
+    """Speed of the recompute a request kept across a sleep or pause (``mode=keep``) needs
+    at its wake: vLLM preempted it (KV cache freed) and prefills its prompt plus the tokens
+    it had generated before it samples the next, so the delay is (prompt + generated) /
+    this rate. 0 means instant."""
+    resume_merge_tokens: int = Field(default=4, ge=1)
+    """Tokens the first chunk after a kept request's recompute carries: vLLM's output
+    collector merges the deltas the engine produced while the API server was catching up
+    at the wake (on an H100, 248 of 248 frozen streams came back in fewer chunks than
+    tokens, none lost). 1: one token per chunk, as before a freeze."""
+    keep_fault: KeepFault | None = None
+    """A test fault, off by default: every request kept across a sleep or pause, at its
+    first output after the wake, loses one token (``lose-token``), repeats the last one it
+    sent (``duplicate-token``) or is aborted (``abort``), so that a correctness check can be
+    shown to catch it. Usage counts stay the engine's (tokens generated), as a bug between
+    the engine and its client would leave them."""
+    leak_per_cycle_mib: int = Field(default=0, ge=0)
+    """A test fault, off by default: each sleep/wake cycle (a level-1 or level-2 sleep, then
+    the wake that maps everything again) leaves this many MiB more resident on the GPU,
+    awake and asleep, as users report of some engines (the footprint creeps)."""
 
     awake_memory_bytes: ByteCount = 8 * 2**30
     resident_memory_bytes: ByteCount = 1 * 2**30
@@ -282,6 +305,8 @@ class Settings(BaseModel):
                 f"the engine was given {len(self.gpus)}: {list(self.gpus)}")
         if self.tensor_parallel_size > 1 and self.memory_backend != "fake":
             raise ValueError("tensor_parallel_size above 1 needs the fake memory backend")
+        if self.leak_per_cycle_mib and self.memory_backend != "fake":
+            raise ValueError("leak_per_cycle_mib needs the fake memory backend")
         return self
 
     @property
@@ -353,6 +378,18 @@ _KNOBS: tuple[tuple[str, str, str, str], ...] = (
     ("ttft_seconds", "--ttft-seconds", "ROTA_SIM_TTFT_SECONDS", "time to first token"),
     ("tokens_per_second", "--tokens-per-second", "ROTA_SIM_TOKENS_PER_SECOND",
      "decode speed; 0 = instant"),
+    ("prefill_tokens_per_second", "--prefill-tokens-per-second",
+     "ROTA_SIM_PREFILL_TOKENS_PER_SECOND",
+     "recompute speed of a request kept across a sleep: its wake costs (prompt + generated "
+     "tokens) / rate; 0 = instant"),
+    ("resume_merge_tokens", "--resume-merge-tokens", "ROTA_SIM_RESUME_MERGE_TOKENS",
+     "tokens merged into the first chunk a kept request sends after its recompute (vLLM's "
+     "output collector); 1 = one per chunk"),
+    ("keep_fault", "--keep-fault", "ROTA_SIM_KEEP_FAULT",
+     "test fault: a kept request loses a token (lose-token), repeats one "
+     "(duplicate-token) or is aborted (abort) at its first output after the wake"),
+    ("leak_per_cycle_mib", "--leak-per-cycle-mib", "ROTA_SIM_LEAK_PER_CYCLE_MIB",
+     "test fault: each sleep/wake cycle leaves this many MiB more resident"),
     ("awake_memory_bytes", "--awake-memory-bytes", "ROTA_AWAKE_MEMORY_BYTES",
      "GPU memory held awake (bytes or quantity such as 8Gi)"),
     ("resident_memory_bytes", "--resident-memory-bytes", "ROTA_RESIDENT_MEMORY_BYTES",
@@ -413,7 +450,9 @@ _METAVARS = {
     "gpu_uuid": "UUID[,UUID...]", "tensor_parallel_size": "N", "fake_nvml_dir": "DIR",
     "nvml_pid": "PID", "omni_stages": "N",
     "log_level": "LEVEL", "vllm_version": "VERSION", "api_key": "KEY",
-    "load_format": "{auto,dummy}",
+    "load_format": "{auto,dummy}", "prefill_tokens_per_second": "RATE",
+    "resume_merge_tokens": "N", "keep_fault": "{lose-token,duplicate-token,abort}",
+    "leak_per_cycle_mib": "MIB",
 }
 
 _DESCRIPTION = """\

@@ -12,7 +12,15 @@ The scheduler follows vLLM 0.26's engine core:
 - ``paused_new`` (a sleep or pause with ``mode=abort|wait``): running requests keep
   stepping (``abort`` ends them first), **new and waiting requests are held**, not
   refused;
-- ``paused_all`` (``mode=keep``): everything stands still until resumed.
+- ``paused_all`` (``mode=keep``): everything stands still until resumed. At the same
+  time (a sleep of level >= 1, a ``/pause`` with ``clear_cache``, its default) vLLM resets
+  its caches with ``reset_running_requests``: every running request is **preempted** (KV
+  freed, outputs kept) and recomputed after the wake, which costs (prompt + generated
+  tokens) / ``prefill_tokens_per_second``. Its first output after the recompute carries
+  ``resume_merge_tokens`` tokens in one delta (vLLM's output collector merges what the
+  engine produced while the API server caught up at the wake), and it is counted in
+  ``vllm:num_preemptions`` then (vLLM counts the PREEMPTED event with the request's next
+  output). No token is lost or repeated, unless the ``keep_fault`` test knob says so.
 
 A request arriving while the engine is paused or asleep is held until a wake resumes the
 scheduler (streams get their 200 headers at once, then nothing). A request the scheduler
@@ -40,12 +48,13 @@ from aiohttp import web
 
 from e2e.engine_simulator.errors import SimError, engine_dead_error
 from e2e.engine_simulator.generation import TokenPlan
-from e2e.engine_simulator.settings import Faults, FaultsPatch
+from e2e.engine_simulator.settings import Faults, FaultsPatch, KeepFault
 from e2e.engine_simulator.state import Quality
 
 __all__ = [
     "DISCONNECT_POLL_SECONDS",
     "ClientGone",
+    "Delta",
     "Generation",
     "GenerationFailed",
     "PauseMode",
@@ -84,6 +93,24 @@ class Generation:
     id: str
     quality: Quality
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    preempted: bool = False
+    """Preempted by a keep reset; recomputed before its next token."""
+    preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One output of a generation as the API server takes it: one SSE chunk.
+
+    Attributes:
+        tokens: the tokens it carries (several after a recompute: merged deltas).
+        generated: tokens the engine generated so far (its usage count).
+        last: the generation's final output (it carries the finish reason).
+    """
+
+    tokens: tuple[str, ...]
+    generated: int
+    last: bool
 
 
 def _client_gone(request: web.Request | None) -> bool:
@@ -97,10 +124,18 @@ class Traffic(ABC):
     """The in-flight side of an engine; :class:`~.engine.Engine` adds the control calls."""
 
     def __init__(self, *, faults: Faults, ttft_seconds: float, tokens_per_second: float,
-                 omni: bool = False) -> None:
+                 omni: bool = False, prefill_tokens_per_second: float = 0.0,
+                 resume_merge_tokens: int = 1, keep_fault: KeepFault | None = None) -> None:
         self.faults = faults
         self._ttft_seconds = ttft_seconds
         self._tokens_per_second = tokens_per_second
+        self._prefill_tokens_per_second = prefill_tokens_per_second
+        self._resume_merge_tokens = max(1, resume_merge_tokens)
+        self._keep_fault = keep_fault
+        self.preemptions = 0
+        """``vllm:num_preemptions``: preempted requests whose next output was produced."""
+        self.recompute_seconds = 0.0
+        """Time spent recomputing preempted requests (``/sim/state``)."""
         self._omni = omni
         self._changed = asyncio.Condition()
         self._running: dict[str, Generation] = {}
@@ -286,11 +321,55 @@ class Traffic(ABC):
         self, gen: Generation, plan: TokenPlan, request: web.Request | None = None
     ) -> AsyncIterator[str]:
         """Yield the plan's tokens at the configured pace; stop early when aborted."""
+        async for delta in self.deltas(gen, plan, request):
+            for token in delta.tokens:
+                yield token
+
+    async def _recompute(self, gen: Generation, context_tokens: int) -> None:
+        """A preempted request is prefilled again (prompt + generated) before its next
+        token; its preemption is counted with that output, as vLLM counts it."""
+        gen.preempted = False
+        gen.preemptions += 1
+        rate = self._prefill_tokens_per_second
+        seconds = context_tokens / rate if rate > 0 else 0.0
+        await self._interruptible_delay(seconds, gen)
+        async with self._changed:
+            self.preemptions += 1
+            self.recompute_seconds += seconds
+            self._signal()
+
+    def _kept_fault(self, gen: Generation, index: int, plan: TokenPlan) -> list[str] | None:
+        """The ``keep_fault`` test knob at a kept request's first output after its wake:
+        the tokens it delivers for ``plan.tokens[index]`` (None: aborted)."""
+        token = plan.tokens[index]
+        if self._keep_fault == "lose-token":
+            return []
+        if self._keep_fault == "duplicate-token":
+            return [plan.tokens[index - 1] if index > 0 else token, token]
+        if self._keep_fault == "abort":
+            gen.aborted.set()
+            self.generations_aborted += 1
+            return None
+        return [token]
+
+    async def deltas(
+        self, gen: Generation, plan: TokenPlan, request: web.Request | None = None,
+        *, prompt_tokens: int = 1,
+    ) -> AsyncIterator[Delta]:
+        """The generation's outputs, one per chunk, at the configured pace; stop early when
+        aborted. One token each, except the first output after a keep-preemption's
+        recompute, which merges ``resume_merge_tokens``."""
         await self._interruptible_delay(self._ttft_seconds, gen)
         tps = self._tokens_per_second
-        for index, token in enumerate(plan.tokens):
+        pending: list[str] = []
+        merge_left = 0
+        total = len(plan.tokens)
+        for index in range(total):
             if index > 0 and tps > 0:
                 await self._interruptible_delay(1.0 / tps, gen)
+            if pending and not self._runnable():  # frozen again: the collector is drained
+                yield Delta(tuple(pending), index, last=False)
+                pending, merge_left = [], 0
             await self.wait_for(lambda: gen.aborted.is_set() or self._runnable()
                                 or self.dead is not None, request=request)
             if gen.aborted.is_set():
@@ -299,20 +378,38 @@ class Traffic(ABC):
                 raise GenerationFailed(f"EngineCore encountered an issue ({self.dead})")
             if self._omni and self._executor_sleeping():
                 raise GenerationFailed(OMNI_ASLEEP)
-            if self.faults.fail_mid_stream and (index > 0 or len(plan.tokens) == 1):
+            if self.faults.fail_mid_stream and (index > 0 or total == 1):
                 raise GenerationFailed(
                     "simulated fault fail_mid_stream: the engine failed mid-generation"
                 )
-            yield token
+            produced = [plan.tokens[index]]
+            if gen.preempted:
+                await self._recompute(gen, prompt_tokens + index)
+                merge_left = self._resume_merge_tokens
+                kept = self._kept_fault(gen, index, plan)
+                if kept is None:
+                    return
+                produced = kept
+            pending += produced
+            merge_left = max(0, merge_left - 1)
+            last = index == total - 1
+            if (merge_left == 0 and pending) or last:
+                yield Delta(tuple(pending), index + 1, last=last)
+                pending = []
 
     # -- the scheduler -----------------------------------------------------------------
 
-    async def _pause_scheduler(self, mode: PauseMode, *, for_sleep: bool) -> None:
-        """vLLM's ``pause_scheduler(mode)``: hold new requests; ``abort`` ends the running
-        ones, ``keep`` freezes them."""
+    async def _pause_scheduler(self, mode: PauseMode, *, for_sleep: bool,
+                               clear_cache: bool = True) -> None:
+        """vLLM's ``pause_scheduler(mode, clear_cache)``: hold new requests; ``abort`` ends
+        the running ones, ``keep`` freezes them (and with ``clear_cache`` preempts them:
+        they are recomputed after the wake)."""
         async with self._changed:
             self.scheduler = "paused_all" if mode == "keep" else "paused_new"
             self._sleep_drain = self._sleep_drain or for_sleep
+            if mode == "keep" and clear_cache:
+                for gen in self._running.values():
+                    gen.preempted = True
             self._signal()
         if mode == "abort":
             await self._abort_running("sleep or pause with mode=abort")
