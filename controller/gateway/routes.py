@@ -1,11 +1,12 @@
 """The gateway's HTTP surface: vLLM's model routes, health, readiness and metrics.
 
 Served, each routed by the request's ``model`` with the same places, queueing and
-switching: every model-bearing route of vLLM 0.26 (:data:`MODEL_PATHS`, from
-:mod:`~controller.gateway.surface`: chat, completions, responses, Anthropic's messages,
-audio transcriptions and translations, embeddings, pooling, classify, score and rerank,
-tokenize and detokenize, ...; a GPU often holds a chat model next to an embedder or a
-reranker), each to the same path on the engine; and ``/v1/models``. vLLM's other routes —
+switching: every model-bearing route of the supported vLLM releases, 0.26 on
+(:data:`MODEL_PATHS`, from :mod:`~controller.gateway.surface`: chat, completions,
+responses, Anthropic's messages, audio transcriptions and translations, embeddings,
+pooling, classify, score and rerank, tokenize and detokenize, Cohere's chat, decisions,
+...; a GPU often holds a chat model next to an embedder or a reranker), each to the same
+path on the engine; and ``/v1/models``. vLLM's other routes —
 engines' control paths (``/sleep``, ``/wake_up``, ``/collective_rpc``, ...) above all — get
 a 404 that names the route and why (:data:`~controller.gateway.surface.REFUSED`); any other
 path a plain 404. No path is ever proxied by pattern, so no control call can slip through.

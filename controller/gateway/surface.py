@@ -1,8 +1,10 @@
-"""The gateway's HTTP surface against vLLM 0.26's: what is routed, and what is refused why.
+"""The gateway's HTTP surface against vLLM's: what is routed, and what is refused why.
 
-Every route of vLLM 0.26's server (read from the real wheel by ``e2e/tools/vllm_routes.py`` into
-``controller/gateway/vllm_routes.json``; ``tests/gateway/test_vllm_routes.py`` checks this
-module against that table) is one of:
+Every route of vLLM 0.26's server (read from the real wheel by ``e2e/tools/vllm_routes.py``
+into ``controller/gateway/vllm_routes.json``; ``tests/gateway/test_vllm_routes.py`` checks
+this module against that table), and every model-bearing route of each later supported
+release (their tables are ``controller/lease/engines/vllm_surfaces``, checked by
+``tests/controller/test_engine_surfaces.py``), is one of:
 
 - **routed** (:data:`ROUTED`, defined with the engine guard in
   :mod:`rota.api.client_routes`): each route whose request names a ``model`` goes, with the
@@ -11,7 +13,10 @@ module against that table) is one of:
   uploads (``multipart/form-data``), from the form's ``model`` field; ``stream`` the same
   way. Only the routes marked ``streams`` may answer an event stream (and so may have their
   answer started early while a switch runs); ``/v1/messages`` speaks Anthropic's dialect,
-  so an error inside its stream is an ``event: error`` as vLLM sends it.
+  so an error inside its stream is an ``event: error`` as vLLM sends it. Each route says
+  the first release that serves it (:attr:`Routed.since`, :func:`routed_for`); the gateway
+  does not know which release each engine runs, so a route newer than the engine is
+  answered by the engine's own 404.
 - **the gateway's own** (:data:`OWN`): ``GET /v1/models`` (the fleet's models) and
   ``GET /readyz`` (the gateway's readiness), served by the gateway itself.
 - **refused** (:data:`REFUSED`): a 404 in the OpenAI error shape (``code:
@@ -24,9 +29,11 @@ Pure: no I/O, no aiohttp.
 
 from __future__ import annotations
 
+import re
+
 from rota.api.client_routes import ROUTED, Dialect, Routed
 
-__all__ = ["OWN", "REFUSED", "ROUTED", "Dialect", "Routed", "routed"]
+__all__ = ["OWN", "REFUSED", "ROUTED", "Dialect", "Routed", "routed", "routed_for"]
 
 OWN: dict[tuple[str, str], str] = {
     ("GET", "/v1/models"): "the gateway lists the fleet's models itself, with their state",
@@ -75,3 +82,20 @@ _BY_PATH = {route.path: route for route in ROUTED}
 def routed(path: str) -> Routed | None:
     """The routed route at ``path`` (None: not routed)."""
     return _BY_PATH.get(path)
+
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    found = _RELEASE.match(version.strip())
+    if not found:
+        raise ValueError(f"not a vLLM release: {version!r}")
+    return int(found.group(1)), int(found.group(2)), int(found.group(3) or 0)
+
+
+def routed_for(version: str) -> tuple[Routed, ...]:
+    """The routed routes vLLM ``version`` serves: those not newer than it (``0.34.0``,
+    ``0.33.1.dev12`` and ``0.34.0+cu130`` are read as releases are)."""
+    release = _release(version)
+    return tuple(route for route in ROUTED if _release(route.since) <= release)

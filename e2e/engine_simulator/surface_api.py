@@ -21,6 +21,21 @@ answer in the shape vLLM gives, reduced to the fields its clients read:
 - ``POST /v1/chat/completions/render``, ``/v1/completions/render``: the prompt's token ids
   (one per character, as ``/tokenize``); ``.../derender``: the text of token ids.
 - ``POST /inference/v1/generate``: tokens in, tokens out (``stream`` as SSE).
+
+And the model-bearing routes of later releases, each served only when the simulated
+release (``--vllm-version``) serves it, else FastAPI's 404 (``{"detail": "Not Found"}``)
+as that release answers:
+
+- ``POST /cohere/v2/chat`` (0.27 on): Cohere's Chat v2 API (``model`` required); the
+  answer's text is what a chat completion would say; ``stream`` gives Cohere's typed
+  events as bare ``data:`` lines (``message-start`` ... ``message-end``), then
+  ``data: [DONE]``; errors in Cohere's ``{"message", "id"}`` shape.
+  ``/cohere/v2/chat/render`` (0.29 on): the prompt's token ids, as the other renders.
+- ``POST /v1/messages/render`` (0.29 on), ``/v1/responses/render`` (0.30 on): the token ids
+  of an Anthropic messages or a Responses request.
+- ``POST /v1/systemone`` (0.32 on, ``model`` optional) and ``/v1/decisions`` (0.33 on,
+  ``model`` required): a deterministic answer to each question; both refuse fields they do
+  not know (``stream`` included), as vLLM's request models forbid them.
 """
 
 from __future__ import annotations
@@ -31,8 +46,9 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
+from controller.lease.engines.surfaces import surface_for
 from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.errors import SimError
 from e2e.engine_simulator.extra_api import (
@@ -97,6 +113,39 @@ class GenerateRequest(Request):
 class GenerativeScoringRequest(Request):
     query: str
     items: list[str] = Field(min_length=1)
+
+
+class CohereChatRequest(Request):
+    model: str = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+
+
+class MessagesRenderRequest(Request):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+
+
+class ResponsesRenderRequest(Request):
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+
+
+class SystemOneRequest(Request):
+    model_config = ConfigDict(extra="forbid")
+
+    state: Any
+    questions: dict[str, dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+
+
+class DecisionsRequest(Request):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    questions: list[dict[str, Any]] = Field(min_length=1, max_length=200)
 
 
 def _prompt(messages: list[dict[str, Any]]) -> str:
@@ -294,6 +343,160 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return response
 
 
+def _served(request: web.Request) -> None:
+    """FastAPI's 404 unless the simulated release serves this route."""
+    surface = surface_for(request.app[ENGINE_KEY].settings.vllm_version)
+    if surface is None or not surface.serves(request.method, request.path):
+        raise web.HTTPNotFound()
+
+
+def _cohere_error(request: web.Request, exc: SimError) -> web.Response:
+    """vLLM's Cohere routes answer errors as ``{"message", "id"}``."""
+    body: dict[str, Any] = {"message": exc.message}
+    if request.headers.get("X-Request-Id"):
+        body["id"] = request.headers["X-Request-Id"]
+    return web.json_response(body, status=exc.status)
+
+
+def _cohere_event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+async def cohere_chat(request: web.Request) -> web.StreamResponse:
+    _served(request)
+    try:
+        engine, body = await parse_request(request, CohereChatRequest)
+    except SimError as exc:
+        return _cohere_error(request, exc)
+    prompt = _prompt(body.messages)
+    cid = uuid.uuid4().hex
+    prompt_tokens = count_prompt_tokens(prompt)
+    if not body.stream:
+        tokens = await _answer(request, engine, prompt, body.max_tokens)
+        return web.json_response({
+            "id": cid, "finish_reason": "COMPLETE",
+            "message": {"role": "assistant",
+                        "content": [{"type": "text", "text": "".join(tokens)}]},
+            "usage": {"billed_units": {"input_tokens": prompt_tokens,
+                                       "output_tokens": len(tokens)}}})
+    gen = await engine.admit(request)
+    try:
+        plan = plan_tokens(prompt, max_tokens=body.max_tokens, ignore_eos=False,
+                           quality=gen.quality)
+        response = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(_cohere_event({"type": "message-start", "id": cid, "delta": {
+            "message": {"role": "assistant"}}}))
+        await response.write(_cohere_event({"type": "content-start", "index": 0, "delta": {
+            "message": {"content": {"type": "text", "text": ""}}}}))
+        count = 0
+        async for token in engine.tokens(gen, plan, request):
+            count += 1
+            await response.write(_cohere_event({"type": "content-delta", "index": 0, "delta": {
+                "message": {"content": {"text": token}}}}))
+        await response.write(_cohere_event({"type": "content-end", "index": 0}))
+        await response.write(_cohere_event({"type": "message-end", "delta": {
+            "finish_reason": "COMPLETE", "usage": {"billed_units": {
+                "input_tokens": prompt_tokens, "output_tokens": count}}}}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    finally:
+        await engine.finish(gen)
+
+
+async def _render_text(request: web.Request, engine: Engine, text: str) -> web.Response:
+    await admitted(request, engine)
+    return web.json_response({"model": engine.settings.model,
+                              "token_ids": [ord(c) for c in text]})
+
+
+async def cohere_chat_render(request: web.Request) -> web.Response:
+    _served(request)
+    try:
+        engine, body = await parse_request(request, CohereChatRequest)
+    except SimError as exc:
+        return _cohere_error(request, exc)
+    return await _render_text(request, engine, _prompt(body.messages))
+
+
+async def messages_render(request: web.Request) -> web.Response:
+    _served(request)
+    engine, body = await parse_request(request, MessagesRenderRequest)
+    system = _text(body.system) if body.system is not None else ""
+    return await _render_text(request, engine,
+                              "\n".join(filter(None, [system, _prompt(body.messages)])))
+
+
+async def responses_render(request: web.Request) -> web.Response:
+    _served(request)
+    engine, body = await parse_request(request, ResponsesRenderRequest)
+    text = body.input if isinstance(body.input, str) else _prompt(body.input)
+    return await _render_text(request, engine,
+                              "\n".join(filter(None, [body.instructions or "", text])))
+
+
+def _probability(state: str, question: str) -> float:
+    """A deterministic probability for a question about ``state`` (from their digest)."""
+    return round((vector(f"{state}\n{question}")[0] + 1) / 2, 6)
+
+
+async def systemone(request: web.Request) -> web.Response:
+    _served(request)
+    engine, body = await parse_request(request, SystemOneRequest)
+    state = body.state if isinstance(body.state, str) else json.dumps(body.state)
+    await admitted(request, engine)
+    answers = {qid: {"type": str(q.get("type", "")),
+                     "probability": _probability(state, json.dumps(q, sort_keys=True))}
+               for qid, q in body.questions.items()}
+    tokens = count_prompt_tokens(state)
+    return web.json_response({
+        "id": f"sd-{uuid.uuid4().hex}", "object": "structured_decision",
+        "created": int(time.time()), "model": engine.settings.model, "answers": answers,
+        "usage": {"input_tokens": tokens, "output_tokens": len(answers)},
+        "diagnostics": {qid: {"label_mass": 1.0, "argmax_is_label": True}
+                        for qid in answers}})
+
+
+def _decision(text: str, question: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's answer to one question: a predicate's probability, a choice among its
+    ``choices`` or a score among its ``levels``."""
+    kind, name = question.get("type"), question.get("name")
+    p = _probability(text, json.dumps(question, sort_keys=True))
+    if kind == "predicate":
+        return {"type": kind, "name": name, "probability": p}
+    options = question.get("choices" if kind == "choice" else "levels")
+    if kind not in ("choice", "score") or not isinstance(options, list) or len(options) < 2:
+        raise SimError(f"questions: unknown or malformed question {kind!r}")
+    picked = int(p * len(options)) % len(options)
+    if kind == "choice":
+        values = [o.get("value") for o in options]
+        return {"type": kind, "name": name, "choice": values[picked], "confidence": p,
+                "probabilities": [{"value": v, "probability": p if i == picked else
+                                   round((1 - p) / (len(values) - 1), 6)}
+                                  for i, v in enumerate(values)]}
+    return {"type": kind, "name": name, "score": float(picked), "confidence": p,
+            "probabilities": [{"value": i, "label": str(o.get("label", i)),
+                               "probability": p if i == picked else
+                               round((1 - p) / (len(options) - 1), 6)}
+                              for i, o in enumerate(options)]}
+
+
+async def decisions(request: web.Request) -> web.Response:
+    _served(request)
+    engine, body = await parse_request(request, DecisionsRequest)
+    text = body.input if isinstance(body.input, str) else _prompt(body.input)
+    answers = [_decision(text, q) for q in body.questions]
+    await admitted(request, engine)
+    return web.json_response({
+        "model": engine.settings.model, "answers": answers,
+        "usage": {"input_tokens": count_prompt_tokens(text),
+                  "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": len(answers),
+                  "output_tokens_details": {"reasoning_tokens": 0}}})
+
+
 def surface_routes() -> list[web.RouteDef]:
     return [
         web.post("/v1/messages", messages),
@@ -310,4 +513,10 @@ def surface_routes() -> list[web.RouteDef]:
         web.post("/v1/chat/completions/derender", derender),
         web.post("/v1/completions/derender", derender),
         web.post("/inference/v1/generate", generate),
+        web.post("/cohere/v2/chat", cohere_chat),
+        web.post("/cohere/v2/chat/render", cohere_chat_render),
+        web.post("/v1/messages/render", messages_render),
+        web.post("/v1/responses/render", responses_render),
+        web.post("/v1/systemone", systemone),
+        web.post("/v1/decisions", decisions),
     ]

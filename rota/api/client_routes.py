@@ -25,6 +25,10 @@ class Routed:
     """``stream: true`` makes the answer an event stream."""
     dialect: Dialect = "openai"
     """How an error is written inside a started stream."""
+    since: str = "0.26.0"
+    """The first vLLM release that serves it (each later supported release does too;
+    ``tests/controller/test_engine_surfaces.py`` checks this against every release's
+    route table)."""
 
 
 ROUTED: tuple[Routed, ...] = (
@@ -58,8 +62,18 @@ ROUTED: tuple[Routed, ...] = (
     Routed("/v1/chat/completions/derender"),
     Routed("/v1/completions/derender"),
     Routed("/inference/v1/generate", streams=True),
+    # Later releases.
+    Routed("/cohere/v2/chat", streams=True, since="0.27.1"),
+    Routed("/cohere/v2/chat/render", since="0.29.0"),
+    Routed("/v1/messages/render", dialect="anthropic", since="0.29.0"),
+    Routed("/v1/responses/render", since="0.30.0"),
+    Routed("/v1/systemone", since="0.32.0"),
+    Routed("/v1/decisions", since="0.33.0"),
 )
-"""Every model-bearing route of vLLM 0.26, each forwarded to the same path."""
+"""Every model-bearing route of the supported vLLM releases (0.26 on), each forwarded to
+the same path. A route newer than an engine's release reaches that engine all the same
+(the gateway does not know which release each engine runs) and is answered by the
+engine's own 404."""
 
 CLIENT_PATHS: frozenset[str] = frozenset(route.path for route in ROUTED)
 """Every path on which a client's request reaches an engine."""

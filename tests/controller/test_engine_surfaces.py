@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from controller.gateway.surface import OWN, REFUSED, routed
+from controller.gateway.surface import OWN, REFUSED, ROUTED, routed_for
 from controller.guard.paths import Access, classify
 from controller.lease.engines import Timeouts, VllmAdapter
 from controller.lease.engines.dialect import Dialect
@@ -99,33 +99,17 @@ def test_the_adapter_calls_only_what_the_release_serves_and_the_guard_passes_it(
         assert classify(method, path) in (Access.CONTROL, Access.HEALTH), (method, path)
 
 
-GATEWAY_GAPS: dict[str, set[tuple[str, str]]] = {
-    "0.26.0": set(),
-    **{v: {("POST", "/cohere/v2/chat")} for v in ("0.27.1", "0.28.0")},
-    "0.29.0": {("POST", "/cohere/v2/chat"), ("POST", "/cohere/v2/chat/render"),
-               ("POST", "/v1/messages/render")},
-    **{v: {("POST", "/cohere/v2/chat"), ("POST", "/cohere/v2/chat/render"),
-           ("POST", "/v1/messages/render"), ("POST", "/v1/responses/render")}
-       for v in ("0.30.0", "0.31.0")},
-    "0.32.0": {("POST", "/cohere/v2/chat"), ("POST", "/cohere/v2/chat/render"),
-               ("POST", "/v1/messages/render"), ("POST", "/v1/responses/render"),
-               ("POST", "/v1/systemone")},
-    **{v: {("POST", "/cohere/v2/chat"), ("POST", "/cohere/v2/chat/render"),
-           ("POST", "/v1/messages/render"), ("POST", "/v1/responses/render"),
-           ("POST", "/v1/systemone"), ("POST", "/v1/decisions")}
-       for v in ("0.33.0", "0.34.0")},
-}
-"""Model-bearing routes of newer releases the gateway does not route yet (issue 31: left
-open, listed so that a new gap, or a closed one, fails this test)."""
-
-
 @pytest.mark.parametrize("version", VLLM)
 def test_the_gateway_routes_every_model_bearing_route_of_the_release(version: str) -> None:
     surface = surface_for(version)
     assert surface is not None
+    mine = {route.path for route in routed_for(version)}
     unrouted = {r.key for r in surface.routes
-                if r.model == "yes" and (r.method != "POST" or routed(r.path) is None)}
-    assert unrouted == GATEWAY_GAPS[version]
+                if r.model == "yes" and (r.method != "POST" or r.path not in mine)}
+    assert unrouted == set()
+    assert {path for path in mine if not surface.serves("POST", path)} == set()
+    newer = {route.path for route in ROUTED if route.path not in mine}
+    assert {path for path in newer if surface.serves("POST", path)} == set()
     for key in {r.key for r in surface.routes if r.key in TABLE_026.by_key()}:
         route = TABLE_026.by_key()[key]
         assert route.model == "yes" or OWN.get(key) or REFUSED.get(key), key

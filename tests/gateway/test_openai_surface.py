@@ -21,7 +21,7 @@ from tests.gateway.conftest import (
     eventually,
     read_events,
 )
-from tests.gateway.surface_cases import JSON_CASES
+from tests.gateway.surface_cases import JSON_CASES, rig_for
 
 pytestmark = pytest.mark.gateway
 
@@ -31,7 +31,7 @@ CASES = JSON_CASES
 @pytest.mark.parametrize(("path", "body", "field"), CASES)
 async def test_each_path_is_routed_by_model_and_switches(
         make_rig: RigFactory, path: str, body: dict[str, Any], field: str) -> None:
-    rig = await make_rig()
+    rig = await make_rig(**rig_for(path))
     for model in (MODEL_B, MODEL_A, MODEL_B):
         async with rig.gateway.post(path, json=body | {"model": model}) as resp:
             assert resp.status == 200, await resp.text()
