@@ -62,7 +62,7 @@ def test_sha256sums_name_and_verify_every_artifact(built: Release) -> None:
 def test_the_wheel_and_sdist_hold_the_runtime_only(built: Release) -> None:
     wheel = built.one("rota-*.whl")
     assert wheel.name == f"rota-{PY_VERSION}-py3-none-any.whl"
-    assert wheel_top_levels(wheel) == {"driver", "controller"}
+    assert wheel_top_levels(wheel) == {"driver", "controller", "rota"}
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
