@@ -1,28 +1,52 @@
 """The policy comparison on real engines, through the lease controller's own code
-(``python -m e2e.gpu.policy_run``): a short window of a trace, 3 models on one GPU, on-demand
-first-come switching against rota's default policy.
+(``python -m e2e.gpu.policy_run``): windows of a trace, 3 (or 5, 7) models on one GPU,
+on-demand first-come switching, rota's drain-based policy and its preemptive one, beside
+the bound of every engine awake at once.
 
 ``python -m e2e.bench.policy`` ranks the policies in a simulation. This runs the same
 comparison where the engines are real vLLM 0.26 servers (``--launcher vllm``) on the GPU,
 or the engine simulator standing in for them (``--launcher simulator --fake-nvml h200``),
 and where the decisions, queueing and switches are the lease controller's: for each
-policy a fresh :class:`~controller.lease.gpu.GpuWorker` with ``--policy-mode first-come``
-or ``rota`` (:mod:`e2e.gpu.policy_replay`) on the engines as the GPU benchmark runs them
-(:mod:`e2e.gpu.context`: the driver's inspection service on NVML, the real Switcher and
-vLLM adapter, an in-memory Lease). The engines start once (in parallel, or one after the
-other), each is probed and put through its first sleep, then the policies run back to back
-on the same arrivals, every engine asleep at each start.
+policy a fresh :class:`~controller.lease.gpu.GpuWorker` with its ``--policy-mode``
+(``first-come``; ``drain``, today's rules that never preempt; ``rota``, which preempts
+engines that keep requests; :mod:`e2e.gpu.policy_replay`) on the engines as the GPU
+benchmark runs them (:mod:`e2e.gpu.context`: the driver's inspection service on NVML, the
+real Switcher and vLLM adapter, an in-memory Lease). ``all-awake`` is the bound: every
+engine woken at once, no worker and no switch, where their awake footprints fit in the
+GPU's memory together (else it is reported as "does not fit"). The engines start once (in
+parallel, or one after the other), each is probed and put through its first sleep, then
+the policies run back to back on the same arrivals, every engine asleep at each start.
 
-The window: ``--trace`` (a CSV of ``timestamp, model, context tokens, generated tokens``,
-replayed as written; ``--write-trace`` cuts one), else the Azure LLM inference trace 2023
-mapped as ``python -m e2e.bench.policy`` maps it (``--mapping``, ``--speed``,
-``--start-s``, ``--window-s``). The window shrinks to what the deadline leaves. For the
-same arrivals it also prints what the simulation of ``e2e.bench_policy`` predicts, with
-its engines calibrated to these engines' weights, so the two rankings sit side by side.
+The windows, chosen by rule and not by result: ``--windows N`` windows of ``--window-s``
+seconds, one every ``--window-every`` seconds from ``--window-from``, of the Azure LLM
+inference trace 2023 compressed by ``--speed`` and mapped onto the engines as
+``python -m e2e.bench.policy`` maps it (``--mapping``); or of ``--trace`` (a CSV of
+``timestamp, model, context tokens, generated tokens``; ``--write-trace`` cuts one). The
+default run (3 engines, 3 windows of 15 s at speed 0.4, 20-60 requests each, 4 policies)
+is planned to fit one 570 s GPU call: the engines start once (about 1-2 minutes for three
+vLLM engines), then 12 replays of at most about 30 s each. ``--budget-s`` is the whole
+run's time: the windows shrink evenly to what is left after the engines started (never
+below 10 s; windows are dropped from the end rather), and a replay that would not end in
+time is not begun.
 
-Results: ``--out``/policy.json (per policy and model: requests, served, goodput at
-``--ttft-slo-s``, TTFT p50/p90/p99, wakes, wasted wakes, the rules that fired, every
-switch), a Markdown table on stdout, the JSON headline as the last line.
+What each request's user felt (:mod:`e2e.gpu.policy_slo`): the first token, the longest
+gap between two chunks, SLO met (first token within ``--first-token-s`` and no gap over
+``--longest-freeze-s``), and, for every request whose engine was put to sleep while its
+stream was open, its text against a never-slept reference of the same engine (greedy,
+the same prompt and length): identical, altered or lost. The references are the
+all-awake run's answers where it ran; else each engine is woken alone and asked for its
+window's requests after the policies (``policy_replay.references``).
+
+For the same arrivals it also prints what the simulation of ``e2e.bench.policy``
+predicts, with its engines calibrated to these engines' weights (it knows on-demand
+switching and rota's drain-based rules), so the rankings sit side by side; ``python -m
+e2e.gpu.report policy.json [other.json]`` prints the tables of a run, and whether the
+simulator's run (``--launcher simulator``) and the real one rank the policies alike.
+
+Results: ``--out``/policy.json (per window, policy and model: requests, served, goodput
+at the first-token objective, SLO goodput, TTFT p50/p90/p99, the longest gaps, frozen
+requests and their verdicts, wakes, wasted wakes, the rules that fired, every switch,
+every request), Markdown tables on stdout, the JSON headline as the last line.
 """
 
 from __future__ import annotations
@@ -60,9 +84,14 @@ from e2e.gpu.policy_replay import (
     PolicyRun,
     RecordingSwitcher,
     SwitchRecord,
+    check,
+    own_references,
+    references,
     replay,
+    replay_awake,
     rows,
 )
+from e2e.gpu.policy_slo import Bounds, Reference, RefKey, ranking, share
 from e2e.gpu.sampler import NvmlSampler
 from e2e.gpu.steps import admit, say
 from e2e.harness.ports import MemoryLeasePort, ReaderDevice
@@ -71,10 +100,27 @@ from rota.api.gpu_lease import GpuLease
 from rota.kit.logs import configure
 from rota.kit.sockets import UnixServer
 
-MODES = {"first-come": PolicyMode.FIRST_COME, "rota": PolicyMode.ROTA}
-SIM_NAMES = {"first-come": "on-demand", "rota": "rota"}
+POLICIES = ("all-awake", "first-come", "drain", "rota")
+"""The policies of a run, in the order they run (all-awake first: its answers are the
+references the others' frozen streams are checked against)."""
+AWAKE = "all-awake"
+SIM_NAMES = {"first-come": "on-demand", "drain": "rota"}
+"""The policies ``e2e.bench.policy`` simulates, by its names (its ``rota`` is the
+drain-based rules)."""
 TAIL_S = 15.0
 """Expected seconds after a window's last arrival until its clients are done."""
+MIN_WINDOW_S = 10.0
+REFERENCE_S = 15.0
+"""Expected seconds to take one engine's references when all-awake does not run."""
+
+
+def mode_of(policy: str) -> PolicyMode:
+    """The lease controller's ``--policy-mode`` for a policy of the comparison. Where
+    the controller has no ``drain`` mode yet, its ``rota`` mode is the drain-based one."""
+    values = {m.value: m for m in PolicyMode}
+    if policy == "drain":
+        return values.get("drain", PolicyMode.ROTA)
+    return values[policy]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -101,13 +147,28 @@ def parser() -> argparse.ArgumentParser:
     add("--write-trace", type=Path, default=None,
         help="write the window of the Azure trace to this CSV and exit")
     add("--mapping", choices=("services", "modulo", "shift"), default="modulo")
-    add("--speed", type=float, default=0.2)
-    add("--start-s", type=float, default=0.0)
-    add("--window-s", type=float, default=120.0,
-        help="seconds of the (compressed) trace each policy replays")
-    add("--policies", default="first-come,rota")
-    add("--ttft-slo-s", type=float, default=2.0)
+    add("--speed", type=float, default=0.4,
+        help="the trace's time is divided by this (0.4: 40 %% as dense)")
+    add("--windows", type=int, default=None,
+        help="how many windows (default 3 of the Azure trace, 1 of --trace)")
+    add("--window-from", "--start-s", dest="window_from", type=float, default=None,
+        help="the first window's start in the compressed trace (default 600 s of the "
+             "Azure trace, 0 of --trace)")
+    add("--window-every", type=float, default=1200.0,
+        help="seconds of the compressed trace from one window's start to the next's")
+    add("--window-s", type=float, default=15.0,
+        help="seconds of the (compressed) trace each policy replays per window")
+    add("--policies", default=",".join(POLICIES), help=f"of {', '.join(POLICIES)}")
+    add("--first-token-s", "--ttft-slo-s", dest="ttft_slo_s", type=float, default=2.0,
+        help="the first-token objective of the SLO")
+    add("--longest-freeze-s", type=float, default=3.0,
+        help="the SLO's bound on the gap between two chunks of a stream")
+    add("--frozen-gap-s", type=float, default=0.5,
+        help="a gap longer than this counts a stream as frozen (checked against the "
+             "reference) even without a recorded sleep of its engine")
     add("--client-timeout-s", type=float, default=30.0)
+    add("--decode-bound-s", type=float, default=60.0,
+        help="the most a client waits for a started stream's end")
     add("--max-context", type=int, default=2048)
     add("--max-generated", type=int, default=256)
     add("--sim-decode-step-s", type=float, default=None,
@@ -117,9 +178,13 @@ def parser() -> argparse.ArgumentParser:
         help="print the simulation of the window and exit (no engines)")
     add("--tokens-per-second", type=float, default=100.0,
         help="the simulator's decode rate per request (with --launcher simulator)")
+    add("--sim-env", action="append", default=[], metavar="NAME=VALUE",
+        help="an environment variable for every simulated engine (its settings' "
+             "variables, e.g. a fault), repeatable")
     add("--out", type=Path, default=Path("."))
     add("--state-dir", type=Path, default=None)
-    add("--deadline-s", type=float, default=540.0)
+    add("--budget-s", "--deadline-s", dest="budget_s", type=float, default=540.0,
+        help="the whole run's seconds (one GPU call gives about 570)")
     add("--vllm-python", default=sys.executable)
     add("--vllm-pythonpath", default=os.environ.get("ROTA_VLLM_PYTHONPATH", ""))
     add("--probe-mode", choices=("structure", "answer"), default="structure")
@@ -152,12 +217,39 @@ def read_trace(path: Path) -> list[Arrival]:
                    for r in raw), key=lambda a: a.at)
 
 
-def azure_window(args: argparse.Namespace) -> list[Arrival]:
+def azure_window(args: argparse.Namespace, start_s: float | None = None) -> list[Arrival]:
+    """The Azure trace's arrivals in ``[start_s, start_s + --window-s)`` of its compressed
+    time, from 0."""
+    first = window_starts(args)[0] if start_s is None else start_s
     requests = bench_policy.load_arrivals(trace=None, mapping=args.mapping,
                                           models=args.engines, speed=args.speed,
-                                          start_s=args.start_s, duration_s=args.window_s,
+                                          start_s=first, duration_s=args.window_s,
                                           limit=None)
     return [Arrival(r.arrival, r.model, r.context, r.generated) for r in requests]
+
+
+def window_starts(args: argparse.Namespace) -> list[float]:
+    """Where each window starts: every ``--window-every`` seconds from ``--window-from``
+    (by rule, not by what the windows hold)."""
+    windows = args.windows if args.windows is not None else (1 if args.trace else 3)
+    first = args.window_from if args.window_from is not None else (0.0 if args.trace
+                                                                   else 600.0)
+    return [first + k * args.window_every for k in range(max(1, windows))]
+
+
+def cut(arrivals: Sequence[Arrival], start_s: float, length_s: float) -> list[Arrival]:
+    """The arrivals of ``[start_s, start_s + length_s)``, from 0."""
+    return [Arrival(a.at - start_s, a.model, a.context, a.generated) for a in arrivals
+            if start_s <= a.at < start_s + length_s]
+
+
+def windows_of(args: argparse.Namespace) -> list[tuple[float, list[Arrival]]]:
+    """Each window's start and arrivals (capped), at their full ``--window-s``."""
+    if args.trace:
+        whole = read_trace(args.trace)
+        return [(start, capped(cut(whole, start, args.window_s), args))
+                for start in window_starts(args)]
+    return [(start, capped(azure_window(args, start), args)) for start in window_starts(args)]
 
 
 def write_trace(arrivals: Sequence[Arrival], path: Path) -> None:
@@ -186,10 +278,11 @@ def simulated(arrivals: Sequence[Arrival], weights_bytes: int, args: argparse.Na
                                   client_timeout_s=args.client_timeout_s,
                                   static_period_s=10.0, ttft_slo_s=args.ttft_slo_s)
     requests = [bench_policy.Request(a.at, a.model, a.context, a.generated) for a in arrivals]
-    results = [bench_policy.simulate(SIM_NAMES[p], requests, models, sim_args)
-               for p in args.policies.split(",")]
+    names = {SIM_NAMES[p]: p for p in args.policies.split(",") if p in SIM_NAMES}
+    results = [bench_policy.simulate(sim, requests, models, sim_args) for sim in names]
     return {"table": bench_policy.table(results, args.ttft_slo_s),
             "goodput": {r.policy: r.total_goodput for r in results},
+            "as_policies": {names[r.policy]: r.total_goodput for r in results},
             "rows": {r.policy: r.rows for r in results}}
 
 
@@ -201,42 +294,107 @@ def _f(v: object) -> str:
     return "-" if v is None else str(v)
 
 
-def table(runs: Sequence[PolicyRun], slo: float) -> str:
+def table(runs: Sequence[PolicyRun], bounds: Bounds) -> str:
+    """Per policy and model: today's columns, then what the users felt (SLO goodput, the
+    longest gaps, frozen requests and their verdicts against the references)."""
     lines = [f"| policy (lease controller) | model | requests | served | goodput (TTFT ≤ "
-             f"{slo:g} s) | TTFT p50 s | p90 s | p99 s | wakes | wasted wakes "
+             f"{bounds.first_token_s:g} s) | TTFT p50 s | p90 s | p99 s | wakes | wasted wakes "
              "| handoff to first token p50 s | holder's drain p50 s | sent back | decode "
-             "tok/s per stream p50 |", "|" + "---|" * 14]
+             f"tok/s per stream p50 | SLO met (TTFT ≤ {bounds.first_token_s:g} s, gaps ≤ "
+             f"{bounds.longest_freeze_s:g} s) | longest gap p50 / max s | frozen | "
+             "identical / altered / lost |", "|" + "---|" * 18]
     for run in runs:
         per_model = rows(run)
         for row in per_model:
             cells = [_f(row[k]) for k in ("model", "requests", "served", "goodput", "p50",
                                           "p90", "p99", "wakes", "wasted",
                                           "handoff_to_first_token_s", "drain_s",
-                                          "sent_back", "decode_tok_s")]
-            lines.append(f"| {run.mode.value} | " + " | ".join(cells) + " |")
-        good = sum(r["goodput"] for r in per_model)
-        wakes = sum(r["wakes"] for r in per_model)
-        lines.append(f"| **{run.mode.value}** | **all** | "
-                     f"{sum(r['requests'] for r in per_model)} | "
-                     f"{sum(r['served'] for r in per_model)} | **{good}** | | | | {wakes} | "
-                     f"{sum(r['wasted'] for r in per_model)} | | | "
-                     f"{sum(r['sent_back'] for r in per_model)} | |")
+                                          "sent_back", "decode_tok_s", "slo_goodput")]
+            gap = row["longest_gap_s"]
+            cells += [f"{_f(gap['p50'])} / {_f(gap['max'])}", _f(row["frozen"]),
+                      f"{row['identical']} / {row['altered']} / {row['lost']}"]
+            lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
+        t = totals(per_model)
+        lines.append(f"| **{run.name}** | **all** | {t['requests']} | {t['served']} | "
+                     f"**{t['goodput']}** | | | | {t['wakes']} | {t['wasted']} | | | "
+                     f"{t['sent_back']} | | **{t['slo_goodput']}** | | {t['frozen']} | "
+                     f"{t['identical']} / {t['altered']} / {t['lost']} |")
     return "\n".join(lines)
+
+
+def totals(per_model: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """The counts of one policy's rows, summed over its models."""
+    keys = ("requests", "served", "goodput", "slo_goodput", "wakes", "wasted", "sent_back",
+            "frozen", "identical", "altered", "lost", "unchecked")
+    return {k: int(sum(r[k] for r in per_model)) for k in keys}
 
 
 def _switch_json(s: SwitchRecord) -> dict[str, Any]:
     return {"at": round(s.at, 3), "from": s.holder, "to": s.target, "ok": s.ok,
-            "fence": s.fence, "reason": s.reason or None,
+            "fence": s.fence, "reason": s.reason or None, "preempt": s.preempt,
+            "kept": s.kept,
             "timings": {k: round(v, 4) for k, v in s.timings.items()}}
 
 
 def run_json(run: PolicyRun) -> dict[str, Any]:
-    return {"mode": run.mode.value, "window_s": run.window_s, "wall_s": run.wall_s,
-            "rules": run.rules, "rows": rows(run),
-            "goodput": sum(r["goodput"] for r in rows(run)),
+    per_model = rows(run)
+    t = totals(per_model)
+    return {"mode": run.name, "policy_mode": run.mode.value if run.mode else None,
+            "window_s": run.window_s, "wall_s": run.wall_s,
+            "rules": run.rules, "rows": per_model,
+            "goodput": t["goodput"], "slo_goodput": t["slo_goodput"],
+            "slo_share_pct": share(t["slo_goodput"], t["requests"]),
+            "correctness": {k: t[k] for k in ("frozen", "identical", "altered", "lost",
+                                              "unchecked")},
+            "not_frozen": {v: sum(r["not_frozen"][v] for r in per_model)
+                           for v in ("identical", "altered", "lost", "unchecked")},
             "switches": [_switch_json(s) for s in run.switches],
-            "ttft_s": [[o.arrival.at, o.arrival.model, None if math.isinf(o.ttft_s)
-                        else round(o.ttft_s, 4), o.error or None] for o in run.outcomes]}
+            "requests_columns": ["at", "model", "ttft_s", "longest_gap_s", "slo_met",
+                                 "frozen", "verdict", "chunks", "tokens", "error"],
+            "requests": [[round(o.arrival.at, 3), o.arrival.model,
+                          None if math.isinf(o.ttft_s) else round(o.ttft_s, 4),
+                          round(o.longest_gap_s, 4),
+                          run.bounds.met(o.ttft_s, o.longest_gap_s) and not o.error,
+                          o.frozen, o.verdict,
+                          len(o.trace.chunk_at) if o.trace else 0,
+                          o.trace.tokens if o.trace else None, o.error or None]
+                         for o in run.outcomes]} | run.extra
+
+
+def summary_table(windows: Sequence[dict[str, Any]], bounds: Bounds) -> str:
+    """One line per window and policy, and the policies over all windows: requests,
+    goodput at the first-token objective, SLO goodput and its share, the frozen requests'
+    verdicts, wakes; all-awake where it does not fit says so."""
+    head = ["window", "policy", "requests", f"TTFT ≤ {bounds.first_token_s:g} s",
+            f"SLO met (gaps ≤ {bounds.longest_freeze_s:g} s)", "SLO %", "frozen",
+            "identical / altered / lost", "altered of the never frozen", "wakes"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    overall: dict[str, dict[str, int]] = {}
+    for w in windows:
+        label = f"{w['start_s']:g} s"
+        for run in w.get("runs", []):
+            if run.get("fits") is False:
+                lines.append(f"| {label} | {run['mode']} | | does not fit "
+                             f"({run['need_mib']} of {run['gpu_mib']} MiB) | | | | | | |")
+                continue
+            if run.get("skipped"):
+                lines.append(f"| {label} | {run['mode']} | | skipped: {run['skipped']} "
+                             "| | | | | | |")
+                continue
+            t = totals(run["rows"])
+            acc = overall.setdefault(run["mode"], dict.fromkeys(t, 0))
+            for k, v in t.items():
+                acc[k] += v
+            lines.append(f"| {label} | {run['mode']} | {t['requests']} | {t['goodput']} | "
+                         f"**{t['slo_goodput']}** | {_f(share(t['slo_goodput'], t['requests']))}"
+                         f" | {t['frozen']} | {t['identical']} / {t['altered']} / {t['lost']}"
+                         f" | {run['not_frozen']['altered']} | {t['wakes']} |")
+    for mode, t in overall.items():
+        lines.append(f"| **all** | **{mode}** | {t['requests']} | {t['goodput']} | "
+                     f"**{t['slo_goodput']}** | {_f(share(t['slo_goodput'], t['requests']))} "
+                     f"| {t['frozen']} | {t['identical']} / {t['altered']} / {t['lost']} | "
+                     f"| {t['wakes']} |")
+    return "\n".join(lines)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -280,28 +438,39 @@ async def _start_engines(bench: Bench, specs: list[EngineSpec], mode: str) -> di
     return started
 
 
-async def _one_policy(bench: Bench, name: str, arrivals: list[Arrival], window_s: float,
-                      client: ClientSettings) -> PolicyRun:
-    keys = bench.live()
-    claimants = [bench.claimant(k) for k in keys]
+def _switcher(bench: Bench, port: MemoryLeasePort, name: str) -> RecordingSwitcher:
+    """The controller's Switcher on ``port``, with every engine's first sleep behind it."""
+    switcher = RecordingSwitcher(
+        records=[], clock=asyncio.get_running_loop().time,
+        ports=Ports(lease=port, device=bench.device, engine=bench.adapter_for,
+                    guard=lambda: None),
+        limits=bench.limits(), identity=f"policy-run-{name}")
+    for key in bench.live():
+        first = bench.record(key).first_sleep_s
+        if first is not None:
+            switcher.record_sleep(bench.claimant(key), first)
+    return switcher
+
+
+def _fresh_port(bench: Bench) -> MemoryLeasePort:
     port = MemoryLeasePort(GpuLease(name=naming.gpu_lease_name("bench-node", bench.gpu.name),
                                     node="bench-node", device=bench.gpu.name,
                                     gpu_uuid=bench.gpu.uuid))
     bench.lease_port = port
-    records: list[SwitchRecord] = []
-    switcher = RecordingSwitcher(
-        records=records, clock=asyncio.get_running_loop().time,
-        ports=Ports(lease=port, device=bench.device, engine=bench.adapter_for,
-                    guard=lambda: None),
-        limits=bench.limits(), identity=f"policy-run-{name}")
-    for key in keys:
-        first = bench.record(key).first_sleep_s
-        if first is not None:
-            switcher.record_sleep(bench.claimant(key), first)
-    run = await replay(mode=MODES[name], arrivals=arrivals, claimants=claimants,
+    return port
+
+
+async def _one_policy(bench: Bench, name: str, arrivals: list[Arrival], window_s: float,
+                      client: ClientSettings) -> PolicyRun:
+    keys = bench.live()
+    claimants = [bench.claimant(k) for k in keys]
+    port = _fresh_port(bench)
+    switcher = _switcher(bench, port, name)
+    run = await replay(mode=mode_of(name), arrivals=arrivals, claimants=claimants,
                        gpu=bench.gpu.name, port=port, switcher=switcher,
                        engine=bench.adapter_for, session=bench.session, client=client,
                        window_s=window_s)
+    run.name = name
     lease = port.current
     holder = next((c for c in claimants if c.ref == lease.holder), None)
     if holder is not None and lease.state == naming.STATE_AWAKE:  # every engine asleep again
@@ -310,39 +479,161 @@ async def _one_policy(bench: Bench, name: str, arrivals: list[Arrival], window_s
     return run
 
 
-async def _compare(bench: Bench, args: argparse.Namespace, arrivals: list[Arrival],
-                   result: dict[str, Any], out: Path) -> None:
+def awake_fit(bench: Bench) -> dict[str, Any]:
+    """Whether every engine fits awake at once: their measured awake footprints (else
+    the estimate) and 1 GiB to spare against the GPU's memory."""
+    need = sum(bench.record(k).awake_bytes or bench.estimated_awake(bench.record(k).spec)
+               for k in bench.live()) + GIB
+    return {"fits": need <= bench.gpu.memory_bytes, "need_mib": need // MIB,
+            "gpu_mib": bench.gpu.memory_bytes // MIB}
+
+
+async def _all_awake(bench: Bench, arrivals: list[Arrival], window_s: float,
+                     client: ClientSettings) -> PolicyRun:
+    """Every engine woken (straight through its adapter, past the Lease: the bound has
+    no turns), the window replayed to them, every engine put back to sleep."""
+    claimants = [bench.claimant(k) for k in bench.live()]
+    woken: list[Any] = []
+    try:
+        for claimant in claimants:
+            adapter = bench.adapter_for(claimant)
+            await adapter.wake(claimant.sleep_level)
+            woken.append((adapter, claimant.sleep_level))
+        return await replay_awake(arrivals=arrivals, claimants=claimants,
+                                  session=bench.session, client=client, window_s=window_s)
+    finally:
+        for adapter, level in woken:
+            with contextlib.suppress(Exception):
+                await adapter.sleep(level)
+
+
+async def _run_policy(bench: Bench, name: str, arrivals: list[Arrival], window_s: float,
+                      client: ClientSettings, fit: dict[str, Any]) -> PolicyRun | dict[str, Any]:
+    """One policy on one window, within what is left of the budget; a dict when it did
+    not run (does not fit, no time)."""
+    if name == AWAKE and not fit["fits"]:
+        return {"mode": AWAKE, **fit}
+    left = bench.remaining() - 15.0
+    if left < window_s + TAIL_S:
+        return {"mode": name, "skipped": f"the budget leaves {max(0.0, left):.0f} s"}
+    try:
+        async with asyncio.timeout(left):
+            if name == AWAKE:
+                return await _all_awake(bench, arrivals, window_s, client)
+            return await _one_policy(bench, name, arrivals, window_s, client)
+    except TimeoutError:
+        return {"mode": name, "skipped": "cut by the budget mid-run"}
+
+
+async def _references(bench: Bench, arrivals: list[Arrival], client: ClientSettings
+                      ) -> tuple[dict[RefKey, Reference], dict[str, Any]]:
+    """Each engine woken alone and asked for its model's requests of the window."""
+    if bench.remaining() < REFERENCE_S * len(bench.live()) + 15.0:
+        return {}, {"skipped": "no time left for the references"}
+    port = _fresh_port(bench)
+    return await references(arrivals=arrivals, claimants=[bench.claimant(k)
+                                                          for k in bench.live()],
+                            switcher=_switcher(bench, port, "references"), port=port,
+                            session=bench.session, client=client,
+                            concurrency=bench.args.max_seqs)
+
+
+def plan(left_s: float, windows: int, policies: Sequence[str], engines: int, fits: bool,
+         window_s: float) -> tuple[int, float]:
+    """How many windows, and how long each, fit in ``left_s``: the windows shrink evenly
+    (to ``MIN_WINDOW_S`` at least), then are dropped from the end."""
+    refs = 0.0 if (AWAKE in policies and fits) else REFERENCE_S * engines
+    for count in range(max(1, windows), 0, -1):
+        fit = (left_s / count - refs) / max(1, len(policies)) - TAIL_S
+        if fit >= min(MIN_WINDOW_S, window_s) or count == 1:
+            return count, min(window_s, max(MIN_WINDOW_S, fit))
+    return 1, min(window_s, MIN_WINDOW_S)
+
+
+async def _window(bench: Bench, args: argparse.Namespace, start_s: float,
+                  arrivals: list[Arrival], window_s: float, client: ClientSettings,
+                  fit: dict[str, Any], result: dict[str, Any], out: Path
+                  ) -> tuple[dict[str, Any], list[PolicyRun]]:
+    """Every policy on one window, then the frozen streams checked against references."""
+    todo = [a for a in arrivals if a.at < window_s]
+    entry: dict[str, Any] = {"start_s": start_s, "window_s": window_s, "arrivals": len(todo),
+                             "runs": []}
+    result["windows"].append(entry)
+    entry["simulated"] = simulated(
+        todo, bench.record(bench.live()[0]).spec.weights_bytes(), args)
+    runs: list[PolicyRun] = []
+    slots: list[PolicyRun | dict[str, Any]] = []
+    for name in args.policies.split(","):
+        say(f"== window {start_s:g} s, policy {name}: {len(todo)} arrivals over "
+            f"{window_s:.0f} s ({bench.remaining():.0f} s left)")
+        done = await _run_policy(bench, name, todo, window_s, client, fit)
+        slots.append(done)
+        if isinstance(done, dict):
+            entry["runs"].append(done)
+            say(f"   {name}: {done.get('skipped') or 'does not fit'}")
+            continue
+        runs.append(done)
+        check(done, {}, client)  # frozen marks now; verdicts once the references are in
+        entry["runs"].append(run_json(done))
+        write_json(out, result)
+        t = totals(rows(done))
+        say(f"   TTFT goodput {t['goodput']}, SLO goodput {t['slo_goodput']} of "
+            f"{t['requests']}, frozen {t['frozen']}, rules {done.rules}, "
+            f"{len(done.switches)} switches, {done.wall_s:.0f} s")
+    awake = next((r for r in runs if r.name == AWAKE), None)
+    refs: dict[RefKey, Reference]
+    how: dict[str, Any]
+    if awake is not None:
+        refs, how = own_references(awake, client), {"from": AWAKE}
+    elif any(o.frozen for r in runs for o in r.outcomes):
+        refs, how = await _references(bench, todo, client)
+        how["from"] = "each engine woken alone"
+    else:
+        refs, how = {}, {"from": None, "note": "no stream was frozen"}
+    entry["references"] = how | {"count": len(refs)}
+    for run in runs:
+        check(run, refs, client)
+    entry["runs"] = [run_json(r) if isinstance(r, PolicyRun) else r for r in slots]
+    entry["ranking"] = ranking({r.name: totals(rows(r))["slo_goodput"] for r in runs})
+    write_json(out, result)
+    return entry, runs
+
+
+async def _compare(bench: Bench, args: argparse.Namespace,
+                   windows: list[tuple[float, list[Arrival]]], result: dict[str, Any],
+                   out: Path) -> None:
     result["engines"] = await _start_engines(bench, _specs(args), args.start)
     write_json(out, result)
+    bounds = Bounds(first_token_s=args.ttft_slo_s, longest_freeze_s=args.longest_freeze_s,
+                    frozen_gap_s=args.frozen_gap_s)
     client = ClientSettings(client_timeout_s=args.client_timeout_s, max_context=args.max_context,
-                            max_generated=args.max_generated, ttft_slo_s=args.ttft_slo_s)
+                            max_generated=args.max_generated, ttft_slo_s=args.ttft_slo_s,
+                            decode_bound_s=args.decode_bound_s, bounds=bounds)
     policies = args.policies.split(",")
-    runs: list[PolicyRun] = []
-    window = args.window_s
-    left_total = bench.remaining() - 20.0
-    fit = left_total / len(policies) - args.client_timeout_s - TAIL_S
-    if fit < window:
-        window = max(10.0, fit)
-        say(f"the window shrinks to {window:.0f} s to fit the deadline")
-    todo = [a for a in arrivals if a.at < window]
+    fit = awake_fit(bench)
+    result["all_awake"] = fit
+    count, window = plan(bench.remaining() - 20.0, len(windows), policies, len(bench.live()),
+                         fit["fits"], args.window_s)
+    if count < len(windows) or window < args.window_s:
+        say(f"the budget leaves {count} of {len(windows)} windows of {window:.0f} s")
+    result["plan"] = {"windows": count, "of": len(windows), "window_s": window,
+                      "dropped": [s for s, _ in windows[count:]]}
     result["window_s"] = window
-    result["arrivals"] = len(todo)
-    result["simulated"] = simulated(todo, bench.record(bench.live()[0]).spec.weights_bytes(),
-                                    args)
-    for name in policies:
-        say(f"== policy {name}: {len(todo)} arrivals over {window:.0f} s "
-            f"({bench.remaining():.0f} s left)")
-        run = await _one_policy(bench, name, todo, window, client)
-        runs.append(run)
-        result.setdefault("runs", []).append(run_json(run))
-        write_json(out, result)
-        say(f"   goodput {sum(r['goodput'] for r in rows(run))}, rules {run.rules}, "
-            f"{len(run.switches)} switches, {run.wall_s:.0f} s")
-    result["table"] = table(runs, args.ttft_slo_s)
+    result["windows"] = []
+    tables: list[str] = []
+    for start_s, arrivals in windows[:count]:
+        _, runs = await _window(bench, args, start_s, arrivals, window, client, fit, result,
+                                out)
+        tables.append(f"Window from {start_s:g} s ({window:.0f} s):\n\n"
+                      + table(runs, bounds))
+    result["arrivals"] = sum(w["arrivals"] for w in result["windows"])
+    result["table"] = "\n\n".join(tables)
+    result["summary"] = summary_table(result["windows"], bounds)
 
 
-async def _main(args: argparse.Namespace, launcher: Launcher, arrivals: list[Arrival],
-                result: dict[str, Any], deadline: float) -> Bench | None:
+async def _main(args: argparse.Namespace, launcher: Launcher,
+                windows: list[tuple[float, list[Arrival]]], result: dict[str, Any],
+                deadline: float) -> Bench | None:
     out = args.out / "policy.json"
     backend = open_backend(args.fake_nvml, args.state_dir / "nvml")
     backend.init()
@@ -372,7 +663,7 @@ async def _main(args: argparse.Namespace, launcher: Launcher, arrivals: list[Arr
                               device=ReaderDevice(reader),
                               sampler=NvmlSampler(backend, gpu.index), trace=HttpTrace(),
                               deadline=deadline)
-                await _compare(bench, args, arrivals, result, out)
+                await _compare(bench, args, windows, result, out)
         finally:
             await reader.close()
             await server.stop(1.0)
@@ -395,18 +686,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.launcher == "simulator" and not args.fake_nvml:
         p.error("--launcher simulator needs --fake-nvml")
-    if args.policies and any(x not in MODES for x in args.policies.split(",")):
-        p.error(f"--policies: of {', '.join(MODES)}")
-    arrivals = capped(read_trace(args.trace) if args.trace else azure_window(args), args)
+    if not args.policies or any(x not in POLICIES for x in args.policies.split(",")):
+        p.error(f"--policies: of {', '.join(POLICIES)}")
+    windows = windows_of(args)
     if args.simulate_only:
         config = args.models / args.model / "config.json"
         weights = EngineSpec(key="m0", model_dir=config.parent, served_name="m",
                              kv_cache_bytes=args.kv).weights_bytes()
-        print(simulated(arrivals, weights, args)["table"])
+        for start_s, arrivals in windows:
+            print(f"Window from {start_s:g} s:")
+            print(simulated(arrivals, weights, args)["table"])
         return 0
     if args.write_trace is not None:
-        write_trace(arrivals, args.write_trace)
-        print(f"{len(arrivals)} arrivals written to {args.write_trace}")
+        write_trace(windows[0][1], args.write_trace)
+        print(f"{len(windows[0][1])} arrivals written to {args.write_trace}")
         return 0
     configure(args.log_level)
     began = time.monotonic()
@@ -421,6 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         launcher = VllmLauncher(python=args.vllm_python, pythonpath=args.vllm_pythonpath,
                                 base_env=env)
     else:
+        env |= dict(item.split("=", 1) for item in args.sim_env)
         launcher = SimulatorLauncher(python=sys.executable, repo_root=REPO_ROOT,
                                      fake_nvml_dir=args.state_dir / "nvml", gpu_uuid="",
                                      base_env=env, tokens_per_second=args.tokens_per_second)
@@ -430,38 +724,58 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"inspection service on {'fake' if args.fake_nvml else 'real'} NVML, "
                  f"{args.engines} engines of {args.model}, an in-memory Lease"),
         "trace": str(args.trace) if args.trace else
-        f"azure {args.mapping}, speed {args.speed:g}, from {args.start_s:g} s",
-        "ttft_slo_s": args.ttft_slo_s, "client_timeout_s": args.client_timeout_s,
+        f"azure {args.mapping}, speed {args.speed:g}",
+        "windows_rule": {"from_s": window_starts(args)[0], "every_s": args.window_every,
+                         "count": len(windows), "window_s": args.window_s},
+        "engines_count": args.engines, "kv_bytes": args.kv, "policies": args.policies,
+        "ttft_slo_s": args.ttft_slo_s, "longest_freeze_s": args.longest_freeze_s,
+        "frozen_gap_s": args.frozen_gap_s, "client_timeout_s": args.client_timeout_s,
+        "budget_s": args.budget_s,
         "caps": {"context": args.max_context, "generated": args.max_generated}}
     error: str | None = None
     try:
         if isinstance(launcher, SimulatorLauncher):
             launcher = _simulator_for_gpu(launcher, args)
-        asyncio.run(_main(args, launcher, arrivals, result, began + args.deadline_s))
+        asyncio.run(_main(args, launcher, windows, result, began + args.budget_s))
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     result["error"] = error
     result["wall_s"] = round(time.monotonic() - began, 2)
     write_json(args.out / "policy.json", result)
-    print()
-    if "simulated" in result:
-        print("Simulated (e2e.bench_policy's engines, these arrivals):")
-        print(result["simulated"]["table"])
-        print()
-    if "table" in result:
-        print(f"On {result.get('device')} through the lease controller ({result['launcher']}):")
-        print(result["table"])
-        print()
-    print(bench_policy.ATTRIBUTION)
-    if error:
-        print(f"ERROR: {error}")
-    print(json.dumps({"ok": error is None and "table" in result, "error": error,
-                      "device": result.get("device"), "window_s": result.get("window_s"),
-                      "arrivals": result.get("arrivals"),
-                      "goodput": {r["mode"]: r["goodput"] for r in result.get("runs", [])},
-                      "simulated_goodput": (result.get("simulated") or {}).get("goodput"),
-                      "wall_s": result["wall_s"]}))
+    print(closing(result))
     return 0 if error is None and "table" in result else 1
+
+
+def closing(result: dict[str, Any]) -> str:
+    """What a run prints at its end: the simulation's tables, the runs' tables, the
+    summary over the windows, the trace's attribution and the JSON headline."""
+    lines = [""]
+    for w in result.get("windows", []):
+        lines += [f"Simulated (e2e.bench.policy's engines, the window from {w['start_s']:g} s):",
+                  w["simulated"]["table"], ""]
+    if "table" in result:
+        lines += [f"On {result.get('device')} through the lease controller "
+                  f"({result['launcher']}):", "", result["table"], "",
+                  "Per window (SLO: both objectives met; frozen: its engine slept while its "
+                  "stream was open; verdicts against a never-slept reference):", "",
+                  result["summary"], ""]
+    lines.append(bench_policy.ATTRIBUTION)
+    if result.get("error"):
+        lines.append(f"ERROR: {result['error']}")
+    lines.append(json.dumps({
+        "ok": result.get("error") is None and "table" in result, "error": result.get("error"),
+        "device": result.get("device"), "window_s": result.get("window_s"),
+        "arrivals": result.get("arrivals"), "all_awake_fits": (result.get("all_awake") or {})
+        .get("fits"),
+        "slo_goodput": [{r["mode"]: r.get("slo_goodput", r.get("skipped", "does not fit"))
+                         for r in w["runs"]} for w in result.get("windows", [])],
+        "lost": sum((r.get("correctness") or {}).get("lost", 0)
+                    for w in result.get("windows", []) for r in w["runs"]),
+        "altered": sum((r.get("correctness") or {}).get("altered", 0)
+                       for w in result.get("windows", []) for r in w["runs"]),
+        "ranking": [w.get("ranking") for w in result.get("windows", [])],
+        "wall_s": result.get("wall_s")}))
+    return "\n".join(lines)
 
 
 def _simulator_for_gpu(launcher: SimulatorLauncher, args: argparse.Namespace

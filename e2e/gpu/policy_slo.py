@@ -15,10 +15,10 @@ the text, the engine's token count) and derives:
   ``frozen_gap_s`` between two chunks.
 - **correctness**: its text against a never-slept reference of the same engine (greedy,
   the same prompt, the same ``max_tokens``): ``identical``, ``altered`` (different text),
-  ``lost`` (tokens missing: a prefix of the reference, fewer tokens, or an error after the
-  first token) or ``unchecked`` (no reference). Requests that were never frozen are counted
-  too, apart: greedy decoding in batches of different shapes may differ in the last bits,
-  so their ``altered`` count is the noise floor the frozen ones are read against.
+  ``lost`` (tokens missing: the reference with a piece cut out, fewer tokens, or an error
+  after the first token) or ``unchecked`` (no reference). Requests that were never frozen
+  are counted too, apart: greedy decoding in batches of different shapes may differ in the
+  last bits, so their ``altered`` count is the noise floor the frozen ones are read against.
 """
 
 from __future__ import annotations
@@ -149,14 +149,25 @@ def verdict(trace: StreamTrace | None, reference: Reference | None) -> Verdict:
                 and trace.tokens < reference.tokens):
             return "lost"
         return "identical"
-    if reference.text.startswith(trace.text):
+    if _missing_from(trace.text, reference.text):
         return "lost"
     return "altered"
 
 
+def _missing_from(text: str, reference: str) -> bool:
+    """``text`` is ``reference`` with one piece cut out (at its end, or within it):
+    tokens lost, the rest as it should be."""
+    if len(text) >= len(reference):
+        return False
+    same = next((i for i, (a, b) in enumerate(zip(text, reference, strict=False)) if a != b),
+                len(text))
+    return reference.endswith(text[same:])
+
+
 def correctness(checked: Iterable[tuple[bool, Verdict]]) -> dict[str, dict[str, int]]:
     """Counts of each verdict for the frozen requests and, apart, for the others."""
-    out = {"frozen": dict.fromkeys(VERDICTS, 0), "not_frozen": dict.fromkeys(VERDICTS, 0)}
+    out: dict[str, dict[str, int]] = {"frozen": dict.fromkeys(VERDICTS, 0),
+                                      "not_frozen": dict.fromkeys(VERDICTS, 0)}
     for frozen, v in checked:
         out["frozen" if frozen else "not_frozen"][v] += 1
     return out

@@ -1,7 +1,8 @@
 """``python -m e2e.gpu.policy_run`` end to end without a GPU: the engine simulator stands
 in for vLLM on the fake H200, and a short trace window is replayed through the lease
-controller's own GPU worker, once in first-come mode and once with rota's defaults. What is
-checked is the plumbing (every arrival accounted for, the rules each mode fires, every
+controller's own GPU worker by every policy of the comparison (and all engines awake at
+once, where they fit). What is checked is the plumbing (every arrival accounted for, the
+rules each mode fires, what each request's user felt in the JSON and the tables, every
 engine stopped), never how fast anything was."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,32 +41,73 @@ def _window(path: Path) -> list[Arrival]:
     return arrivals
 
 
-def test_a_window_is_replayed_through_the_controller_in_both_modes(tmp: Path) -> None:
-    arrivals = _window(tmp / "window.csv")
-    assert read_trace(tmp / "window.csv") == arrivals
+def _run(tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     done = subprocess.run(
         [sys.executable, "-m", "e2e.gpu.policy_run", "--launcher", "simulator",
          "--fake-nvml", "h200", "--models", str(tmp / "models"), "--trace",
          str(tmp / "window.csv"), "--out", str(tmp / "out"), "--state-dir", str(tmp / "state"),
-         "--kv", "1Gi", "--tokens-per-second", "50", "--client-timeout-s", "20",
-         "--deadline-s", "200"],
+         "--tokens-per-second", "50", "--client-timeout-s", "20", "--window-s", "10",
+         "--budget-s", "200", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     result = json.loads((tmp / "out" / "policy.json").read_text())
     assert done.returncode == 0, result.get("error") or done.stdout[-3000:] + done.stderr[-3000:]
-    runs = {r["mode"]: r for r in result["runs"]}
-    assert list(runs) == ["first-come", "rota"]
+    return done, result
+
+
+def test_a_window_is_replayed_through_the_controller_by_every_policy(tmp: Path) -> None:
+    arrivals = _window(tmp / "window.csv")
+    assert read_trace(tmp / "window.csv") == arrivals
+    done, result = _run(tmp, "--kv", "1Gi")
+    assert result["all_awake"]["fits"]
+    [window] = result["windows"]
+    runs = {r["mode"]: r for r in window["runs"]}
+    assert list(runs) == ["all-awake", "first-come", "drain", "rota"]
     for run in runs.values():
         assert sum(row["requests"] for row in run["rows"]) == len(arrivals)
-        assert len(run["ttft_s"]) == len(arrivals)
+        assert len(run["requests"]) == len(arrivals)
         assert all(s["ok"] for s in run["switches"]), run["switches"]
         assert sum(row["wakes"] for row in run["rows"]) == len(run["switches"])
+        for row in run["rows"]:  # what users felt, beside today's columns
+            assert {"slo_goodput", "longest_gap_s", "frozen", "identical", "altered",
+                    "lost"} <= set(row)
+        columns = run["requests_columns"]
+        for request in run["requests"]:
+            entry = dict(zip(columns, request, strict=True))
+            assert entry["ttft_s"] is not None
+            assert entry["longest_gap_s"] >= 0
+            assert entry["tokens"] == 24  # the engine's usage count, read from the stream
+        assert run["slo_goodput"] <= run["goodput"]
+        assert run["correctness"]["altered"] == run["correctness"]["lost"] == 0
+    assert runs["all-awake"]["switches"] == []
+    assert runs["all-awake"]["rules"] == {}
+    assert runs["all-awake"]["policy_mode"] is None
+    assert window["references"]["from"] == "all-awake"
+    assert window["references"]["count"] == 3 * 1  # one prompt and length per model
     assert set(runs["first-come"]["rules"]) == {"first_come"}
     assert "first_come" not in runs["rota"]["rules"]
-    assert set(result["simulated"]["goodput"]) == {"on-demand", "rota"}
+    assert set(window["ranking"]) == set(runs)
+    assert set(window["simulated"]["as_policies"]) == {"first-come", "drain"}
     assert "| first-come | m0 |" in done.stdout
     assert "| rota | m2 |" in done.stdout
+    assert "SLO met (TTFT ≤ 2 s, gaps ≤ 3 s)" in done.stdout
+    assert "| 0 s | all-awake | 18 |" in done.stdout  # the summary over windows
+    headline = json.loads(done.stdout.strip().splitlines()[-1])
+    assert headline["lost"] == headline["altered"] == 0
     state = json.loads((tmp / "state" / "state.json").read_text())
     assert len(state["engines"]) == 3
+
+
+def test_engines_that_do_not_fit_awake_together_have_no_all_awake_bound(tmp: Path) -> None:
+    _window(tmp / "window.csv")
+    # three engines of a 60 GiB KV cache on the fake H200's 141 GiB: one awake at a time
+    done, result = _run(tmp, "--kv", "60Gi", "--start", "sequential",
+                        "--policies", "all-awake,first-come")
+    assert not result["all_awake"]["fits"]
+    runs = {r["mode"]: r for r in result["windows"][0]["runs"]}
+    assert runs["all-awake"]["fits"] is False
+    assert runs["all-awake"]["need_mib"] > runs["all-awake"]["gpu_mib"]
+    assert sum(row["served"] for row in runs["first-come"]["rows"]) == 18
+    assert "| all-awake | | does not fit" in done.stdout
 
 
 def test_the_azure_window_is_cut_into_a_csv(tmp_path: Path) -> None:

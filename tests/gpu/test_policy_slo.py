@@ -59,6 +59,8 @@ def test_each_verdict_against_the_reference() -> None:
     assert verdict(_trace([5.0, 8.0, 8.0], [" x", " y", " z"], tokens=3), ref) == "identical"
     assert verdict(_trace([5.0, 8.0, 8.1], [" x", " q", " z"], tokens=3), ref) == "altered"
     assert verdict(_trace([5.0, 8.0], [" x", " y"], tokens=2), ref) == "lost"
+    assert verdict(_trace([5.0, 8.0], [" x", " z"], tokens=3), ref) == "lost"  # one cut out
+    assert verdict(_trace([5.0, 8.0, 8.0, 8.1], [" x", " y", " y", " z"]), ref) == "altered"
     broken = _trace([5.0], [" x"])
     broken.error = "after its first token: ClientPayloadError"
     assert verdict(broken, ref) == "lost"
