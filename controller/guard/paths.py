@@ -44,11 +44,14 @@ CONTROL_CALLS: frozenset[tuple[str, str]] = frozenset({
     ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
     ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), ("GET", "/metrics"),
     ("GET", "/metrics/"), ("GET", "/version"), ("GET", "/openapi.json"),
-    ("POST", "/pause"), ("POST", "/resume"),
+    ("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
 })
 """What rota's engine adapters call (vLLM's development routes they need, and metrics):
 ``/version`` and ``/openapi.json`` say which release the engine runs; ``/pause`` and
-``/resume`` hold requests around a ``/sleep`` that no longer does (vLLM RFC #51476).
+``/resume`` hold requests around a ``/sleep`` that no longer does (vLLM RFC #51476) and
+freeze them around a sleep that keeps them, and ``/is_paused`` tells a wake whether the
+engine is still paused. A tenant's pause would stop its neighbours' turns as surely as its
+sleep: all need the claim's control token.
 ``tests/controller/test_engine_surfaces.py`` checks every supported release's calls."""
 _CONTROL_PREFIX = "/v1/omni/"
 """vLLM-Omni's stage-aware sleep and wakeup: control calls, though under ``/v1``."""

@@ -132,7 +132,7 @@ def bearer(key: str = KEY) -> dict[str, str]:
     ("POST", "/reset_prefix_cache", Access.CONTROL), ("POST", "/v1/omni/sleep", Access.CONTROL),
     ("GET", "/health", Access.HEALTH), ("POST", "/pause", Access.CONTROL),
     ("POST", "/resume", Access.CONTROL), ("GET", "/version", Access.CONTROL),
-    ("POST", "/abort_requests", Access.HIDDEN), ("GET", "/is_paused", Access.HIDDEN),
+    ("POST", "/abort_requests", Access.HIDDEN), ("GET", "/is_paused", Access.CONTROL),
     ("GET", "/sleep", Access.HIDDEN), ("GET", "/sim/state", Access.HIDDEN),
     ("POST", "/update_weights", Access.HIDDEN), ("GET", "/v1x", Access.HIDDEN),
 ])
@@ -181,8 +181,8 @@ async def test_without_an_api_key_file_the_openai_surface_is_open(
 async def test_the_rest_of_vllm_is_not_exposed(
     guarded: Guarded, session: aiohttp.ClientSession
 ) -> None:
-    for method, path in (("POST", "/abort_requests"), ("GET", "/is_paused"),
-                         ("GET", "/sim/state"), ("POST", "/sim/faults")):
+    for method, path in (("POST", "/abort_requests"), ("GET", "/sim/state"),
+                         ("POST", "/sim/faults")):
         async with session.request(method, f"{guarded.url}{path}",
                                    headers=control() | bearer()) as resp:
             assert resp.status == 404, path

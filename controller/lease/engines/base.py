@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONTROL_TOKEN_HEADER",
+    "KEEP_LEVELS",
     "SLEEP_LEVELS",
     "EngineAdapter",
     "EngineEndpoint",
@@ -61,6 +62,9 @@ __all__ = [
 
 SLEEP_LEVELS = (1, 2)
 """Sleep levels the adapters accept: 1 offloads weights to host memory, 2 discards them."""
+KEEP_LEVELS = (1,)
+"""Sleep levels across which requests in flight may be kept (recomputed after the wake):
+level 1 only, the one shown on real engines; a level-2 wake reloads the weights."""
 
 
 def check_level(level: int) -> int:
@@ -306,12 +310,22 @@ class EngineAdapter(Protocol):
         engine guard can refuse the call if a newer fence reached the engine first."""
         ...
 
-    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
+    async def sleep(self, level: int, *, confirm: bool = True, keep: bool = False
+                    ) -> SleepOutcome:
         """Put the engine to sleep at ``level``, letting running requests finish, and
         confirm with ``/is_sleeping``. Raises EngineLied when the engine says it is awake
         after answering the sleep with success. ``confirm=False``: the caller confirms
         with :meth:`confirm_asleep` (alongside a read of its own), before anything else
-        depends on this sleep."""
+        depends on this sleep.
+
+        ``keep=True`` (only where :meth:`can_keep` says so): do not wait for running
+        requests; freeze them with the engine (their output so far kept, recomputed and
+        continued at its next wake, which resumes them) and hold new ones."""
+        ...
+
+    async def can_keep(self, level: int) -> bool:
+        """Whether this engine serves :meth:`sleep` with ``keep=True`` at ``level``: its
+        release has the calls, in its route table. Never raises; False when unsure."""
         ...
 
     async def wake(self, level: int, *, confirm: bool = True) -> WakeOutcome:

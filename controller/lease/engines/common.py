@@ -267,6 +267,11 @@ class HttpEngineAdapter:
             "scheduler is paused (a sleep still draining, which may fire later) or a wake "
             "stopped halfway"), **seen)
 
+    async def can_keep(self, level: int) -> bool:
+        """Whether this engine serves a sleep that keeps requests in flight (the generic
+        adapter: at level 1, where the claim says it keeps them; see each adapter)."""
+        return False
+
     async def confirm_asleep(self, level: int) -> None:
         await self._confirm(sleeping=True, after=self.sleep_step, level=level)
 
@@ -374,6 +379,10 @@ class HttpEngineAdapter:
     def _wake_steps(self, level: int) -> Sequence[Step]:
         raise NotImplementedError
 
+    async def _after_wake(self, level: int, timings: list[StepTiming]) -> None:
+        """What a wake does once its steps completed, before its confirmation (vLLM: resume
+        an engine left paused); appends its calls to ``timings``."""
+
     async def wake(self, level: int, *, confirm: bool = True) -> WakeOutcome:
         return await self._wake_from(level, 0, confirm=confirm)
 
@@ -392,6 +401,9 @@ class HttpEngineAdapter:
         steps = self._wake_steps(level)
         wake_s, timings, _ = await self._run_wake(level, steps, start=start,
                                                   budget_s=self.timeouts.wake_s(level))
+        began = time.monotonic()
+        await self._after_wake(level, timings)
+        wake_s += time.monotonic() - began
         if confirm:
             await self.confirm_awake()
         log.info("engine awake", extra=self.endpoint.log_fields() | {

@@ -41,8 +41,8 @@ from controller.lease.engines.errors import EngineProtocolError, EngineUnsupport
 from controller.lease.engines.surfaces import Engine, Surface, supported, surface_for
 from controller.lease.engines.transport import EngineHttp
 
-__all__ = ["Dialect", "check_calls", "detect", "forget_all", "keep_only",
-           "served_routes", "supported_range"]
+__all__ = ["Dialect", "check_calls", "detect", "forget_all", "keep_only", "may_be_paused",
+           "not_paused", "pausing", "served_routes", "supported_range"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ VERSION_PATH = "/version"
 OPENAPI_PATH = "/openapi.json"
 _KNOWN: dict[tuple[str, str, str | None, str | None], Dialect] = {}
 """(engine, address, pod, run) -> what was learnt; pruned by :func:`keep_only`."""
+_NOT_PAUSED: set[tuple[str, str, str | None, str | None]] = set()
+"""Engine runs whose last wake found them not paused, and which no sleep that keeps
+requests paused since: the only ones a wake need not ask whether they are paused."""
 
 
 class _Version(BaseModel):
@@ -205,9 +208,31 @@ def check_calls(dialect: Dialect, calls: frozenset[tuple[str, str]],
             "VLLM_SERVER_DEV_MODE=1 (and --enable-sleep-mode)", step="routes")
 
 
+def _key(endpoint: EngineEndpoint, engine: Engine = "vllm"
+         ) -> tuple[str, str, str | None, str | None]:
+    return (engine, endpoint.base_url, endpoint.pod, endpoint.run)
+
+
+def may_be_paused(endpoint: EngineEndpoint) -> bool:
+    """Whether the engine may be paused by a sleep that kept its requests (or by anyone,
+    as far as this process knows: a run not seen since it started counts as maybe)."""
+    return _key(endpoint) not in _NOT_PAUSED
+
+
+def pausing(endpoint: EngineEndpoint) -> None:
+    """A sleep that keeps requests is about to pause the engine."""
+    _NOT_PAUSED.discard(_key(endpoint))
+
+
+def not_paused(endpoint: EngineEndpoint) -> None:
+    """A wake found the engine not paused (or resumed it)."""
+    _NOT_PAUSED.add(_key(endpoint))
+
+
 def forget_all() -> None:
     """Drop everything learnt (tests: engines come and go on reused ports)."""
     _KNOWN.clear()
+    _NOT_PAUSED.clear()
 
 
 def keep_only(runs: set[str | None]) -> None:
@@ -216,3 +241,5 @@ def keep_only(runs: set[str | None]) -> None:
     life of the process."""
     for key in [k for k in _KNOWN if k[3] not in runs]:
         del _KNOWN[key]
+    for key in [k for k in _NOT_PAUSED if k[3] not in runs]:
+        _NOT_PAUSED.discard(key)

@@ -4,7 +4,8 @@ For engines that copy vLLM's sleep API under other paths (a wrapper, a sidecar, 
 server), the claim's ``http`` config names three paths on the engine's port:
 
 - ``sleepPath``: ``POST`` with the query ``level=N&mode=wait`` (vLLM's parameters; an
-  engine that does not know them ignores them), no body;
+  engine that does not know them ignores them), no body; ``mode=keep`` instead where the
+  claim says its engine keeps requests (``keepRequests: true``) and the switch preempts;
 - ``wakePath``: one ``POST``, whatever the level (no level-2 reload sequence: use the
   ``vllm`` adapter for vLLM at level 2);
 - ``isSleepingPath``: ``GET`` answering ``{"is_sleeping": bool}``.
@@ -23,7 +24,13 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from controller.lease.engines.base import EngineEndpoint, SleepOutcome, Timeouts, check_level
+from controller.lease.engines.base import (
+    KEEP_LEVELS,
+    EngineEndpoint,
+    SleepOutcome,
+    Timeouts,
+    check_level,
+)
 from controller.lease.engines.common import ALL_TAGS, HttpEngineAdapter, Step
 from rota.api.engine_config import HttpAdapterConfig, ProbeConfig
 
@@ -54,14 +61,25 @@ class HttpAdapter(HttpEngineAdapter):
 
     reads_sleep_gauge = False  # another engine's sleep need not record vLLM's gauge
 
-    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
+    async def can_keep(self, level: int) -> bool:
+        """At level 1: whether an engine keeps requests is the claim's word
+        (``keepRequests``, :func:`~rota.api.engine_config.keeps_requests`), which the
+        switch reads; the calls are vLLM's (``mode=keep``), sent to ``sleepPath``."""
+        return level in KEEP_LEVELS
+
+    async def sleep(self, level: int, *, confirm: bool = True, keep: bool = False
+                    ) -> SleepOutcome:
+        if keep and level not in KEEP_LEVELS:
+            raise ValueError(f"requests are kept only across a level-1 sleep, not {level}")
         step = Step("sleep", self.config.sleep_path,
-                    params=(("level", str(check_level(level))), ("mode", "wait")))
+                    params=(("level", str(check_level(level))),
+                            ("mode", "keep" if keep else "wait")))
         sleep_s, _ = await self._sleep_call(step, budget_s=self.timeouts.sleep_s)
         if confirm:
             await self.confirm_asleep(level)
         log.info("engine asleep", extra=self.endpoint.log_fields() | {
-            "sleep_level": level, "seconds": round(sleep_s, 6), "confirmed": confirm})
+            "sleep_level": level, "seconds": round(sleep_s, 6), "confirmed": confirm,
+            "kept": keep})
         return SleepOutcome(level=level, sleep_s=sleep_s)
 
     def _wake_steps(self, level: int) -> Sequence[Step]:

@@ -46,8 +46,12 @@ class NoAddressEngine:
     def _unreachable(self, step: str) -> NoReturn:
         raise EngineUnreachable(self._why(), step=step)
 
-    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
+    async def sleep(self, level: int, *, confirm: bool = True, keep: bool = False
+                    ) -> SleepOutcome:
         self._unreachable("sleep")
+
+    async def can_keep(self, level: int) -> bool:
+        return False
 
     async def wake(self, level: int, *, confirm: bool = True) -> WakeOutcome:
         self._unreachable("wake_up")

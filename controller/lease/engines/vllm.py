@@ -47,17 +47,33 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
-from controller.lease.engines.base import SleepOutcome, WakeOutcome, check_level
+from controller.lease.engines.base import (
+    KEEP_LEVELS,
+    SleepOutcome,
+    StepTiming,
+    WakeOutcome,
+    check_level,
+)
 from controller.lease.engines.common import ALL_TAGS, HttpEngineAdapter, Step
-from controller.lease.engines.dialect import Dialect, check_calls, detect
+from controller.lease.engines.dialect import (
+    Dialect,
+    check_calls,
+    detect,
+    may_be_paused,
+    not_paused,
+    pausing,
+)
 from controller.lease.engines.errors import (
     EngineError,
     EngineProtocolError,
     EngineRejected,
+    EngineStateUnknown,
+    EngineUnsupported,
 )
 from controller.lease.engines.transport import Answer
 
-__all__ = ["LEVEL1_WAKE", "LEVEL2_WAKE", "VllmAdapter", "calls", "check_rpc_answer"]
+__all__ = ["LEVEL1_WAKE", "LEVEL2_WAKE", "VllmAdapter", "calls", "check_rpc_answer",
+           "serves_keep"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +96,20 @@ PAUSE = Step("pause", "/pause", params=(("mode", "wait"),))
 """Before a sleep that does not handle requests itself: finish the running ones, hold new
 ones (``wait``, never ``abort``)."""
 RESUME = Step("resume", "/resume")
+PAUSE_KEEP = Step("pause_keep", "/pause", params=(("mode", "keep"),))
+"""The first call of a sleep that keeps requests: running requests are preempted (their
+output kept, recomputed after the wake), new ones held."""
+IS_PAUSED_PATH = "/is_paused"
+KEEP_CALLS = frozenset({("POST", PAUSE_KEEP.path), ("POST", RESUME.path),
+                        ("GET", IS_PAUSED_PATH)})
+"""What a sleep with requests kept needs besides the sleep and wake: the pause, the resume
+after the wake, and the read that says whether a woken engine is still paused."""
+
+
+class _IsPaused(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    is_paused: StrictBool
 
 
 class _SleepAnswer(BaseModel):
@@ -100,11 +130,34 @@ def _wake_steps(level: int, dialect: Dialect) -> tuple[Step, ...]:
     return steps if dialect.sleep_handles_requests else (*steps, RESUME)
 
 
-def _sleep_step(level: int, dialect: Dialect) -> Step:
+def _sleep_step(level: int, dialect: Dialect, *, keep: bool = False) -> Step:
     params: tuple[tuple[str, str], ...] = (("level", str(level)),)
     if dialect.sleep_handles_requests:
-        params += (("mode", "wait"),)
+        # after /pause?mode=keep, a /sleep of any other mode (its default is abort) would
+        # end the kept requests; an engine whose /sleep is a memory step (RFC #51476)
+        # takes no mode
+        params += (("mode", "keep" if keep else "wait"),)
     return Step("sleep", "/sleep", params=params)
+
+
+def _takes_keep(dialect: Dialect, path: str) -> bool:
+    """The release's ``path`` reads a ``mode`` that may be ``keep`` (0.26-0.31's /sleep
+    reads it raw: any string; 0.32 on declare the values)."""
+    control = dialect.surface.control(path)
+    mode = None if control is None else control.param("mode")
+    return mode is not None and (not mode.values or "keep" in mode.values)
+
+
+def serves_keep(dialect: Dialect) -> bool:
+    """Whether an engine of ``dialect`` serves the sleep that keeps requests:
+    ``/pause?mode=keep``, ``/sleep?mode=keep`` (where ``/sleep`` still takes a mode),
+    ``/resume`` and ``/is_paused``, in its release and in its own route table. One that
+    does not is drained before it sleeps, never kept."""
+    if not all(dialect.serves(*call) for call in KEEP_CALLS):
+        return False
+    if not _takes_keep(dialect, PAUSE_KEEP.path):
+        return False
+    return not dialect.sleep_handles_requests or _takes_keep(dialect, "/sleep")
 
 
 def calls(dialect: Dialect, levels: tuple[int, ...] = (1, 2)) -> frozenset[tuple[str, str]]:
@@ -116,6 +169,11 @@ def calls(dialect: Dialect, levels: tuple[int, ...] = (1, 2)) -> frozenset[tuple
     for level in levels:
         found |= {("POST", step.path) for step in _wake_steps(level, dialect)}
     return frozenset(found)
+
+
+def keep_calls(dialect: Dialect) -> frozenset[tuple[str, str]]:
+    """The calls a sleep with requests kept adds (none where the engine cannot keep)."""
+    return KEEP_CALLS if serves_keep(dialect) else frozenset()
 
 
 class _RpcResults(BaseModel):
@@ -200,9 +258,36 @@ class VllmAdapter(HttpEngineAdapter):
     async def preflight(self) -> None:
         await self.dialect()
 
-    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
+    async def can_keep(self, level: int) -> bool:
+        """Whether this engine serves the sleep that keeps requests at ``level`` (only 1);
+        False when its release cannot be read now (the switch then drains)."""
+        if level not in KEEP_LEVELS:
+            return False
+        try:
+            return serves_keep(await self.dialect())
+        except EngineError as exc:
+            log.warning("engine release not read: it is drained, not kept",
+                        extra=self.endpoint.log_fields() | {"error": str(exc)[:200]})
+            return False
+
+    async def sleep(self, level: int, *, confirm: bool = True, keep: bool = False
+                    ) -> SleepOutcome:
         check_level(level)
         dialect = await self.dialect()
+        if keep:
+            sleep_s = await self._keep_sleep(level, dialect)
+        else:
+            sleep_s = await self._wait_sleep(level, dialect)
+        if confirm:
+            await self.confirm_asleep(level)
+        log.info("engine asleep", extra=self.endpoint.log_fields() | {
+            "sleep_level": level, "seconds": round(sleep_s, 6), "confirmed": confirm,
+            "kept": keep, "vllm_version": dialect.version})
+        return SleepOutcome(level=level, sleep_s=sleep_s)
+
+    async def _wait_sleep(self, level: int, dialect: Dialect) -> float:
+        """The sleep that lets running requests finish (``mode=wait``; on an engine whose
+        ``/sleep`` is a memory step, ``/pause?mode=wait`` first)."""
         began = time.monotonic()
         paused = not dialect.sleep_handles_requests
         if paused:
@@ -218,12 +303,41 @@ class VllmAdapter(HttpEngineAdapter):
             if paused:
                 await self._resume_after_failed_sleep(step)
             raise
-        if confirm:
-            await self.confirm_asleep(level)
-        log.info("engine asleep", extra=self.endpoint.log_fields() | {
-            "sleep_level": level, "seconds": round(sleep_s, 6), "confirmed": confirm,
-            "vllm_version": dialect.version})
-        return SleepOutcome(level=level, sleep_s=sleep_s)
+        return sleep_s
+
+    async def _keep_sleep(self, level: int, dialect: Dialect) -> float:
+        """The sleep that keeps requests in flight: ``/pause?mode=keep`` (running requests
+        preempted, their output kept; new ones held), then ``/sleep?level=1&mode=keep``.
+        Shown on vLLM 0.26 (H100): every kept stream continued after the wake identical
+        to a never-slept reference. A plain ``/sleep`` after the pause would abort the
+        kept requests (its default mode); ``/sleep?mode=keep`` alone keeps them too, but
+        not once ``/sleep`` stops handling requests (RFC #51476), which the pause
+        survives. The wake resumes (:meth:`_resume_if_paused`).
+
+        A sleep that fails after the pause with a known outcome resumes the engine (the
+        kept requests run on; the engine is awake); one whose outcome is unknown does not
+        (it may still fall asleep; whoever settles it decides)."""
+        if level not in KEEP_LEVELS:
+            raise ValueError(f"requests are kept only across a level-1 sleep, not {level}")
+        if not serves_keep(dialect):
+            raise EngineUnsupported(
+                f"vLLM {dialect.version} does not serve a sleep that keeps requests "
+                "(/pause?mode=keep, /resume, /is_paused): drain it first", step="pause_keep")
+        began = time.monotonic()
+        pausing(self.endpoint)
+        pause_s, _ = await self._sleep_call(PAUSE_KEEP, budget_s=self.timeouts.sleep_s)
+        step = _sleep_step(level, dialect, keep=True)
+        budget_s = self.timeouts.sleep_s - (time.monotonic() - began)
+        try:
+            sleep_s, answer = await self._sleep_call(step, budget_s=budget_s)
+            if dialect.sleep_answers_json:
+                check_sleep_answer(answer, level)
+        except EngineStateUnknown:
+            raise
+        except EngineError:
+            await self._resume_after_failed_sleep(step)
+            raise
+        return pause_s + sleep_s
 
     async def _resume_after_failed_sleep(self, step: Step) -> None:
         """Best effort: un-pause an engine whose sleep failed after its pause, so that it
@@ -249,6 +363,47 @@ class VllmAdapter(HttpEngineAdapter):
                          ) -> WakeOutcome:
         await self.dialect()
         return await super()._wake_from(level, start, confirm=confirm)
+
+    async def _after_wake(self, level: int, timings: list[StepTiming]) -> None:
+        """Resume an engine the wake left paused. vLLM 0.26-0.34 resume scheduling when
+        the executor is fully awake, and an engine whose ``/sleep`` is a memory step
+        (RFC #51476) ends its wake with ``/resume`` anyway; but a kept engine's requests
+        must never stay frozen because some release's wake does not resume, so the wake
+        asks ``/is_paused`` and resumes when the engine says so. It asks only where a
+        sleep that keeps requests paused the engine since its last wake, or where this
+        process has not seen the engine's run wake yet (a controller that restarted does
+        not know who paused it): a read on the switch's path only when it can matter."""
+        dialect = self._dialect
+        if dialect is None or not dialect.sleep_handles_requests \
+                or not dialect.serves("GET", IS_PAUSED_PATH) \
+                or not may_be_paused(self.endpoint):
+            return
+        try:
+            paused = await self._is_paused()
+        except EngineError as exc:
+            # the probe that follows every wake finds an engine that holds its requests
+            log.warning("could not read whether the woken engine is paused",
+                        extra=self.endpoint.log_fields() | {"error": str(exc)[:200]})
+            return
+        if paused:
+            log.info("engine still paused after its wake: resuming",
+                     extra=self.endpoint.log_fields() | {"sleep_level": level})
+            await self._run_step(RESUME, deadline=time.monotonic() + self.timeouts.status_s,
+                                 budget_s=self.timeouts.status_s, timings=timings)
+        not_paused(self.endpoint)
+
+    async def _is_paused(self) -> bool:
+        """The engine's ``/is_paused``; False where it is hidden (404: a guard older than
+        this adapter), as nothing of rota's paused such an engine with keep."""
+        answer = await self._http.read("is_paused", IS_PAUSED_PATH, control=True,
+                                       accept=frozenset({404}))
+        if answer.status == 404:
+            return False
+        try:
+            return _IsPaused.model_validate(answer.json("is_paused")).is_paused
+        except ValidationError as exc:
+            raise EngineProtocolError('is_paused: the answer is not {"is_paused": bool}',
+                                      step="is_paused", body=answer.body) from exc
 
     def _check_answer(self, step: Step, answer: Answer) -> None:
         if step.name == RELOAD_WEIGHTS:

@@ -194,8 +194,11 @@ class VllmOmniAdapter(HttpEngineAdapter):
                     step="omni_drain", timeout_s=self.timeouts.sleep_s)
             await backoff.sleep()
 
-    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
+    async def sleep(self, level: int, *, confirm: bool = True, keep: bool = False
+                    ) -> SleepOutcome:
         _check_omni_level(level)
+        if keep:  # can_keep says no: its stages sleep under running requests
+            raise ValueError("vLLM-Omni's sleep cannot keep requests in flight")
         budget_s = self.timeouts.sleep_s
         began = time.monotonic()
         await self.drain(deadline=began + budget_s)
