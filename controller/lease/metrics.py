@@ -15,12 +15,17 @@ increase over them exists before the first event.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from controller.lease.policy import RULES as POLICY_RULES
 from rota.api.activation import OTHER_REASON as OTHER_REASON
 from rota.api.activation import SWITCH_FAILURE_REASONS as SWITCH_FAILURE_REASONS
 from rota.kit.metrics_registry import new_registry, package_version
+
+if TYPE_CHECKING:
+    from controller.lease.switch import Frozen
 
 REGISTRY = new_registry()
 
@@ -106,6 +111,17 @@ POLICY_DECISIONS = Counter(
     "Decisions of the switch policy that acted (a switch, an idle sleep, a cancelled "
     "switch), by the rule that fired (controller.lease.policy.RULES).", ["rule"],
     registry=REGISTRY)
+KEPT = Gauge("rota_controller_kept_requests",
+             "Requests an engine keeps while it sleeps (a preemptive switch froze them; they "
+             "continue at its next wake), by its own gauges before the sleep. The series "
+             "goes when the engine wakes or its claim leaves.",
+             ["gpu", "claim", "model_name"], registry=REGISTRY)
+FREEZES = Counter("rota_controller_freezes_total",
+                  "Engines put to sleep with their requests kept (preemptive switches).",
+                  ["model_name"], registry=REGISTRY)
+FREEZE = Histogram("rota_controller_freeze_duration_seconds",
+                   "From a sleep that kept an engine's requests to its next wake.",
+                   ["model_name"], buckets=_SECONDS, registry=REGISTRY)
 INFO = Gauge("rota_controller_info", "1, labelled with the lease controller's version.",
              ["version"], registry=REGISTRY)
 
@@ -149,6 +165,24 @@ class SwitchMetrics:
 
     def start_took(self, model: str, seconds: float) -> None:
         START.labels(model).observe(seconds)
+
+    def froze(self, frozen: Frozen) -> None:
+        """An engine went to sleep with ``frozen.kept`` requests kept."""
+        FREEZES.labels(frozen.model).inc()
+        KEPT.labels(frozen.gpu, frozen.claim, frozen.model).set(frozen.kept)
+
+    def thawed(self, frozen: Frozen, seconds: float) -> None:
+        """An engine frozen for ``seconds`` woke (or left): its series goes."""
+        FREEZE.labels(frozen.model).observe(seconds)
+        forget_kept(frozen)
+
+
+def forget_kept(frozen: Frozen) -> None:
+    """Remove the kept-requests series of an engine that woke or left."""
+    try:
+        KEPT.remove(frozen.gpu, frozen.claim, frozen.model)
+    except KeyError:
+        pass
 
 for _reason in SWITCH_FAILURE_REASONS:
     FAILURES.labels(_reason)

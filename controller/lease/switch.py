@@ -30,6 +30,19 @@ registered): such an engine is never woken by this switch; it is returned as
 *unsettled*, and the caller confirms through ``/is_sleeping`` and the GPU that it really
 slept before anyone is woken (reconciliation does, in :mod:`controller.lease.gpu`).
 
+**The preemptive switch** (``preempt``, the policy's choice): where the holder keeps its
+requests (:func:`~rota.api.engine_config.keeps_requests`: vLLM at level 1 on one GPU, by
+default) and its engine serves the calls (:meth:`EngineAdapter.can_keep`), step 2 is
+skipped and step 3 puts the holder to sleep with its requests kept (``keep=True``): they
+stay with the sleeping engine, frozen, and continue at its next wake. How many were kept
+is read from the engine's own gauges just before the sleep (vLLM's gauges stand still
+while it sleeps) and recorded (:class:`Freezes`, :attr:`SwitchResult.kept`). The Lease
+still opens ``switching`` (its fencing number must go up before the holder's sleep), the
+GPU is read and the target woken and proven as in every switch, and a keep sleep that
+fails takes the paths every failed sleep takes: known, the old holder is restored;
+unknown, it is unsettled. A holder that cannot keep (a gang, level 2, vLLM-Omni, an engine
+without the calls) is drained as before.
+
 Pure protocol over injected ports (:class:`Ports`), so it is tested without Kubernetes.
 """
 
@@ -57,6 +70,7 @@ from controller.lease.errors import LeaseControllerError
 from controller.lease.in_flight import until_idle
 from controller.lease.settings import StepTimeouts
 from rota.api import naming
+from rota.api.engine_config import keeps_requests
 from rota.api.gpu_lease import GpuLease
 from rota.kit.aio import Backoff
 
@@ -99,6 +113,55 @@ class SwitchObserver(Protocol):
     def switched(self, reason: str | None) -> None: ...
     def started(self, outcome: str) -> None: ...
     def start_took(self, model: str, seconds: float) -> None: ...
+    def froze(self, frozen: Frozen) -> None: ...
+    def thawed(self, frozen: Frozen, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """An engine a preemptive switch put to sleep with its requests kept.
+
+    Attributes:
+        claim: the claim (``namespace/name``).
+        model: its served model name.
+        gpu: the GPU it sleeps on.
+        kept: requests running or waiting by its gauges just before the sleep.
+        since: when the sleep was sent (the switch's monotonic clock).
+    """
+
+    claim: str
+    model: str
+    gpu: str
+    kept: int
+    since: float
+
+
+class Freezes:
+    """The engines of a GPU that sleep with requests kept, by claim uid: what the policy
+    weighs (their requests wait for the next wake) and what the metrics show. Shared by
+    every switcher of the worker (a gang switch wakes them too)."""
+
+    def __init__(self) -> None:
+        self._frozen: dict[str, Frozen] = {}
+
+    def froze(self, claim_uid: str, frozen: Frozen) -> None:
+        self._frozen[claim_uid] = frozen
+
+    def thaw(self, claim_uid: str) -> Frozen | None:
+        """The freeze a wake of ``claim_uid`` ends, if it was frozen."""
+        return self._frozen.pop(claim_uid, None)
+
+    def get(self, claim_uid: str) -> Frozen | None:
+        return self._frozen.get(claim_uid)
+
+    def all(self) -> dict[str, Frozen]:
+        return dict(self._frozen)
+
+    def keep_only(self, claim_uids: set[str]) -> list[Frozen]:
+        """Forget the freezes of claims that left (their engines, and requests, are gone);
+        returns what was forgotten."""
+        gone = [uid for uid in self._frozen if uid not in claim_uids]
+        return [self._frozen.pop(uid) for uid in gone]
 
 
 class LeasePort(Protocol):
@@ -123,6 +186,8 @@ class Ports:
     clock: Callable[[], float] = time.monotonic
     observer: SwitchObserver = field(default_factory=metrics.SwitchMetrics)
     """Told of every measurement (Prometheus series by default)."""
+    freezes: Freezes = field(default_factory=Freezes)
+    """The engines sleeping with requests kept."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +210,9 @@ class SwitchResult:
     unsettled: tuple[Claimant, ...] = ()
     """Engines whose state this switch could not establish (a sleep that may still fire):
     possibly awake, never to be woken before :meth:`Switcher.settle` confirms them."""
+    kept: int = 0
+    """Requests the old holder keeps asleep (a preemptive switch), by its gauges before
+    its sleep; 0 when it was drained."""
 
     @property
     def holder(self) -> str:
@@ -203,6 +271,8 @@ class Switcher:
         self.limits = limits
         self.identity = identity
         self._slept_before: set[str] = set()
+        self._told_drained: set[str] = set()
+        """Claims already told (once) that they are drained though they ask to keep."""
 
     # -- steps with timeouts and metrics -------------------------------------------------
 
@@ -262,27 +332,32 @@ class Switcher:
 
     async def hand_back(self, holder: Claimant | None, target: Claimant,
                         claimants: Sequence[Claimant], fence: int,
-                        timings: dict[str, float], *, starting: bool = False
-                        ) -> HandbackProblem | None:
+                        timings: dict[str, float], *, starting: bool = False,
+                        kept: int | None = None) -> HandbackProblem | None:
         """Sleep ``holder`` (when there is one) and read the GPU for ``target``: what
         stands between a holder and a wake (or a ``starting`` engine's start) of
         ``target``. The holder's sleep confirmation and the GPU read run at once: both are
-        reads, and the wake waits for both."""
+        reads, and the wake waits for both. ``kept`` (a count, not None): the holder
+        sleeps with its requests kept, that many by its gauges."""
         read = functools.partial(self.check_device, target, claimants, timings,
                                  starting=starting)
         if holder is None:
             return await read()
-        return await self._sleep_beside(holder, fence, timings, read)
+        return await self._sleep_beside(holder, fence, timings, read, kept=kept)
 
     async def _sleep_beside(self, claimant: Claimant, fence: int, timings: dict[str, float],
-                            beside: Callable[[], Awaitable[T]] | None) -> T | None:
+                            beside: Callable[[], Awaitable[T]] | None, *,
+                            kept: int | None = None) -> T | None:
         """The sleep of :meth:`sleep`, its confirmation run together with ``beside()`` (a
-        read); returns what ``beside`` read. The confirmation's error comes first."""
+        read); returns what ``beside`` read. The confirmation's error comes first.
+        ``kept`` not None: a sleep that keeps requests."""
         engine = await self.fenced_engine(claimant, fence, timings)
         level = claimant.sleep_level
         read: T | BaseException | None = None
+        call = (engine.sleep(level, confirm=False) if kept is None
+                else engine.sleep(level, confirm=False, keep=True))
         try:
-            outcome = await self._step("sleep", engine.sleep(level, confirm=False),
+            outcome = await self._step("sleep", call,
                                        self.limits.timeouts.sleep_s + SLEEP_MARGIN_S, timings)
 
             async def confirm() -> None:
@@ -306,6 +381,66 @@ class Switcher:
         if isinstance(read, BaseException):
             raise read
         return read
+
+    def record_freeze(self, claimant: Claimant, kept: int, *, since: float) -> None:
+        frozen = Frozen(claim=claimant.ref, model=claimant.model, gpu=claimant.gpu,
+                        kept=kept, since=since)
+        self.ports.freezes.froze(claimant.claim_uid, frozen)
+        self.ports.observer.froze(frozen)
+        log.info("holder asleep with its requests kept", extra={
+            "claim": claimant.ref, "model": claimant.model, "device": claimant.gpu,
+            "pod": claimant.pod_name, "kept": kept})
+
+    def record_thaw(self, claimant: Claimant) -> None:
+        """A wake of ``claimant`` succeeded: its kept requests run again."""
+        frozen = self.ports.freezes.thaw(claimant.claim_uid)
+        if frozen is None:
+            return
+        seconds = max(0.0, self.ports.clock() - frozen.since)
+        self.ports.observer.thawed(frozen, seconds)
+        log.info("kept requests resumed", extra={
+            "claim": claimant.ref, "model": claimant.model, "device": claimant.gpu,
+            "pod": claimant.pod_name, "kept": frozen.kept,
+            "frozen_s": round(seconds, 4)})
+
+    async def keeps(self, holder: Claimant) -> bool:
+        """Whether a preemptive switch may keep ``holder``'s requests: its claim keeps
+        them (:func:`keeps_requests`; a gang never) and its engine serves the calls. A
+        claim that asks to keep and is drained all the same is told so once."""
+        asked = holder.config.keep_requests is True
+        if not keeps_requests(holder.config, gang=holder.spans_gpus):
+            if asked and holder.spans_gpus:
+                self._tell_drained(holder, "a tensor-parallel engine is drained, never "
+                                   "kept (vLLM #45520: sleeping mid-decode at TP > 1)")
+            return False
+        if await self.ports.engine(holder).can_keep(holder.sleep_level):
+            return True
+        self._tell_drained(holder, "its engine does not serve a sleep that keeps requests "
+                           "(/pause?mode=keep, /resume, /is_paused)")
+        return False
+
+    def _tell_drained(self, holder: Claimant, why: str) -> None:
+        if holder.claim_uid in self._told_drained:
+            return
+        self._told_drained.add(holder.claim_uid)
+        log.warning("switches drain this engine instead of keeping its requests",
+                    extra={"claim": holder.ref, "model": holder.model,
+                           "device": holder.gpu, "pod": holder.pod_name, "why": why})
+
+    async def count_kept(self, holder: Claimant, timings: dict[str, float]) -> int:
+        """The holder's requests running and waiting by its own gauges, read just before
+        a sleep that keeps them (vLLM's gauges stand still while it sleeps); 0 when the
+        engine exports none or cannot be read (the sleep's own calls say what is wrong)."""
+        self.ports.guard()
+        try:
+            busy = await self._step("kept", self.ports.engine(holder).in_flight(),
+                                    self.limits.timeouts.confirm_s, timings)
+        except (EngineError, TimeoutError) as exc:
+            log.warning("kept requests not counted: the holder's gauges could not be read",
+                        extra={"claim": holder.ref, "device": holder.gpu,
+                               "error": str(exc) or type(exc).__name__})
+            return 0
+        return busy or 0
 
     def record_sleep(self, claimant: Claimant, sleep_s: float) -> bool:
         """Measure one sleep of ``claimant`` (also those reconciliation makes); True when it
@@ -348,6 +483,7 @@ class Switcher:
         wake_s = outcome.wake_s
         timings["wake_call"] = wake_s
         self.ports.observer.woke(target.model, target.sleep_level, wake_s)
+        self.record_thaw(target)
 
         async def confirm() -> None:
             # made inside, so that a cancellation before it starts creates no call
@@ -391,24 +527,36 @@ class Switcher:
             draining_model=holder.model if holder else ""), timings)
 
     async def switch(self, lease: GpuLease, *, holder: Claimant | None, target: Claimant,
-                     claimants: Sequence[Claimant]) -> SwitchResult:
-        """Make ``target`` the awake engine of the GPU that ``lease`` describes."""
+                     claimants: Sequence[Claimant], preempt: bool = False) -> SwitchResult:
+        """Make ``target`` the awake engine of the GPU that ``lease`` describes.
+        ``preempt``: put the holder to sleep with its requests kept instead of draining
+        it, where it keeps requests (:meth:`keeps`); drained otherwise."""
         timings: dict[str, float] = {}
         begin = self.ports.clock()
+        keep = preempt and holder is not None and await self.keeps(holder)
         lease = await self.begin(lease, naming.LeaseState.SWITCHING, holder=holder, target=target,
                                  timings=timings)
         fence = lease.fence
         log.info("switch started", extra={"device": lease.device, "fence": fence,
                                           "from": holder.ref if holder else None,
-                                          "to": target.ref})
+                                          "to": target.ref, "preempt": keep})
         handoff_start = self.ports.clock()
+        kept: int | None = None
         try:
-            if holder is not None:
+            if holder is not None and keep:
+                kept = await self.count_kept(holder, timings)
+            elif holder is not None:
                 await self.drain(holder, fence, timings)
                 handoff_start = self.ports.clock()
-            problem = await self.hand_back(holder, target, claimants, fence, timings)
+            sent = self.ports.clock()
+            problem = await self.hand_back(holder, target, claimants, fence, timings,
+                                           kept=kept)
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
+            if holder is not None and kept is not None:
+                # asleep by its own word and by the GPU's: only now a freeze (a keep
+                # sleep that failed either way is not; the holder is restored or unsettled)
+                self.record_freeze(holder, kept, since=sent)
         except Fenced:
             raise
         except SleepUnknown as exc:
@@ -428,9 +576,9 @@ class Switcher:
         timings["total"] = self.ports.clock() - begin
         self.ports.observer.switched(None)
         log.info("switch done", extra={"device": lease.device, "fence": fence,
-                                       "holder": target.ref,
+                                       "holder": target.ref, "kept": kept,
                                        "timings": {k: round(v, 4) for k, v in timings.items()}})
-        return SwitchResult(True, lease, timings=timings)
+        return SwitchResult(True, lease, timings=timings, kept=kept or 0)
 
     @staticmethod
     def serving(lease: GpuLease, claimant: Claimant, *, controller: str | None = None,
