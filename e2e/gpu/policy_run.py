@@ -92,6 +92,7 @@ from e2e.gpu.policy_replay import (
     rows,
 )
 from e2e.gpu.policy_slo import Bounds, Reference, RefKey, ranking, share
+from e2e.gpu.report import policy_summary, policy_totals
 from e2e.gpu.sampler import NvmlSampler
 from e2e.gpu.steps import admit, say
 from e2e.harness.ports import MemoryLeasePort, ReaderDevice
@@ -314,19 +315,12 @@ def table(runs: Sequence[PolicyRun], bounds: Bounds) -> str:
             cells += [f"{_f(gap['p50'])} / {_f(gap['max'])}", _f(row["frozen"]),
                       f"{row['identical']} / {row['altered']} / {row['lost']}"]
             lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
-        t = totals(per_model)
+        t = policy_totals(per_model)
         lines.append(f"| **{run.name}** | **all** | {t['requests']} | {t['served']} | "
                      f"**{t['goodput']}** | | | | {t['wakes']} | {t['wasted']} | | | "
                      f"{t['sent_back']} | | **{t['slo_goodput']}** | | {t['frozen']} | "
                      f"{t['identical']} / {t['altered']} / {t['lost']} |")
     return "\n".join(lines)
-
-
-def totals(per_model: Sequence[dict[str, Any]]) -> dict[str, int]:
-    """The counts of one policy's rows, summed over its models."""
-    keys = ("requests", "served", "goodput", "slo_goodput", "wakes", "wasted", "sent_back",
-            "frozen", "identical", "altered", "lost", "unchecked")
-    return {k: int(sum(r[k] for r in per_model)) for k in keys}
 
 
 def _switch_json(s: SwitchRecord) -> dict[str, Any]:
@@ -338,7 +332,7 @@ def _switch_json(s: SwitchRecord) -> dict[str, Any]:
 
 def run_json(run: PolicyRun) -> dict[str, Any]:
     per_model = rows(run)
-    t = totals(per_model)
+    t = policy_totals(per_model)
     return {"mode": run.name, "policy_mode": run.mode.value if run.mode else None,
             "window_s": run.window_s, "wall_s": run.wall_s,
             "rules": run.rules, "rows": per_model,
@@ -359,42 +353,6 @@ def run_json(run: PolicyRun) -> dict[str, Any]:
                           len(o.trace.chunk_at) if o.trace else 0,
                           o.trace.tokens if o.trace else None, o.error or None]
                          for o in run.outcomes]} | run.extra
-
-
-def summary_table(windows: Sequence[dict[str, Any]], bounds: Bounds) -> str:
-    """One line per window and policy, and the policies over all windows: requests,
-    goodput at the first-token objective, SLO goodput and its share, the frozen requests'
-    verdicts, wakes; all-awake where it does not fit says so."""
-    head = ["window", "policy", "requests", f"TTFT ≤ {bounds.first_token_s:g} s",
-            f"SLO met (gaps ≤ {bounds.longest_freeze_s:g} s)", "SLO %", "frozen",
-            "identical / altered / lost", "altered of the never frozen", "wakes"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    overall: dict[str, dict[str, int]] = {}
-    for w in windows:
-        label = f"{w['start_s']:g} s"
-        for run in w.get("runs", []):
-            if run.get("fits") is False:
-                lines.append(f"| {label} | {run['mode']} | | does not fit "
-                             f"({run['need_mib']} of {run['gpu_mib']} MiB) | | | | | | |")
-                continue
-            if run.get("skipped"):
-                lines.append(f"| {label} | {run['mode']} | | skipped: {run['skipped']} "
-                             "| | | | | | |")
-                continue
-            t = totals(run["rows"])
-            acc = overall.setdefault(run["mode"], dict.fromkeys(t, 0))
-            for k, v in t.items():
-                acc[k] += v
-            lines.append(f"| {label} | {run['mode']} | {t['requests']} | {t['goodput']} | "
-                         f"**{t['slo_goodput']}** | {_f(share(t['slo_goodput'], t['requests']))}"
-                         f" | {t['frozen']} | {t['identical']} / {t['altered']} / {t['lost']}"
-                         f" | {run['not_frozen']['altered']} | {t['wakes']} |")
-    for mode, t in overall.items():
-        lines.append(f"| **all** | **{mode}** | {t['requests']} | {t['goodput']} | "
-                     f"**{t['slo_goodput']}** | {_f(share(t['slo_goodput'], t['requests']))} "
-                     f"| {t['frozen']} | {t['identical']} / {t['altered']} / {t['lost']} | "
-                     f"| {t['wakes']} |")
-    return "\n".join(lines)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -576,7 +534,7 @@ async def _window(bench: Bench, args: argparse.Namespace, start_s: float,
         check(done, {}, client)  # frozen marks now; verdicts once the references are in
         entry["runs"].append(run_json(done))
         write_json(out, result)
-        t = totals(rows(done))
+        t = policy_totals(rows(done))
         say(f"   TTFT goodput {t['goodput']}, SLO goodput {t['slo_goodput']} of "
             f"{t['requests']}, frozen {t['frozen']}, rules {done.rules}, "
             f"{len(done.switches)} switches, {done.wall_s:.0f} s")
@@ -594,7 +552,7 @@ async def _window(bench: Bench, args: argparse.Namespace, start_s: float,
     for run in runs:
         check(run, refs, client)
     entry["runs"] = [run_json(r) if isinstance(r, PolicyRun) else r for r in slots]
-    entry["ranking"] = ranking({r.name: totals(rows(r))["slo_goodput"] for r in runs})
+    entry["ranking"] = ranking({r.name: policy_totals(rows(r))["slo_goodput"] for r in runs})
     write_json(out, result)
     return entry, runs
 
@@ -628,7 +586,7 @@ async def _compare(bench: Bench, args: argparse.Namespace,
                       + table(runs, bounds))
     result["arrivals"] = sum(w["arrivals"] for w in result["windows"])
     result["table"] = "\n\n".join(tables)
-    result["summary"] = summary_table(result["windows"], bounds)
+    result["summary"] = policy_summary(result["windows"], bounds)
 
 
 async def _main(args: argparse.Namespace, launcher: Launcher,

@@ -1,8 +1,13 @@
 """Statistics and tables of the GPU benchmark's results (pure: dicts in, dicts and text out).
 
     python -m e2e.gpu.report bench.json [bench2.json more.json ...]   # markdown tables
+    python -m e2e.gpu.report policy.json [policy-simulator.json ...]  # the policy comparison
 
-Several files of one machine are read as one run (a later run of a scenario wins).
+Several files of one machine are read as one run (a later run of a scenario wins). Files
+of ``python -m e2e.gpu.policy_run`` are printed one by one (the summary per window and
+policy: SLO goodput, frozen requests and their verdicts), followed, for two or more, by
+each window's ranking of the policies in each file and whether the rankings agree (the
+simulator's run, ``--launcher simulator``, beside the real engines').
 
 The handoff blocks follow the reference experiment's three timing boundaries (DESIGN.md):
 the wake call, recovery to first token (wake call + the probe's time to first token) and
@@ -21,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from e2e.bench.stats import summary_s
+from e2e.gpu.policy_slo import Bounds, rankings_agree, share
 
-__all__ = ["handoff_line", "handoff_summary", "level2_summary", "markdown", "scenario_verdict",
-           "text", "wake_cycle_line", "wake_decomposition"]
+__all__ = ["handoff_line", "handoff_summary", "level2_summary", "markdown", "policy_rankings",
+           "policy_summary", "policy_totals", "scenario_verdict", "text", "wake_cycle_line",
+           "wake_decomposition"]
 
 TIMINGS = ("handoff_to_first_token_s", "recovery_to_first_token_s", "wake_call_s",
            "probe_ttft_s", "sleep_call_s", "controller_overhead_s", "sleep_confirm_s",
@@ -358,12 +365,108 @@ def text(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# -- the policy comparison (python -m e2e.gpu.policy_run) ----------------------------------
+
+POLICY_COUNTS = ("requests", "served", "goodput", "slo_goodput", "wakes", "wasted",
+                 "sent_back", "frozen", "identical", "altered", "lost", "unchecked")
+
+
+def _pct(value: float) -> str:
+    return "-" if value != value else f"{value:.1f}"  # NaN: nothing to share
+
+
+def policy_totals(per_model: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The counts of one policy's rows, summed over its models."""
+    return {k: int(sum(r.get(k) or 0 for r in per_model)) for k in POLICY_COUNTS}
+
+
+def _policy_line(label: str, mode: str, t: Mapping[str, int], never_frozen: Any) -> str:
+    return _row([label, mode, t["requests"], t["goodput"], f"**{t['slo_goodput']}**",
+                 _pct(share(t["slo_goodput"], t["requests"])), t["frozen"],
+                 f"{t['identical']} / {t['altered']} / {t['lost']}", never_frozen, t["wakes"]])
+
+
+def policy_summary(windows: Sequence[Mapping[str, Any]], bounds: Bounds) -> str:
+    """One line per window and policy, then each policy over all windows: requests,
+    goodput at the first-token objective, SLO goodput and its share, the frozen requests'
+    verdicts, the never-frozen requests' altered count, wakes. All-awake where the engines
+    do not fit together says so; a replay the budget left out says so."""
+    head = ["window", "policy", "requests", f"TTFT ≤ {bounds.first_token_s:g} s",
+            f"SLO met (gaps ≤ {bounds.longest_freeze_s:g} s)", "SLO %", "frozen",
+            "identical / altered / lost", "altered of the never frozen", "wakes"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    overall: dict[str, dict[str, int]] = {}
+    for w in windows:
+        label = f"{w['start_s']:g} s"
+        for run in w.get("runs", []):
+            if run.get("fits") is False:
+                lines.append(_row([label, run["mode"], "", f"does not fit ({run['need_mib']} "
+                                   f"of {run['gpu_mib']} MiB)"] + [""] * 6))
+                continue
+            if run.get("skipped"):
+                lines.append(_row([label, run["mode"], "", f"skipped: {run['skipped']}"]
+                                  + [""] * 6))
+                continue
+            t = policy_totals(run["rows"])
+            never = (run.get("not_frozen") or {}).get("altered", 0)
+            acc = overall.setdefault(run["mode"], dict.fromkeys((*t, "never_altered"), 0))
+            for k, v in t.items():
+                acc[k] += v
+            acc["never_altered"] += never
+            lines.append(_policy_line(label, run["mode"], t, never))
+    for mode, t in overall.items():
+        lines.append(_policy_line("**all**", f"**{mode}**", t, t["never_altered"]))
+    return "\n".join(lines)
+
+
+def _label(result: Mapping[str, Any]) -> str:
+    return f"{result.get('launcher')} on {result.get('device')}"
+
+
+def policy_rankings(results: Sequence[Mapping[str, Any]]) -> str:
+    """Each window's policies from the highest SLO goodput down, per file, and whether
+    every file orders the policies they share alike (the simulator's ranking holding on
+    the real engines)."""
+    starts = sorted({w["start_s"] for r in results for w in r.get("windows", [])})
+    lines = [_row(["window", *(_label(r) for r in results), "rankings agree"]),
+             _row(["---"] * (len(results) + 2))]
+    for start in starts:
+        goodputs = []
+        for r in results:
+            w = next((x for x in r.get("windows", []) if x["start_s"] == start), None)
+            runs = (w or {}).get("runs", [])
+            goodputs.append({x["mode"]: x["slo_goodput"] for x in runs if "slo_goodput" in x})
+        agree = all(rankings_agree(goodputs[0], g) for g in goodputs[1:])
+        cells = [" > ".join(f"{p} {g[p]}" for p in sorted(g, key=lambda p: (-g[p], p)))
+                 for g in goodputs]
+        lines.append(_row([f"{start:g} s", *cells, "yes" if agree else "**no**"]))
+    return "\n".join(lines)
+
+
+def policy_text(results: Sequence[Mapping[str, Any]]) -> str:
+    """The summary of each policy comparison file, and their rankings side by side."""
+    out: list[str] = []
+    for result in results:
+        bounds = Bounds(first_token_s=result.get("ttft_slo_s", 2.0),
+                        longest_freeze_s=result.get("longest_freeze_s", 3.0))
+        out += [f"### Policies on {_label(result)}: {result.get('engines_count')} engines, "
+                f"{result.get('trace')}", "", policy_summary(result.get("windows", []), bounds),
+                ""]
+    if len(results) > 1:
+        out += ["Rankings by SLO goodput:", "", policy_rankings(results), ""]
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     paths = list(sys.argv[1:] if argv is None else argv)
     if not paths:
         print(__doc__, file=sys.stderr)
         return 2
-    summary = merge([json.loads(Path(p).read_text(encoding="utf-8")) for p in paths])
+    loaded = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
+    if all(r.get("benchmark") == "policy_on_engines" for r in loaded):
+        print(policy_text(loaded))
+        return 0
+    summary = merge(loaded)
     print(markdown(summary))
     if (summary.get("scenarios") or {}).get("main"):
         print()

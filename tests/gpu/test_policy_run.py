@@ -107,7 +107,7 @@ def test_engines_that_do_not_fit_awake_together_have_no_all_awake_bound(tmp: Pat
     assert runs["all-awake"]["fits"] is False
     assert runs["all-awake"]["need_mib"] > runs["all-awake"]["gpu_mib"]
     assert sum(row["served"] for row in runs["first-come"]["rows"]) == 18
-    assert "| all-awake | | does not fit" in done.stdout
+    assert "| 0 s | all-awake |  | does not fit" in done.stdout
 
 
 def test_the_azure_window_is_cut_into_a_csv(tmp_path: Path) -> None:
