@@ -12,10 +12,12 @@
 #   e2e/gpu/run.sh more      the scenarios not run yet, on the running engines
 #   e2e/gpu/run.sh policy    (after piece0, or after a call that only copied the first
 #                            piece into $WORK/chunks) add the second piece, install the
-#                            bundle, start three engines of model-small and replay a trace
-#                            window through the lease controller's GPU worker, first-come
-#                            then rota (python -m e2e.gpu.policy_run; ROTA_POLICY_ARGS: more
-#                            arguments, e.g. --trace); results in $OUT/policy.json
+#                            bundle, start three engines of model-small and replay three
+#                            windows of the Azure trace through the lease controller's GPU
+#                            worker: all engines awake (the bound), first-come, drain, rota
+#                            (python -m e2e.gpu.policy_run; ROTA_POLICY_ARGS: more arguments,
+#                            e.g. --engines 5, --kv 30Gi, --windows 2); results in
+#                            $OUT/policy.json
 #   e2e/gpu/run.sh keep      (after piece0, like policy) add the second piece, install the
 #                            bundle, start one engine of model-small and probe which call
 #                            sequence keeps in-flight streams across a level-1 sleep, then
@@ -247,7 +249,7 @@ EOF
     # shellcheck disable=SC2086
     timeout -k 15 $(( budget + 10 )) env PYTHONPATH="$(rota_path)" ROTA_VLLM_PYTHONPATH="$SITE" \
       "$PY" -m e2e.gpu.policy_run --launcher vllm --out "$OUT" --state-dir "$STATE" \
-      --models "$INPUT/models" --deadline-s "$budget" --vllm-python "$(command -v "$PY")" \
+      --models "$INPUT/models" --budget-s "$budget" --vllm-python "$(command -v "$PY")" \
       ${ROTA_POLICY_ARGS:-}
     rc=$?
     say "policy comparison exited with status $rc"
