@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from e2e.engine_simulator.generation import count_prompt_tokens
+from e2e.engine_simulator.settings import settings_from_args
 from e2e.gpu.keep_probe import Progress, StreamRecord, stream
 from tests.simulator.conftest import DEADLINE, GIB, MODEL, PID, Sim, SimFactory, read_events
 
@@ -212,3 +213,17 @@ async def test_greedy_output_depends_on_model_and_prompt(make_sim: SimFactory) -
             texts.append((await resp.json())["choices"][0]["text"])
     assert texts[0] == texts[1]
     assert len({texts[0], texts[2], texts[3]}) == 3
+
+
+def test_the_knobs_come_from_flags_and_environment() -> None:
+    flags = settings_from_args(["--keep-fault", "duplicate-token", "--leak-per-cycle-mib", "8",
+                                "--prefill-tokens-per-second", "5000"], {})
+    assert (flags.keep_fault, flags.leak_per_cycle_mib) == ("duplicate-token", 8)
+    assert flags.prefill_tokens_per_second == 5000.0
+    env = settings_from_args([], {"ROTA_SIM_KEEP_FAULT": "abort",
+                                  "ROTA_SIM_RESUME_MERGE_TOKENS": "1"})
+    assert (env.keep_fault, env.resume_merge_tokens) == ("abort", 1)
+    plain = settings_from_args([], {})
+    assert (plain.keep_fault, plain.leak_per_cycle_mib) == (None, 0)  # off by default
+    with pytest.raises(SystemExit):
+        settings_from_args(["--keep-fault", "lose-everything"], {})
