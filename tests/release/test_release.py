@@ -74,7 +74,7 @@ def test_the_wheel_and_sdist_hold_the_runtime_only(built: Release) -> None:
     assert not [r for r in runtime if "cryptography" in r]  # the harness's, in an extra
     assert "kubectl-rota" in wheel_entry_points(wheel)
     assert sdist_top_levels(built.one("rota-*.tar.gz")) <= {
-        "driver", "controller", "PKG-INFO", "README.md", "pyproject.toml", "setup.cfg",
+        "driver", "controller", "rota", "PKG-INFO", "README.md", "pyproject.toml", "setup.cfg",
         "MANIFEST.in", "rota.egg-info"}
 
 
