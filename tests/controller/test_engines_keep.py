@@ -16,6 +16,7 @@ import pytest
 
 from controller.lease.engines import Timeouts, VllmAdapter
 from controller.lease.engines.dialect import Dialect
+from controller.lease.engines.errors import EngineLied
 from controller.lease.engines.surfaces import supported, surface_for
 from controller.lease.engines.vllm import KEEP_CALLS, keep_calls, serves_keep
 from tests.controller.conftest import ENGINE_SIM_DEADLINE_S, EngineSim, EngineSimFactory
@@ -141,3 +142,37 @@ async def test_keep_is_refused_where_not_shown_safe(
         await adapter.sleep(2, keep=True)
     assert not engine_sim.engine.sleeps
     assert not engine_sim.engine.paused
+
+
+async def test_a_wake_that_leaves_the_engine_paused_resumes_it(
+        engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
+    """Whatever a release's ``/wake_up`` does (here: nothing, ``wake_ignored``), a woken
+    engine that says it is paused, its memory awake, is resumed: kept requests never stay
+    frozen for want of a ``/resume``."""
+    sim = await engine_sim_factory(tokens_per_second=SLOW)
+    adapter = VllmAdapter(sim.endpoint(), engine_session, Timeouts())
+    kept = await _stream(sim, engine_session, max_tokens=12)
+    await _first_chunk(kept)
+    async with engine_session.post(f"{sim.base_url}/pause", params={"mode": "keep"}) as resp:
+        assert resp.status == 200
+    await sim.faults(wake_ignored=True)
+    woke = await adapter.wake(1)
+    assert [s.name for s in woke.steps] == ["wake_up", "resume"]
+    assert not sim.engine.paused
+    _, finishes = await _text(kept)
+    assert finishes == ["length"]
+
+
+async def test_a_wake_never_resumes_an_engine_whose_memory_still_sleeps(
+        engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
+    """The wake answered and did nothing (``wake_ignored``): the engine is paused because
+    it sleeps. Resuming it would run requests on unmapped memory; the wake leaves it
+    paused and its confirmation says it still sleeps."""
+    sim = await engine_sim_factory()
+    adapter = VllmAdapter(sim.endpoint(), engine_session, Timeouts())
+    await adapter.sleep(1, keep=True)
+    await sim.faults(wake_ignored=True)
+    with pytest.raises(EngineLied):
+        await adapter.wake(1)
+    assert sim.engine.paused
+    assert sim.engine.dead is None

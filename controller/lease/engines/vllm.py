@@ -385,12 +385,32 @@ class VllmAdapter(HttpEngineAdapter):
             log.warning("could not read whether the woken engine is paused",
                         extra=self.endpoint.log_fields() | {"error": str(exc)[:200]})
             return
-        if paused:
-            log.info("engine still paused after its wake: resuming",
-                     extra=self.endpoint.log_fields() | {"sleep_level": level})
-            await self._run_step(RESUME, deadline=time.monotonic() + self.timeouts.status_s,
-                                 budget_s=self.timeouts.status_s, timings=timings)
+        if not paused:
+            not_paused(self.endpoint)
+            return
+        if not await self._executor_awake(dialect):
+            # resuming a sleeping executor would run requests on unmapped memory (vLLM's
+            # engine core dies of it): leave it paused; the confirmation and the probe
+            # that follow every wake say what is wrong
+            log.warning("engine paused after its wake, its memory not shown awake: not "
+                        "resumed", extra=self.endpoint.log_fields() | {"sleep_level": level})
+            return
+        log.info("engine still paused after its wake: resuming",
+                 extra=self.endpoint.log_fields() | {"sleep_level": level})
+        await self._run_step(RESUME, deadline=time.monotonic() + self.timeouts.status_s,
+                             budget_s=self.timeouts.status_s, timings=timings)
         not_paused(self.endpoint)
+
+    async def _executor_awake(self, dialect: Dialect) -> bool:
+        """Whether the wake that just completed left every memory tag awake: 0.32 on say
+        so in the answer of the wake's last call (checked: ``awake``); before, only
+        ``vllm:engine_sleep_state`` can tell (no gauge: not shown awake)."""
+        if dialect.wake_answers_status:
+            return True
+        try:
+            return await self.sleep_gauge() == "awake"
+        except EngineError:
+            return False
 
     async def _is_paused(self) -> bool:
         """The engine's ``/is_paused``; False where it is hidden (404: a guard older than
