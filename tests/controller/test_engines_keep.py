@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controller.lease.engines import Timeouts, VllmAdapter
+from controller.lease.engines import HttpAdapter, Timeouts, VllmAdapter
 from controller.lease.engines.dialect import Dialect
 from controller.lease.engines.errors import EngineLied
 from controller.lease.engines.surfaces import supported, surface_for
@@ -176,3 +176,14 @@ async def test_a_wake_never_resumes_an_engine_whose_memory_still_sleeps(
         await adapter.wake(1)
     assert sim.engine.paused
     assert sim.engine.dead is None
+
+
+async def test_the_generic_adapter_keeps_with_vllms_parameter(
+        engine_sim: EngineSim, engine_session: aiohttp.ClientSession) -> None:
+    """``adapter: http`` with ``keepRequests: true``: ``mode=keep`` on its sleep path."""
+    adapter = HttpAdapter(engine_sim.endpoint(), engine_session, Timeouts())
+    assert await adapter.can_keep(1)
+    assert not await adapter.can_keep(2)
+    await adapter.sleep(1, keep=True)
+    assert (engine_sim.engine.sleeps[-1]["level"], engine_sim.engine.sleeps[-1]["mode"]) == (
+        1, "keep")
