@@ -41,14 +41,15 @@ from typing import Any, Generic, TypeVar
 
 from controller.claimants import Claimant
 from controller.lease import metrics
-from controller.lease.admission import StartSwitch
+from controller.lease.admission import StartSwitch, StartTicket
 from controller.lease.engines.base import EngineAdapter
 from controller.lease.gang import needs_gang
 from controller.lease.gpu_locks import GpuLocks
+from controller.lease.policy import SwitchCost
 from controller.lease.switch import Fenced, Switcher
 from controller.lease.visibility import GpuVisibility
 from controller.lease.worker.accounting import ANSWERED_GRACE_S, USAGE_DECAY_S, HolderWork
-from controller.lease.worker.callers import CallerQueue
+from controller.lease.worker.callers import CallerQueue, Waiting
 from controller.lease.worker.gangs import GangEntry
 from controller.lease.worker.idle import IdleRules
 from controller.lease.worker.lease_port import KubeLeasePort, confirmed
@@ -93,6 +94,8 @@ def _failed_step_backoff() -> Backoff:
 class GpuWorker:
     """The worker of one physical GPU: its parts, and the loop that runs their steps."""
 
+    policy = _Alias[Policy]("view", "policy")
+    """The node's policy for this GPU (the policy view reads it; one copy)."""
     lease = _Alias[GpuLease | None]("state", "lease")
     unsettled = _Alias[dict[str, Claimant]]("state", "unsettled")
     last_switch = _Alias[dict[str, object]]("state", "last_switch")
@@ -102,16 +105,16 @@ class GpuWorker:
     _switching = _Alias[bool]("state", "switching")
     _switching_to = _Alias[str]("state", "switching_to")
     _next_reconcile = _Alias[float]("state", "next_reconcile")
-    _queue = _Alias[dict[str, Any]]("queue", "entries")
+    _queue = _Alias[dict[str, Waiting]]("queue", "entries")
     _holder_since = _Alias[float]("work", "holder_since")
     _last_busy = _Alias[float]("work", "last_busy")
-    _costs = _Alias[dict[str, Any]]("work", "costs")
+    _costs = _Alias[dict[str, SwitchCost]]("work", "costs")
     _drains = _Alias[dict[str, float]]("work", "drains")
     _usage_now = _Alias[Callable[[Claimant | None], dict[str, float]]]("work", "usage_now")
     _measured = _Alias[Callable[..., None]]("work", "measured")
-    _starts = _Alias[dict[str, Any]]("starts", "tickets")
-    _start_backoff = _Alias[dict[str, Any]]("starts", "backoff")
-    _started = _Alias[dict[str, Any]]("starts", "started")
+    _starts = _Alias[dict[str, StartTicket]]("starts", "tickets")
+    _start_backoff = _Alias[dict[str, tuple[float, Backoff]]]("starts", "backoff")
+    _started = _Alias[dict[str, tuple[str | None, int]]]("starts", "started")
     _serve_next = _Alias[Callable[..., Any]]("turns", "serve_next")
     _coalesce = _Alias[Callable[..., Any]]("turns", "coalesce")
     _idle_check = _Alias[Callable[[], Any]]("idle", "check")
@@ -127,7 +130,7 @@ class GpuWorker:
                  lease_seen: Callable[[], str | None] | None = None) -> None:
         self.gpu = gpu
         self.lease_port, self.switcher, self.starter = lease_port, switcher, starter
-        self.claimants, self.engine, self.policy = claimants, engine, policy
+        self.claimants, self.engine = claimants, engine
         self.clock, self.identity = clock, identity
         self.visibility = visibility
         """Events, pod labels and claim conditions (None: nothing is shown)."""
