@@ -25,6 +25,15 @@ that stream has begun, every refusal — the gateway's own, an engine's 503 or u
 engine passed on, even a defect of the gateway's — is its last events, an error event and
 ``[DONE]``, never a second answer.
 
+Frozen answers: an engine whose claim keeps its requests across a sleep (the switch
+freezes them while another model holds the GPU) leaves a started answer silent for
+seconds. Such an answer is watched through this gateway's view of the GPU Lease
+(:class:`_EngineWatch`: frozen while the Lease, past the fence it was sent under, names
+another holder or none; ended at once when the engine's claim or pod goes, or its pod is
+deleted while frozen) and paced by :class:`~controller.gateway.proxy.Pacing`: heartbeats,
+the ``X-Rota-Progress: 1`` comment when a freeze begins, and a read timeout that a freeze
+never runs out (:meth:`Dispatcher.silence_s`).
+
 Honest waiting: a request held for a switch carries, in its answer's headers, what the
 node's lease controller expected of that switch when the gateway asked (its place in the
 GPU's queue and the expected wait, from the switch costs the controller measured itself:
@@ -56,6 +65,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from controller.claimants import Claimant
 from controller.gateway import proxy
 from controller.gateway.activation import ActivationFailed, Activator, Expectation
 from controller.gateway.downstream import PROGRESS_HEADER, Downstream, Held
@@ -84,6 +94,9 @@ _EXPECTATION_GRACE_S = 0.25
 headers) before going on without it."""
 _SWITCH_REASONS = frozenset({"switching", "draining"})
 """Reasons to wait that are a switch to or away from the model (a held request)."""
+_NO_NOTES = frozenset({"", "0", "none", "no", "off", "false"})
+"""``X-Rota-Progress`` values that ask for no progress (a freeze's comment included)."""
+_WATCH_STEP_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -250,14 +263,58 @@ class Dispatcher:
         engine_key = await self.engine_keys.key_for(decision.namespace, decision.key_secret)
         if not self.state.still_holds(decision):
             return proxy.Refused("lost_gpu", "the GPU changed hands before sending")
+        claimant = _claimant_of(self.state, decision)
+        freeze_s = self.longest_freeze_s(claimant)
+        silence_s = self.silence_s(model, freeze_s)
+        limits = aiohttp.ClientTimeout(
+            total=None, connect=self._timeout.connect, sock_connect=self._timeout.sock_connect,
+            sock_read=silence_s)
         return await proxy.forward(
             downstream, self.session, f"{decision.endpoint}{gen.path}", body=gen.body,
-            request_id=gen.request_id, client_timeout=self._timeout, engine_key=engine_key,
+            request_id=gen.request_id, client_timeout=limits, engine_key=engine_key,
             content_type=gen.content_type,
             lost=lambda: self.state.wait_lost(decision), on_first_byte=first_byte,
             on_first_token=first_token,
             log_extra={"model": model, "request_id": gen.request_id,
-                       "upstream": decision.endpoint, "claim": decision.claim or ""})
+                       "upstream": decision.endpoint, "claim": decision.claim or ""},
+            pacing=self._pacing(downstream, decision, claimant, freeze_s))
+
+    def longest_freeze_s(self, claimant: Claimant | None) -> float:
+        """The longest freeze ``claimant``'s claim allows a started answer
+        (``longestFreezeSeconds``), else ``--longest-freeze-s``."""
+        asked = getattr(claimant.config, "longest_freeze_seconds", None) if claimant else None
+        return float(asked) if asked else self.settings.longest_freeze_s
+
+    def silence_s(self, model: str, freeze_s: float) -> float:
+        """The longest silence of an engine answering ``model`` before the request ends with
+        a timeout: ``--upstream-read-timeout-s`` plus the longest freeze its claim allows
+        plus the measured cost of switching ``model`` back in (the controller's expected
+        switch), so that a freeze within its bound is never a timeout."""
+        margin = self.activator.expected_wake_s(model) or 0.0
+        return self.settings.upstream_read_timeout_s + freeze_s + margin
+
+    def _pacing(self, downstream: Downstream, decision: Decision, claimant: Claimant | None,
+                freeze_s: float) -> proxy.Pacing:
+        """How a started answer from ``decision``'s engine is kept while it is silent."""
+        model = decision.model
+        asked = downstream.request.headers.get(PROGRESS_HEADER, "").strip().lower()
+        shown = asked or self.state.binding.progress_of(model) or ""
+        metrics = self.metrics
+
+        def freeze(seconds: float | None) -> None:
+            if seconds is None:
+                metrics.frozen_streams.labels(model).inc()
+                return
+            metrics.frozen_streams.labels(model).dec()
+            metrics.freeze_seconds.labels(model).observe(seconds)
+
+        return proxy.Pacing(
+            model=model, heartbeat_s=self.settings.stream_heartbeat_s,
+            progress=shown not in _NO_NOTES, expected_freeze_s=freeze_s,
+            watch=_EngineWatch(self.state, decision,
+                               claimant.pod_uid if claimant is not None else None),
+            retry_after_s=lambda: self.retry_after_s(model),
+            on_heartbeat=metrics.heartbeats.labels(model).inc, on_freeze=freeze)
 
     async def _refusal(self, downstream: Downstream, gen: ModelRequest,
                        refused: proxy.Refused) -> web.StreamResponse:
@@ -381,6 +438,48 @@ class Dispatcher:
             held.expected_wait_s = told.expected_wait_s
             if told.expected_wait_s is not None:
                 self._ready_at[model] = held.since + told.expected_wait_s
+
+
+def _claimant_of(state: RoutingState, decision: Decision) -> Claimant | None:
+    """The claimant a FORWARD ``decision`` names, as the routing state has it now."""
+    return next((c for c in state.claimants(decision.model)
+                 if c.claim_uid == decision.claim_uid), None)
+
+
+class _EngineWatch:
+    """The routing state's view of the engine one answer comes from
+    (:class:`~controller.gateway.proxy.EngineWatch`)."""
+
+    def __init__(self, state: RoutingState, decision: Decision, pod_uid: str | None) -> None:
+        self._state = state
+        self._decision = decision
+        self._pod_uid = pod_uid
+        self._version = state.model_version(decision.model)
+
+    def view(self) -> proxy.EngineView:
+        """Gone when the claim or the pod the answer was sent to is; frozen while the GPU
+        Lease, past the answer's fence, has settled with another holder or none (the
+        engine was put to sleep with the answer kept), and gone then too when the pod is
+        being deleted (it will not be woken again)."""
+        claimant = _claimant_of(self._state, self._decision)
+        if claimant is None:
+            return proxy.EngineView(gone="claim_gone")
+        if self._pod_uid is not None and claimant.pod_uid != self._pod_uid:
+            return proxy.EngineView(gone="pod_gone")
+        lease = self._state.lease_of(claimant)
+        if self._state.lost(self._decision) is None or lease is None:
+            return proxy.EngineView()
+        if claimant.pod_deleting:
+            return proxy.EngineView(gone="pod_deleted")
+        other = lease.holder_model if lease.holder_claim_uid != claimant.claim_uid else ""
+        return proxy.EngineView(frozen_at=lease.fence, frozen_for=other)
+
+    async def changed(self) -> None:
+        """Return once the answer's model changed (its claimants or their GPUs' Leases)."""
+        model = self._decision.model
+        while not await self._state.wait_changed(self._version, _WATCH_STEP_S, model=model):
+            pass
+        self._version = self._state.model_version(model)
 
 
 def _engine_message(refused: proxy.Refused) -> str:

@@ -65,7 +65,9 @@ from controller.gateway.errors import EngineRefused, GatewayError, error_body
 __all__ = ["PROGRESS_HEADER", "Downstream", "Held"]
 
 PROGRESS_HEADER = "X-Rota-Progress"
-"""The request header that asks for visible progress (``reasoning``) or not (``none``)."""
+"""The request header that asks for visible progress (``reasoning``), for a comment when a
+started stream is frozen (``1``, or ``reasoning``: :mod:`~controller.gateway.proxy`), or
+for neither (``none``)."""
 
 log = logging.getLogger(__name__)
 

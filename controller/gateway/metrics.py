@@ -91,6 +91,19 @@ class GatewayMetrics:
             "rota_gateway_upstream_retries_total", "Requests sent again because their engine "
             "was no longer serving (it lost the GPU) before any byte reached the client.",
             ["model_name"], registry=self.registry)
+        self.frozen_streams = Gauge(
+            "rota_gateway_frozen_streams", "Started answers whose engine is asleep with them "
+            "kept (its GPU Lease settled with another holder while they were open), by "
+            "model, until the engine's next bytes.", ["model_name"], registry=self.registry)
+        self.freeze_seconds = Histogram(
+            "rota_gateway_stream_freeze_duration_seconds", "How long a started answer stayed "
+            "frozen: from the GPU Lease showing its engine put to sleep to the engine's next "
+            "bytes (or the answer's end), by model.", ["model_name"],
+            buckets=_FIRST_BYTE_BUCKETS, registry=self.registry)
+        self.heartbeats = Counter(
+            "rota_gateway_stream_heartbeats_total", "SSE comment heartbeats written into "
+            "started event streams whose engine sent nothing for --stream-heartbeat-s, by "
+            "model.", ["model_name"], registry=self.registry)
         self.watch_restarts = Counter(
             "rota_gateway_watch_restarts_total", "Kubernetes watches re-opened after an "
             "error, by resource.", ["resource"], registry=self.registry)
@@ -114,7 +127,8 @@ class GatewayMetrics:
             "background.", registry=self.registry)
         self._by_model = (self.requests, self.queue_wait, self.first_byte, self.first_token,
                           self.activations, self.activation_seconds, self.engine_refusals,
-                          self.upstream_retries)
+                          self.upstream_retries, self.frozen_streams, self.freeze_seconds,
+                          self.heartbeats)
         self.info = Gauge("rota_gateway_info", "1, labelled with the gateway's version.",
                           ["version"], registry=self.registry)
         self.info.labels(package_version()).set(1)

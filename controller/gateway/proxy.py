@@ -25,6 +25,28 @@ answer, the client never sees a seemingly complete answer: an event stream ends 
 error event (``engine_broke_off``) and ``[DONE]``, as vLLM ends a stream whose generation
 failed; any other answer, whose status and length went out already, has its connection
 closed.
+
+**Frozen answers** (:class:`Pacing`). An engine whose requests are kept across a sleep
+(vLLM's ``mode=keep``) sends nothing while another model holds the GPU, for seconds. So
+that the answer stays open and well-formed through that:
+
+- An event stream is passed on **whole events** only: bytes after the last event boundary
+  (a blank line) wait for the rest of their event (at most :data:`_PARTIAL_LIMIT`; an
+  engine's chunks are whole events, so this costs nothing in practice). The client has
+  therefore always read whole events, and whatever the gateway adds goes between them.
+- While the engine sends nothing, a **heartbeat** (``: rota heartbeat``, an SSE comment,
+  skipped by every SSE client) every ``heartbeat_s``, so that proxies and load balancers
+  with idle timeouts keep the connection.
+- When the GPU Lease shows the engine put to sleep while the answer is open (its holder
+  changed away from the answer's claim), the answer is **frozen** until the engine's next
+  bytes; a client that asked (``X-Rota-Progress: 1``) is told with a comment
+  ``: rota paused model=<m> for=<other model> expected_s=<x>``.
+- The engine's **silence** is bounded by the read timeout the dispatcher gives (the
+  ``--upstream-read-timeout-s`` plus the freeze the claim allows): past it an event stream
+  ends with an error event (``upstream_timeout``) and ``[DONE]``.
+- An engine that is **stopped** while the answer is open (its claim or pod gone, or its
+  pod deleted while frozen: it will never be woken) ends an event stream at once with an
+  error event (``engine_broke_off``, ``retry_after``) and ``[DONE]``, instead of a hang.
 """
 
 from __future__ import annotations
@@ -35,16 +57,17 @@ import logging
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from controller.gateway.downstream import Downstream
-from controller.gateway.errors import Code, GatewayTimeout, Unavailable
+from controller.gateway.errors import Code, GatewayError, GatewayTimeout, Unavailable
 
-__all__ = ["Delivered", "Refused", "TokenSpotter", "forward", "read_bounded"]
+__all__ = ["HEARTBEAT", "Delivered", "EngineView", "EngineWatch", "Pacing", "Refused",
+           "TokenSpotter", "forward", "paused_note", "read_bounded"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +81,70 @@ _HOP_BY_HOP = frozenset({
 _PASSED_REQUEST_HEADERS = ("Accept", "traceparent", "tracestate", "OpenAI-Organization",
                            "OpenAI-Project")
 
+_PARTIAL_LIMIT = 256 * 1024
+"""Bytes of an unfinished event held back at most (beyond: not an event stream we
+understand, passed on as it comes)."""
+_BOUNDARIES = (b"\n\n", b"\r\n\r\n", b"\r\r")
+HEARTBEAT = b": rota heartbeat\n\n"
+"""What a silent event stream gets every ``heartbeat_s``: an SSE comment."""
+
 RefusalReason = Literal["unreachable", "http_503", "lost_gpu"]
+
+
+def paused_note(model: str, other: str, expected_s: float) -> bytes:
+    """The progress comment of a freeze: ``model``'s engine sleeps while ``other`` holds
+    the GPU, for at most about ``expected_s``."""
+    clean = [name.replace("\n", " ").replace("\r", " ") or "(none)" for name in (model, other)]
+    return f": rota paused model={clean[0]} for={clean[1]} expected_s={expected_s:g}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What the routing state says of the engine an answer comes from."""
+
+    frozen_at: int | None = None
+    """Set while the engine is asleep with the answer kept: the GPU Lease's fence then."""
+    frozen_for: str = ""
+    """The model that holds the GPU meanwhile ("" when none)."""
+    gone: str | None = None
+    """Why the engine will never finish the answer (its claim or pod is gone)."""
+
+
+class EngineWatch(Protocol):
+    """The routing state's view of one answer's engine."""
+
+    def view(self) -> EngineView:
+        """What is known now."""
+
+    async def changed(self) -> None:
+        """Return once something the view is made from may have changed."""
+
+
+def _ignore() -> None:
+    return None
+
+
+def _ignore_freeze(seconds: float | None) -> None:
+    return None
+
+
+@dataclass
+class Pacing:
+    """How a started answer is kept while its engine is silent (see the module)."""
+
+    model: str = ""
+    heartbeat_s: float = 0.0
+    """0: no heartbeats."""
+    progress: bool = False
+    """The client asked to be told of freezes."""
+    expected_freeze_s: float = 0.0
+    """What a freeze is expected to last at most (the claim's longest freeze)."""
+    watch: EngineWatch | None = None
+    retry_after_s: Callable[[], float] = lambda: 1.0
+    """When a client whose engine stopped should ask again."""
+    on_heartbeat: Callable[[], None] = _ignore
+    on_freeze: Callable[[float | None], None] = _ignore_freeze
+    """Called with None when a freeze begins, with its seconds when it ends."""
 
 
 @dataclass
@@ -216,26 +302,216 @@ async def _first_of(opening: Awaitable[_Opened],
     raise failure
 
 
-async def _broken_off(downstream: Downstream, upstream: aiohttp.ClientResponse, tail: bytes,
-                      exc: BaseException, log_extra: dict[str, str]) -> None:
-    """The engine broke off its answer: an event stream (200) ends with an error event
-    the client can read; anything else, whose status and length were sent already, can
-    only be cut."""
-    streamed = downstream.early or (
+def _streamed(downstream: Downstream, upstream: aiohttp.ClientResponse) -> bool:
+    """The client's answer is an event stream (its own engine's, or the early one)."""
+    return downstream.early or (
         upstream.status == 200
         and upstream.headers.get("Content-Type", "").startswith("text/event-stream"))
-    log.warning("engine broke off its answer", extra=log_extra | {
-        "error": repr(exc)[:200], "ending": "error event" if streamed else "connection cut"})
-    if streamed:
-        with suppress(ConnectionError):
-            await downstream.broken_off(Unavailable(
-                f"The engine broke off its answer ({type(exc).__name__}); the answer is "
-                "incomplete. Ask again.", code=Code.ENGINE_BROKE_OFF, retry_after=1),
-                at_event_boundary=tail.endswith((b"\n\n", b"\r\n\r\n")))
+
+
+def _last_boundary(data: bytes | bytearray) -> int:
+    """The end of the last whole event in ``data`` (0: none)."""
+    ends = [at + len(mark) for mark in _BOUNDARIES if (at := data.rfind(mark)) >= 0]
+    return max(ends, default=0)
+
+
+class _Relay:
+    """Passes one started answer from the engine to the client (see the module)."""
+
+    def __init__(self, downstream: Downstream, upstream: aiohttp.ClientResponse,
+                 response: web.StreamResponse, pacing: Pacing, silence_s: float | None,
+                 on_first_token: Callable[[], None], log_extra: dict[str, str]) -> None:
+        self.downstream = downstream
+        self.upstream = upstream
+        self.response = response
+        self.pacing = pacing
+        self.silence_s = silence_s
+        self.on_first_token = on_first_token
+        self.log_extra = log_extra
+        self.streamed = _streamed(downstream, upstream)
+        self.spotter = TokenSpotter()
+        self.partial = bytearray()
+        """Bytes of an event not yet whole (event streams only), held back."""
+        self.at_boundary = True
+        """The client has read whole events only (nothing of an event is pending)."""
+        self.frozen_since: float | None = None
+        self.frozen_fence: int | None = None
+        self.spoke = False
+        """The engine sent bytes since the freeze began."""
+        self.last_sent = self._now()
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
+
+    async def run(self, first: bytes) -> Delivered:
+        """Relay ``first`` and the rest; Delivered says how it ended."""
+        try:
+            return await self._relay(first)
+        except ConnectionError:
+            return self._delivered(complete=False, client_gone=True)
+        finally:
+            self._thaw()
+
+    def _delivered(self, *, complete: bool, client_gone: bool = False) -> Delivered:
+        return Delivered(self.response, self.upstream.status, complete=complete,
+                         client_gone=client_gone)
+
+    async def _relay(self, chunk: bytes) -> Delivered:
+        watch = self.pacing.watch
+        reader: asyncio.Future[bytes] | None = None
+        watcher: asyncio.Future[None] | None = None
+        try:
+            while True:
+                if reader is None:
+                    if not chunk:
+                        break
+                    await self._pass(chunk)
+                    reader = asyncio.ensure_future(self.upstream.content.readany())
+                if watcher is None and watch is not None:
+                    watcher = asyncio.ensure_future(watch.changed())
+                waiting: set[asyncio.Future[bytes] | asyncio.Future[None]] = {reader}
+                if watcher is not None:
+                    waiting.add(watcher)
+                done, _ = await asyncio.wait(waiting, timeout=self._beat_in(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if reader in done:
+                    try:
+                        chunk = reader.result()
+                    except (aiohttp.ClientError, TimeoutError) as exc:
+                        await self._broken_off(exc)
+                        return self._delivered(complete=False)
+                    reader = None
+                    continue
+                if watcher is not None and watcher in done:
+                    watcher.result()
+                    watcher = None
+                    assert watch is not None
+                    if not await self._judge(watch.view()):
+                        return self._delivered(complete=False)
+                    continue
+                await self._heartbeat()
+        finally:
+            for task in (reader, watcher):
+                if task is not None and not task.done():
+                    task.cancel()
+        if self.partial:
+            await self.response.write(bytes(self.partial))  # the engine's last bytes as sent
+            self.partial.clear()
+        await self.response.write_eof()
+        return self._delivered(complete=True)
+
+    async def _pass(self, chunk: bytes) -> None:
+        """Pass the engine's bytes on (an event stream's whole events only)."""
+        if self.frozen_since is not None:
+            self.spoke = True
+            watch = self.pacing.watch
+            if watch is None or watch.view().frozen_at is None:
+                self._thaw()  # (bytes still in flight when the freeze began do not end it)
+        if self.spotter.feed(chunk):
+            self.on_first_token()
+        if not self.streamed:
+            out = chunk
+        else:
+            self.partial += chunk
+            cut = _last_boundary(self.partial)
+            if len(self.partial) > _PARTIAL_LIMIT:
+                cut = len(self.partial)  # not events we understand: pass it as it is
+            out = bytes(self.partial[:cut])
+            del self.partial[:cut]
+            if out:
+                self.at_boundary = _last_boundary(out) == len(out)
+        if out:
+            await self.response.write(out)
+            self.last_sent = self._now()
+
+    def _beat_in(self) -> float | None:
+        """Seconds until the next heartbeat is due (None: never)."""
+        if not (self.streamed and self.pacing.heartbeat_s > 0):
+            return None
+        return max(0.0, self.last_sent + self.pacing.heartbeat_s - self._now())
+
+    async def _heartbeat(self) -> None:
+        """The engine sent nothing for ``heartbeat_s``: a comment, between two events."""
+        if not self.at_boundary:
+            self.last_sent = self._now()  # mid-event (an engine out of step): skip one
             return
-    transport = downstream.request.transport
-    if transport is not None:
-        transport.close()
+        await self.response.write(HEARTBEAT)
+        self.last_sent = self._now()
+        self.pacing.on_heartbeat()
+
+    async def _judge(self, view: EngineView) -> bool:
+        """Act on a new view of the engine; False when the answer was ended for it."""
+        if view.gone is not None:
+            await self._engine_gone(view.gone)
+            return False
+        if view.frozen_at is None:
+            if self.spoke:
+                self._thaw()  # the engine spoke before this gateway saw it woken
+            return True
+        if view.frozen_at == self.frozen_fence:
+            return True
+        self.frozen_fence = view.frozen_at
+        if self.frozen_since is None:
+            self.frozen_since = self._now()
+            self.spoke = False
+            self.pacing.on_freeze(None)
+            log.info("engine put to sleep with the answer kept", extra=self.log_extra | {
+                "for_model": view.frozen_for})
+        if self.streamed and self.pacing.progress and self.at_boundary:
+            await self.response.write(paused_note(self.pacing.model, view.frozen_for,
+                                                  self.pacing.expected_freeze_s))
+            self.last_sent = self._now()
+        return True
+
+    def _thaw(self) -> None:
+        """The engine was woken and sent bytes again (or the answer ended): a freeze is
+        over."""
+        if self.frozen_since is not None:
+            self.pacing.on_freeze(self._now() - self.frozen_since)
+            self.frozen_since = None
+
+    async def _engine_gone(self, why: str) -> None:
+        frozen = self.frozen_since is not None
+        log.warning("the engine of an answer in progress stopped", extra=self.log_extra | {
+            "reason": why, "frozen": frozen})
+        await self._end(Unavailable(
+            f"The engine serving this answer stopped ({why}) while the answer was "
+            f"{'frozen for another model' if frozen else 'in progress'}; the answer is "
+            "incomplete. Ask again.", code=Code.ENGINE_BROKE_OFF,
+            retry_after=self.pacing.retry_after_s()))
+
+    async def _broken_off(self, exc: BaseException) -> None:
+        """The engine broke off its answer, or stayed silent past the read timeout."""
+        err: GatewayError
+        if isinstance(exc, TimeoutError):
+            limit = f"{self.silence_s:g}" if self.silence_s is not None else "too many"
+            err = GatewayTimeout(
+                f"The engine sent nothing more for {limit} seconds (the read timeout plus "
+                "the longest freeze its claim allows); the answer is incomplete.",
+                code=Code.UPSTREAM_TIMEOUT)
+            err.retry_after = self.pacing.retry_after_s()
+        else:
+            err = Unavailable(
+                f"The engine broke off its answer ({type(exc).__name__}); the answer is "
+                "incomplete. Ask again.", code=Code.ENGINE_BROKE_OFF, retry_after=1)
+        log.warning("engine broke off its answer", extra=self.log_extra | {
+            "error": repr(exc)[:200], "code": err.code,
+            "ending": "error event" if self.streamed else "connection cut"})
+        await self._end(err)
+
+    async def _end(self, err: GatewayError) -> None:
+        """End the answer early: an event stream with ``err`` as an error event and
+        ``[DONE]`` after its last whole event (an unfinished one is dropped); anything
+        else, whose status and length were sent already, can only be cut."""
+        if self.streamed:
+            self.partial.clear()
+            with suppress(ConnectionError):
+                await self.downstream.broken_off(err, at_event_boundary=self.at_boundary)
+                return
+        transport = self.downstream.request.transport
+        if transport is not None:
+            transport.close()
 
 
 async def forward(downstream: Downstream, session: aiohttp.ClientSession, url: str, *,
@@ -243,7 +519,8 @@ async def forward(downstream: Downstream, session: aiohttp.ClientSession, url: s
                   engine_key: str | None = None, content_type: str = "application/json",
                   lost: Callable[[], Awaitable[str]] | None = None,
                   on_first_byte: Callable[[], None], on_first_token: Callable[[], None],
-                  log_extra: dict[str, str]) -> Delivered | Refused:
+                  log_extra: dict[str, str], pacing: Pacing | None = None
+                  ) -> Delivered | Refused:
     """Send ``body`` to ``url`` and pass the answer to ``downstream``'s client.
 
     Raises:
@@ -281,30 +558,13 @@ async def forward(downstream: Downstream, session: aiohttp.ClientSession, url: s
         except ConnectionError:
             return Delivered(downstream.response or web.StreamResponse(), upstream.status,
                              complete=False, client_gone=True)
-        spotter = TokenSpotter()
-        chunk = opened.first
-        tail = b""
-        if chunk:
+        if opened.first:
             on_first_byte()
-        while chunk:
-            if spotter.feed(chunk):
-                on_first_token()
-            try:
-                await response.write(chunk)
-            except ConnectionError:
-                return Delivered(response, upstream.status, complete=False, client_gone=True)
-            tail = (tail + chunk)[-4:]
-            try:
-                chunk = await upstream.content.readany()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                await _broken_off(downstream, upstream, tail, exc, log_extra)
-                return Delivered(response, upstream.status, complete=False)
-        finished = True
-        try:
-            await response.write_eof()
-        except ConnectionError:
-            return Delivered(response, upstream.status, complete=False, client_gone=True)
-        return Delivered(response, upstream.status, complete=True)
+        relay = _Relay(downstream, upstream, response, pacing or Pacing(),
+                       client_timeout.sock_read, on_first_token, log_extra)
+        delivered = await relay.run(opened.first)
+        finished = delivered.complete
+        return delivered
     finally:
         if finished:
             upstream.release()

@@ -102,7 +102,16 @@ class GatewaySettings(BaseModel):
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0, description="Timeout to "
                                               "connect to an engine.")
     upstream_read_timeout_s: float = Field(default=300.0, gt=0, description="Longest silence "
-                                           "between two chunks of an engine's answer.")
+                                           "between two chunks of an engine's answer, on top "
+                                           "of the freeze its claim allows (a freeze is never "
+                                           "a timeout: see --longest-freeze-s).")
+    longest_freeze_s: float = Field(default=3.0, gt=0, le=3600, description="The longest "
+                                    "freeze of a started answer (its engine asleep with the "
+                                    "request kept) for a claim whose config names none "
+                                    "(longestFreezeSeconds); keep it equal to the lease "
+                                    "controllers' --longest-freeze-s. The claim's bound plus "
+                                    "its model's measured switch cost is added to "
+                                    "--upstream-read-timeout-s.")
     upstream_attempts: int = Field(default=4, ge=1, le=10, description="Attempts of one request "
                                    "whose engine was not serving (asleep, unreachable) before "
                                    "any byte reached the client.")
@@ -113,6 +122,11 @@ class GatewaySettings(BaseModel):
                                       "still waiting (queue, switch) after this many seconds "
                                       "gets its 200 SSE answer started and an SSE comment "
                                       "this often until the engine answers; 0 turns it off.")
+    stream_heartbeat_s: float = Field(default=5.0, ge=0, description="A started event "
+                                      "stream that gets no bytes from its engine (frozen "
+                                      "while another model holds the GPU, or slow) gets an "
+                                      "SSE comment this often, between events, so that "
+                                      "proxies with idle timeouts keep it; 0 turns it off.")
     engine_key_ttl_s: float = Field(default=60.0, gt=0, description="How long an engine API "
                                     "key read from its Secret is used before it is read "
                                     "again.")

@@ -146,7 +146,8 @@ def parser() -> argparse.ArgumentParser:
     add("--trace", type=Path, default=None, help="CSV of timestamp (s), model, context "
         "tokens, generated tokens, replayed as written")
     add("--write-trace", type=Path, default=None,
-        help="write the window of the Azure trace to this CSV and exit")
+        help="write the windows of the Azure trace to this CSV (each at its offset from "
+             "the first's start) and exit")
     add("--mapping", choices=("services", "modulo", "shift"), default="modulo")
     add("--speed", type=float, default=0.4,
         help="the trace's time is divided by this (0.4: 40 %% as dense)")
@@ -203,17 +204,24 @@ def parser() -> argparse.ArgumentParser:
 
 # -- the window ------------------------------------------------------------------------------
 
+ORIGIN = "# origin"
+"""A CSV's row that says where its time 0 is (``--write-trace`` writes ``# origin 0``)."""
+
+
 def read_trace(path: Path) -> list[Arrival]:
     """A CSV of ``timestamp, model, context, generated`` (seconds; any header row is
     skipped); models named ``m0``, ``m1``... are those engines, other names are numbered
-    in their sorted order."""
+    in their sorted order. Time 0 is the first arrival, or where a ``# origin T`` row
+    says."""
     with path.open(newline="") as f:
-        raw = [r for r in csv.reader(f) if r and not r[0].strip().lower().startswith(
-            ("timestamp", "#"))]
+        rows = [r for r in csv.reader(f) if r]
+    raw = [r for r in rows if not r[0].strip().lower().startswith(("timestamp", "#"))]
+    origin = next((float(r[0].strip()[len(ORIGIN):]) for r in rows
+                   if r[0].strip().startswith(ORIGIN)), None)
     found = sorted({r[1].strip() for r in raw})
     numbered = all(n[:1] == "m" and n[1:].isdigit() for n in found)  # as --write-trace names
     names = {n: int(n[1:]) if numbered else k for k, n in enumerate(found)}
-    t0 = min((float(r[0]) for r in raw), default=0.0)
+    t0 = origin if origin is not None else min((float(r[0]) for r in raw), default=0.0)
     return sorted((Arrival(float(r[0]) - t0, names[r[1].strip()], int(r[2]), max(1, int(r[3])))
                    for r in raw), key=lambda a: a.at)
 
@@ -254,9 +262,12 @@ def windows_of(args: argparse.Namespace) -> list[tuple[float, list[Arrival]]]:
 
 
 def write_trace(arrivals: Sequence[Arrival], path: Path) -> None:
+    """The arrivals as a CSV that :func:`read_trace` reads back as they are (its time 0
+    written out)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         out = csv.writer(f)
+        out.writerow([f"{ORIGIN} 0"])
         out.writerow(["timestamp", "model", "context_tokens", "generated_tokens"])
         for a in arrivals:
             out.writerow([f"{a.at:.4f}", f"m{a.model}", a.context, a.generated])
@@ -655,9 +666,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"Window from {start_s:g} s:")
             print(simulated(arrivals, weights, args)["table"])
         return 0
-    if args.write_trace is not None:
-        write_trace(windows[0][1], args.write_trace)
-        print(f"{len(windows[0][1])} arrivals written to {args.write_trace}")
+    if args.write_trace is not None:  # every window, each at its offset from the first's
+        first = windows[0][0]
+        cut_out = [Arrival(start - first + a.at, a.model, a.context, a.generated)
+                   for start, arrivals in windows for a in arrivals]
+        write_trace(cut_out, args.write_trace)
+        print(f"{len(cut_out)} arrivals of {len(windows)} windows written to "
+              f"{args.write_trace}; replay them with --trace {args.write_trace} --windows "
+              f"{len(windows)} --window-every {args.window_every:g} --window-s "
+              f"{args.window_s:g}")
         return 0
     configure(args.log_level)
     began = time.monotonic()

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from e2e.gpu.policy_replay import Arrival
-from e2e.gpu.policy_run import read_trace, write_trace
+from e2e.gpu.policy_run import parser, read_trace, windows_of, write_trace
 from tests.gpu.models import stop_recorded_engines, write_models
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,29 +99,47 @@ def test_a_window_is_replayed_through_the_controller_by_every_policy(tmp: Path) 
 
 def test_engines_that_do_not_fit_awake_together_have_no_all_awake_bound(tmp: Path) -> None:
     _window(tmp / "window.csv")
-    # three engines of a 60 GiB KV cache on the fake H200's 141 GiB: one awake at a time
+    # three engines of a 60 GiB KV cache on the fake H200's 141 GiB: one awake at a time;
+    # every stream counted frozen (any gap), so each is checked against a reference taken
+    # from each engine woken alone
     done, result = _run(tmp, "--kv", "60Gi", "--start", "sequential",
-                        "--policies", "all-awake,first-come")
+                        "--policies", "all-awake,first-come", "--frozen-gap-s", "0")
     assert not result["all_awake"]["fits"]
-    runs = {r["mode"]: r for r in result["windows"][0]["runs"]}
+    [window] = result["windows"]
+    runs = {r["mode"]: r for r in window["runs"]}
     assert runs["all-awake"]["fits"] is False
     assert runs["all-awake"]["need_mib"] > runs["all-awake"]["gpu_mib"]
     assert sum(row["served"] for row in runs["first-come"]["rows"]) == 18
+    assert window["references"]["from"] == "each engine woken alone"
+    assert window["references"]["count"] == 3
+    assert window["references"]["failed_switches"] == []
+    checked = runs["first-come"]["correctness"]
+    assert checked["frozen"] == checked["identical"] == 18
     assert "| 0 s | all-awake |  | does not fit" in done.stdout
 
 
-def test_the_azure_window_is_cut_into_a_csv(tmp_path: Path) -> None:
+def test_the_azure_windows_are_cut_into_a_csv_that_replays_them(tmp_path: Path) -> None:
     from e2e.bench.policy import DATA
 
     if not (DATA / "AzureLLMInferenceTrace_code.csv").is_file():
         pytest.skip(f"the Azure trace is not in {DATA}")
     path = tmp_path / "cut.csv"
     done = subprocess.run([sys.executable, "-m", "e2e.gpu.policy_run", "--write-trace",
-                           str(path), "--speed", "0.2", "--start-s", "600", "--window-s", "30"],
+                           str(path), "--speed", "0.2", "--window-from", "600",
+                           "--window-s", "30"],
                           cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
-    assert "arrivals written" in done.stdout
+    assert "arrivals of 3 windows written" in done.stdout
     cut = read_trace(path)
     assert cut
-    assert all(0 <= a.at < 30 and a.model in (0, 1, 2) for a in cut)
+    assert all(a.at % 1200 < 30 and a.model in (0, 1, 2) for a in cut)
     assert max(a.context for a in cut) <= 2048
     assert max(a.generated for a in cut) <= 256
+    azure = windows_of(parser().parse_args(["--speed", "0.2", "--window-from", "600",
+                                            "--window-s", "30"]))
+    replayed = windows_of(parser().parse_args(["--trace", str(path), "--windows", "3",
+                                               "--window-every", "1200", "--window-s", "30"]))
+    assert [len(w) for _, w in replayed] == [len(w) for _, w in azure]
+    for (_, mine), (_, theirs) in zip(replayed, azure, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert (a.model, a.context, a.generated) == (b.model, b.context, b.generated)
+            assert abs(a.at - b.at) < 1e-3  # written to a tenth of a millisecond
