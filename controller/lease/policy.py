@@ -67,6 +67,7 @@ __all__ = [
     "ClaimQueue",
     "Decision",
     "GpuView",
+    "KeptWork",
     "ModelPolicy",
     "PolicyInput",
     "PolicyMode",
@@ -78,7 +79,7 @@ __all__ = [
 
 RULES = ("cancelled", "bounded_wait", "priority_preempt", "holder_idle", "quantum", "cost",
          "stay", "keep_alive", "home_return", "idle_sleep", "idle", "first_request",
-         "first_come")
+         "first_come", "freeze_bound", "first_token_due")
 """Every rule :func:`decide` can name: the values of the metric label ``rule``."""
 
 
@@ -87,7 +88,7 @@ class Action(StrEnum):
     """Nothing changes now; ask again at :attr:`Decision.recheck_at` (or on news)."""
     SWITCH = "switch"
     """Make :attr:`Decision.target` the awake engine (the holder, if any, drains and
-    sleeps)."""
+    sleeps, or with :attr:`Decision.preempt` sleeps at once with its requests kept)."""
     SLEEP = "sleep"
     """Put the holder to sleep; the GPU goes idle."""
     CANCEL = "cancel"
@@ -98,7 +99,11 @@ class PolicyMode(StrEnum):
     """How a GPU chooses whom to serve next (the node's ``--policy-mode``)."""
 
     ROTA = "rota"
-    """The rules of this module (quantum, bounds, priorities, cost, fair share)."""
+    """The rules of this module (quantum, bounds, priorities, cost, fair share) and the
+    service objectives: a holder that keeps its requests may be preempted (the default)."""
+    DRAIN = "drain"
+    """The same rules without preemption: every switch drains the holder first, whatever
+    its claim keeps (rota's policy before turns at token granularity; the baseline)."""
     FIRST_COME = "first-come"
     """On-demand switching in arrival order, llama-swap's behaviour: a request for a
     sleeping model drains and sleeps the holder and wakes its model at once."""
@@ -121,6 +126,19 @@ class ModelPolicy:
     """The bound on a request's wait for a switch while the GPU serves others."""
     share_weight: float = 1.0
     """Weight in the fair share under sustained contention."""
+    first_token_s: float = 2.0
+    """The objective for a request's first token (EngineConfig ``firstTokenSeconds``):
+    a waiter due at it preempts a holder that keeps its requests (``first_token_due``)."""
+    longest_freeze_s: float = 3.0
+    """The longest gap a started stream may suffer while its engine sleeps with the
+    stream kept (EngineConfig ``longestFreezeSeconds``); a bound (``freeze_bound``)."""
+    keeps_requests: bool = False
+    """Whether a switch away from this claimant may keep its requests in flight (sleep
+    with them kept, continued at its next wake) instead of draining them."""
+    switch_share: float = 0.25
+    """Node-wide: the largest share of GPU time a preemptible holder's turn spends on
+    switching: its quantum is at least ``(1 - share) / share`` times the switch's cost
+    (the kept requests' recompute included), 3 x at 25 %."""
     mode: PolicyMode = PolicyMode.ROTA
     """Node-wide: :func:`decide` reads it from :attr:`PolicyInput.default_policy` (the
     node's defaults), never from a claim's own policy; a claim cannot set it."""
@@ -130,6 +148,36 @@ class ModelPolicy:
             raise ValueError("keep-alive and quantum must not be negative")
         if self.max_wait_s <= 0 or self.share_weight <= 0:
             raise ValueError("max_wait_s and share_weight must be positive")
+        if self.first_token_s <= 0 or self.longest_freeze_s <= 0:
+            raise ValueError("first_token_s and longest_freeze_s must be positive")
+        if not 0 < self.switch_share < 1:
+            raise ValueError("switch_share must be between 0 and 1")
+
+
+RECOMPUTE_TOKENS_PER_S = 10_000.0
+"""The default rate at which a woken engine recomputes its kept requests: a prefill rate
+well below what one H100 does for a small model (tens of thousands of tokens a second),
+so the policy errs towards waking a frozen engine early."""
+
+HOLDER_TOKENS_PER_REQUEST = 1024
+"""The tokens (prompt and generated) a holder's request in flight is assumed to hold when
+the policy weighs preempting it: its exact count is only read at the sleep."""
+
+DUE_MARGIN_S = 0.1
+"""How early a first-token or freeze deadline is acted on: the worker's own reaction
+(its look at the engine's load, the decision, the first call of the switch)."""
+
+
+@dataclass(frozen=True)
+class KeptWork:
+    """A sleeping claimant's frozen requests: kept by a preemptive switch away from it,
+    continued at its next wake."""
+
+    count: int
+    frozen_since: float
+    """When its engine was put to sleep with them."""
+    recompute_tokens: int = 0
+    """Their prompt and generated tokens, recomputed after the wake."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +190,9 @@ class SwitchCost:
     """Waking it."""
     probe_s: float = 0.1
     """Its correctness request's first token after the wake."""
+    recompute_tokens_per_s: float = RECOMPUTE_TOKENS_PER_S
+    """How fast its engine recomputes kept requests after a wake (prompt and generated
+    tokens per second; vLLM preempts them at the sleep and prefills them again)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +214,10 @@ class GpuView:
     """A switch decided earlier and not yet at its wake: its target."""
     idle_since: float = -math.inf
     """When the GPU last had work of anyone (for the home return of an idle GPU)."""
+    switch_in_s: float = 0.0
+    """What the switch that woke the holder cost, as measured: the previous holder's
+    sleep, the wake, the probe and the recompute of its kept requests (0: not known;
+    its own sleep, wake and probe stand in). Sizes its turn before it is preempted."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +244,8 @@ class PolicyInput:
     """How long without work before the home model is woken."""
     usage_s: Mapping[str, float] = field(default_factory=dict)
     """Recent awake seconds per claimant (for the fair share; empty: not used)."""
+    kept: Mapping[str, KeptWork] = field(default_factory=dict)
+    """Sleeping claimants' frozen requests: each waits for its wake like a queue does."""
 
 
 @dataclass(frozen=True)
@@ -199,11 +256,24 @@ class Decision:
     target: str | None = None
     recheck_at: float | None = None
     """When to decide again if nothing else happens (None: on the next event)."""
+    preempt: bool = False
+    """On :attr:`Action.SWITCH`: switch without draining; the holder sleeps with its
+    requests kept. Only ever True when the holder's policy keeps requests."""
 
 
 def quantum_of(inp: PolicyInput, holder: str, target: str | None) -> float:
-    """The holder's quantum against a switch to ``target``."""
+    """The holder's quantum against a switch to ``target``.
+
+    A holder that may be preempted (``rota`` mode, its requests kept, busy) has the
+    quantum that keeps switching within its ``switch_share`` of GPU time: the switch's
+    cost, the target's recompute included (or the switch that brought the holder in and
+    its sleep, if more), times ``(1 - share) / share``; no drain is counted since none
+    happens. Any other holder: ``max(min_quantum_s, quantum_factor x
+    (the switch's cost + the holder's measured drain))``."""
     policy = inp.policies.get(holder, inp.default_policy)
+    if target is not None and _preemptible(inp, holder):
+        return max(_tenure_ends(inp, holder) - inp.gpu.awake_since, _turn_quantum(
+            inp, policy, _cost(inp, holder, target) + _recompute_s(inp, target)))
     cost = _cost(inp, holder, target) if target else _wake_cost(inp, holder)
     return max(policy.min_quantum_s, policy.quantum_factor * (cost + inp.gpu.drain_estimate_s))
 
@@ -221,6 +291,28 @@ def _cost(inp: PolicyInput, holder: str | None, target: str) -> float:
     """Sleep of the holder + wake of the target + its probe."""
     sleep = inp.costs.get(holder, inp.default_cost).sleep_s if holder else 0.0
     return sleep + _wake_cost(inp, target)
+
+
+def _recompute_s(inp: PolicyInput, claim: str, tokens: int | None = None) -> float:
+    """How long ``claim``'s engine recomputes its kept requests after its wake."""
+    if tokens is None:
+        kept = inp.kept.get(claim)
+        tokens = kept.recompute_tokens if kept is not None else 0
+    rate = inp.costs.get(claim, inp.default_cost).recompute_tokens_per_s
+    return tokens / rate if rate > 0 else 0.0
+
+
+def _turn_quantum(inp: PolicyInput, policy: ModelPolicy, cost: float) -> float:
+    """The least service a turn that cost ``cost`` must give, for the switch share."""
+    share = inp.default_policy.switch_share
+    return cost * (1.0 - share) / share if policy.keeps_requests else 0.0
+
+
+def _preemptible(inp: PolicyInput, holder: str | None) -> bool:
+    """Whether a switch away from ``holder`` may keep its requests (``rota`` mode, its
+    claim keeps requests, and it has requests to keep)."""
+    return (holder is not None and inp.default_policy.mode is PolicyMode.ROTA
+            and inp.gpu.in_flight > 0 and _policy(inp, holder).keeps_requests)
 
 
 def _wait(inp: PolicyInput, q: ClaimQueue) -> float:
@@ -241,9 +333,179 @@ def _score(inp: PolicyInput, q: ClaimQueue, holder: str | None) -> float:
     return score
 
 
-def _best(inp: PolicyInput, waiters: list[ClaimQueue], holder: str | None) -> ClaimQueue:
-    return max(waiters, key=lambda q: (_policy(inp, q.claim).priority,
+def _best(inp: PolicyInput, waiters: list[ClaimQueue], holder: str | None, *,
+          preempted: bool = False) -> ClaimQueue:
+    """The waiter to serve next by priority and score; while streams are frozen, the
+    frozen claimant with the earliest deadline instead when serving the best first
+    would keep some stream frozen past its bound (the order of turns is by deadline)."""
+    best = max(waiters, key=lambda q: (_policy(inp, q.claim).priority,
                                        _score(inp, q, holder), -q.oldest_since))
+    if not inp.kept or inp.default_policy.mode is not PolicyMode.ROTA:
+        return best
+    if _freeze_fits(inp, holder, best.claim, preempted=preempted)[0]:
+        return best
+    frozen = [(inp.kept[q.claim].frozen_since + _policy(inp, q.claim).longest_freeze_s, q)
+              for q in waiters if q.claim in inp.kept and inp.kept[q.claim].count > 0]
+    return min(frozen, key=lambda f: f[0])[1] if frozen else best
+
+
+def _waiters(inp: PolicyInput, holder: str | None) -> list[ClaimQueue]:
+    """Every claimant waiting for the GPU: its queue, and its kept requests (a frozen
+    stream waits for its engine's wake like a queued request does)."""
+    found = {q.claim: q for q in inp.queues if q.length > 0 and q.claim != holder}
+    for claim, kept in inp.kept.items():
+        if kept.count <= 0 or claim == holder:
+            continue
+        q = found.get(claim)
+        found[claim] = (ClaimQueue(claim, kept.count, kept.frozen_since) if q is None else
+                        ClaimQueue(claim, q.length + kept.count,
+                                   min(q.oldest_since, kept.frozen_since)))
+    return list(found.values())
+
+
+@dataclass(frozen=True)
+class _Due:
+    """A waiter at (or past) one of its bounds: ``urgency`` is its elapsed time plus what
+    still stands before it is served, over the bound (>= 1: due)."""
+
+    urgency: float
+    rule: str
+    queue: ClaimQueue
+    note: str
+
+
+def _queued(inp: PolicyInput, claim: str) -> ClaimQueue | None:
+    return next((q for q in inp.queues if q.claim == claim and q.length > 0), None)
+
+
+def _bounds(inp: PolicyInput, waiters: list[ClaimQueue], holder: str | None,
+            preemptible: bool) -> list[_Due]:
+    """Every waiter's urgency against each of its bounds, the due ones (rules 2a-2c)."""
+    drain = inp.gpu.drain_estimate_s if holder and not preemptible else 0.0
+    rota = inp.default_policy.mode is PolicyMode.ROTA
+    due: list[_Due] = []
+    for q in waiters:
+        policy = _policy(inp, q.claim)
+        cost = _cost(inp, holder, q.claim)
+        urgency = (_wait(inp, q) + cost + drain) / policy.max_wait_s
+        if urgency >= 1.0:
+            due.append(_Due(urgency, "bounded_wait", q, f"{q.claim}'s oldest request has "
+                            f"waited {_wait(inp, q):.1f} s of its {policy.max_wait_s:g} s "
+                            "bound"))
+        kept = inp.kept.get(q.claim) if rota else None
+        if kept is not None and kept.count > 0:
+            frozen = max(0.0, inp.gpu.now - kept.frozen_since)
+            back = cost + _recompute_s(inp, q.claim) + DUE_MARGIN_S
+            urgency = (frozen + back) / policy.longest_freeze_s
+            if urgency >= 1.0:
+                due.append(_Due(urgency, "freeze_bound", q, f"{q.claim}'s {kept.count} "
+                                f"kept requests have been frozen {frozen:.2f} s of their "
+                                f"{policy.longest_freeze_s:g} s bound (back in "
+                                f"{back:.2f} s)"))
+        queued = _queued(inp, q.claim) if preemptible else None
+        if queued is not None and holder is not None:
+            back = cost + _recompute_s(inp, q.claim) + DUE_MARGIN_S
+            urgency = (_wait(inp, queued) + back) / policy.first_token_s
+            fits, why = _freeze_fits(inp, holder, q.claim)
+            if urgency >= 1.0 and fits:
+                due.append(_Due(urgency, "first_token_due", q, f"{q.claim}'s oldest "
+                                f"request needs its first token within "
+                                f"{policy.first_token_s:g} s (waited "
+                                f"{_wait(inp, queued):.2f} s, the switch takes "
+                                f"{back:.2f} s)"))
+            elif urgency >= 1.0:
+                log_note = f"{q.claim}'s first token is due but {why}"
+                due.append(_Due(0.0, "", q, log_note))
+    return due
+
+
+def _freeze_fits(inp: PolicyInput, holder: str | None, target: str, *,
+                 preempted: bool = True) -> tuple[bool, str]:
+    """Whether serving ``target`` next keeps every frozen stream within its longest
+    freeze: every claimant's kept streams, and the holder's when it is ``preempted``,
+    woken in order of their deadlines (earliest first) after the target's turn, each turn
+    given the least service the switch share asks. The text says which would overrun."""
+    now = inp.gpu.now
+    holder_frozen: list[tuple[float, str, int | None]] = [] if holder is None or not (
+        preempted) else [(now + _policy(inp, holder).longest_freeze_s, holder,
+                          inp.gpu.in_flight * HOLDER_TOKENS_PER_REQUEST)]
+    deadlines = sorted(
+        [(k.frozen_since + _policy(inp, c).longest_freeze_s, c, None)
+         for c, k in inp.kept.items() if k.count > 0 and c not in (holder, target)]
+        + holder_frozen)
+    drain = inp.gpu.drain_estimate_s if holder is not None and not preempted else 0.0
+    switch_in = _cost(inp, holder, target) + _recompute_s(inp, target)
+    t = now + drain + switch_in + _own_turn(inp, target, switch_in)
+    previous: str | None = target
+    for deadline, claim, tokens in deadlines:
+        switch_in = _cost(inp, previous, claim) + _recompute_s(inp, claim, tokens)
+        t += switch_in
+        if t > deadline:
+            return False, (f"{claim}'s frozen streams would wait {t - deadline:.2f} s past "
+                           f"their {_policy(inp, claim).longest_freeze_s:g} s bound")
+        t += _own_turn(inp, claim, switch_in)
+        previous = claim
+    return True, ""
+
+
+def _own_turn(inp: PolicyInput, claim: str, switch_in_s: float) -> float:
+    """The least service a turn of ``claim`` gets: the switch that brought it in (the
+    previous holder's sleep, its wake, probe and kept requests' recompute) and the sleep
+    that ends it, stretched so that they are at most the switch share of the turn."""
+    sleep = inp.costs.get(claim, inp.default_cost).sleep_s
+    return _turn_quantum(inp, _policy(inp, claim), switch_in_s + sleep)
+
+
+def _tenure_ends(inp: PolicyInput, holder: str) -> float:
+    """When a preemptible holder has had the least service its turn buys: before, no
+    rule preempts it, so every turn makes progress and the switching stays within the
+    switch share even when the bounds cannot all be kept. The plans of
+    :func:`_freeze_fits` give every turn the same."""
+    switch_in = inp.gpu.switch_in_s or _cost(inp, holder, holder)
+    return inp.gpu.awake_since + _own_turn(inp, holder, switch_in)
+
+
+def _switch(inp: PolicyInput, rule: str, reason: str, target: str, holder: str | None,
+            preemptible: bool) -> Decision:
+    """A switch to ``target``: preemptive when the holder may be preempted, has had its
+    turn (:func:`_tenure_ends`) and every frozen stream stays within its bound; drained
+    (as always) otherwise. A switch that brings frozen streams back preempts whatever
+    follows: a drain would keep them frozen for the holder's whole generations, a certain
+    overrun against a possible one. Before the holder's turn is over, the bounds that
+    predate preemption (the wait's and a priority's) drain it as always; the others wait
+    for the turn's end."""
+    if not preemptible or holder is None:
+        return Decision(Action.SWITCH, rule, reason, target)
+    tenure = _tenure_ends(inp, holder)
+    if inp.gpu.now < tenure:
+        if rule in ("bounded_wait", "priority_preempt"):
+            return Decision(Action.SWITCH, rule, f"{reason}; {holder} drains (its turn is "
+                            "too young to preempt)", target)
+        return Decision(Action.STAY, "quantum", f"{reason}; {holder} is preempted once it "
+                        f"has had the service its switch buys, in "
+                        f"{tenure - inp.gpu.now:.2f} s", recheck_at=tenure)
+    fits, why = _freeze_fits(inp, holder, target)
+    returning = target in inp.kept and inp.kept[target].count > 0
+    if not fits and returning:
+        return Decision(Action.SWITCH, rule, f"{reason}; {holder} is preempted, its "
+                        f"{inp.gpu.in_flight} requests kept, though {why}", target,
+                        preempt=True)
+    if not fits:
+        return Decision(Action.SWITCH, rule, f"{reason}; {holder} drains ({why} if it "
+                        "were preempted)", target)
+    return Decision(Action.SWITCH, rule, f"{reason}; {holder} is preempted, its "
+                    f"{inp.gpu.in_flight} requests kept", target, preempt=True)
+
+
+def _most_urgent(inp: PolicyInput, due: list[_Due], holder: str | None,
+                 preemptible: bool) -> Decision:
+    """The waiter past (or nearest) its bound is served; the others due are named."""
+    top = max(due, key=lambda d: (d.urgency, _policy(inp, d.queue.claim).priority))
+    others = [f"{d.queue.claim} ({d.rule}, {d.urgency:.2f} x its bound)" for d in due
+              if d is not top and d.queue.claim != top.queue.claim]
+    reason = top.note + (f"; served before {', '.join(others)}, nearer their bounds"
+                         if others else "")
+    return _switch(inp, top.rule, reason, top.queue.claim, holder, preemptible)
 
 
 def decide(inp: PolicyInput) -> Decision:
@@ -251,9 +513,8 @@ def decide(inp: PolicyInput) -> Decision:
     gpu = inp.gpu
     now = gpu.now
     holder = gpu.holder
-    waiters = [q for q in inp.queues if q.length > 0 and q.claim != holder]
+    waiters = _waiters(inp, holder)
 
-    # 1. A pending switch nobody waits for any more.
     if inp.default_policy.mode is PolicyMode.FIRST_COME and waiters:
         q = min(waiters, key=lambda w: w.oldest_since)
         return Decision(Action.SWITCH, "first_come", f"{q.claim}'s request came first "
@@ -261,34 +522,37 @@ def decide(inp: PolicyInput) -> Decision:
                         + (f"{holder} ({gpu.in_flight} in flight) drains and sleeps"
                            if holder else "the GPU is idle"), q.claim)
 
+    # 1. A pending switch nobody waits for any more.
     if gpu.pending is not None and gpu.pending != holder:
-        waiting = any(q.claim == gpu.pending and q.length > 0 for q in inp.queues)
+        waiting = any(q.claim == gpu.pending for q in waiters)
         if not waiting and gpu.pending != inp.home:
             return Decision(Action.CANCEL, "cancelled",
                             f"every request for {gpu.pending} left before its wake began")
 
     if waiters:
-        # 2. Bounded waiting, first: the guarantee.
-        drain = gpu.drain_estimate_s if holder else 0.0
-        urgency = {q.claim: (_wait(inp, q) + _cost(inp, holder, q.claim) + drain)
-                   / _policy(inp, q.claim).max_wait_s for q in waiters}
-        due = [q for q in waiters if urgency[q.claim] >= 1.0]
+        preemptible = _preemptible(inp, holder)
+        # 2. The bounds, first: the guarantees (a request's wait, a frozen stream's gap,
+        # and, against a holder that may be preempted, the first token's objective).
+        bounds = _bounds(inp, waiters, holder, preemptible)
+        due = [d for d in bounds if d.rule]
         if due and holder is not None:
-            q = max(due, key=lambda w: (urgency[w.claim], _policy(inp, w.claim).priority))
-            return Decision(Action.SWITCH, "bounded_wait",
-                            f"{q.claim}'s oldest request has waited {_wait(inp, q):.1f} s "
-                            f"of its {_policy(inp, q.claim).max_wait_s:g} s bound", q.claim)
+            return _most_urgent(inp, due, holder, preemptible)
         if holder is None:
-            q = max(due, key=lambda w: urgency[w.claim]) if due else _best(inp, waiters, None)
-            rule = "bounded_wait" if due else ("first_request" if len(waiters) == 1
-                                               else "cost")
+            if due:
+                return _most_urgent(inp, due, None, False)
+            q = _best(inp, waiters, None)
+            rule = "first_request" if len(waiters) == 1 else "cost"
             return Decision(Action.SWITCH, rule, f"the GPU is idle; {q.claim} waits "
                             f"({q.length} requests, oldest {_wait(inp, q):.1f} s)", q.claim)
         held = _policy(inp, holder)
         # 3. Priority with preemption.
         higher = [q for q in waiters if _policy(inp, q.claim).priority > held.priority]
         if higher:
-            q = _best(inp, higher, holder)
+            q = _best(inp, higher, holder, preempted=preemptible)
+            if preemptible:
+                return _switch(inp, "priority_preempt", f"{q.claim} (priority "
+                               f"{_policy(inp, q.claim).priority}) preempts {holder} "
+                               f"(priority {held.priority})", q.claim, holder, True)
             return Decision(Action.SWITCH, "priority_preempt",
                             f"{q.claim} (priority {_policy(inp, q.claim).priority}) preempts "
                             f"{holder} (priority {held.priority}); its {gpu.in_flight} "
@@ -298,28 +562,32 @@ def decide(inp: PolicyInput) -> Decision:
             q = _best(inp, waiters, holder)
             return Decision(Action.SWITCH, "holder_idle", f"{holder} has nothing in flight "
                             f"and {q.claim} waits", q.claim)
+        held_back = "".join(f"; {d.note}" for d in bounds if not d.rule)
         peers = [q for q in waiters if _policy(inp, q.claim).priority == held.priority]
         if not peers:
             return Decision(Action.STAY, "stay", f"only lower-priority claimants wait; "
-                            f"{holder} keeps the GPU while it is busy",
+                            f"{holder} keeps the GPU while it is busy{held_back}",
                             recheck_at=_next_bound(inp, waiters, holder))
-        q = _best(inp, peers, holder)
+        q = _best(inp, peers, holder, preempted=preemptible)
         # 5. The quantum.
         quantum = quantum_of(inp, holder, q.claim)
         ends = gpu.awake_since + quantum
         if now < ends:
             return Decision(Action.STAY, "quantum", f"{holder} is busy within its "
-                            f"{quantum:.1f} s quantum", recheck_at=min(
+                            f"{quantum:.1f} s quantum{held_back}", recheck_at=min(
                                 ends, _next_bound(inp, waiters, holder) or ends))
-        # 6. Cost-aware choice.
+        # 6. Cost-aware choice (a preemptible holder's quantum already pays for the switch).
+        if preemptible:
+            return _switch(inp, "cost", f"{holder}'s turn of {quantum:.2f} s is over and "
+                           f"{q.claim} waits ({q.length} requests)", q.claim, holder, True)
         cost = _cost(inp, holder, q.claim)
         waited = q.length * _wait(inp, q) * _policy(inp, q.claim).share_weight
         if waited >= cost:
-            return Decision(Action.SWITCH, "cost", f"{q.claim}: {q.length} requests have "
-                            f"waited {waited:.1f} request-s, more than the {cost:.2f} s "
-                            "switch", q.claim)
+            return _switch(inp, "cost", f"{q.claim}: {q.length} requests have waited "
+                           f"{waited:.1f} request-s, more than the {cost:.2f} s switch",
+                           q.claim, holder, preemptible)
         return Decision(Action.STAY, "stay", f"{q.claim}'s wait is still below the switch "
-                        f"cost ({cost:.2f} s)",
+                        f"cost ({cost:.2f} s){held_back}",
                         recheck_at=now + max(1e-3, (cost - waited) / max(q.length, 1)))
 
     # 7. Nobody waits.
@@ -351,15 +619,31 @@ def decide(inp: PolicyInput) -> Decision:
 
 def _next_bound(inp: PolicyInput, waiters: list[ClaimQueue], holder: str | None
                 ) -> float | None:
-    """When the first waiter's bound rule will fire."""
-    drain = inp.gpu.drain_estimate_s if holder else 0.0
+    """When the first waiter's bound rule will fire (a frozen stream's and, against a
+    holder that may be preempted, a first token's deadline included)."""
+    preemptible = _preemptible(inp, holder)
+    drain = inp.gpu.drain_estimate_s if holder and not preemptible else 0.0
     times = [q.oldest_since + _policy(inp, q.claim).max_wait_s
              - _cost(inp, holder, q.claim) - drain for q in waiters]
+    if inp.default_policy.mode is PolicyMode.ROTA:
+        for q in waiters:
+            back = _cost(inp, holder, q.claim) + _recompute_s(inp, q.claim) + DUE_MARGIN_S
+            kept = inp.kept.get(q.claim)
+            if kept is not None and kept.count > 0:
+                times.append(kept.frozen_since + _policy(inp, q.claim).longest_freeze_s
+                             - back)
+            queued = _queued(inp, q.claim) if preemptible and holder else None
+            if queued is not None and holder is not None:
+                times.append(max(queued.oldest_since + _policy(inp, q.claim).first_token_s
+                                 - back, _tenure_ends(inp, holder)))
     return min(times) if times else None
 
 
-def policy_for(config: EngineConfig, default: ModelPolicy) -> ModelPolicy:
-    """A claimant's policy: its EngineConfig's fields, the node's ``default`` elsewhere.
+def policy_for(config: EngineConfig, default: ModelPolicy, *, keeps: bool = False
+               ) -> ModelPolicy:
+    """A claimant's policy: its EngineConfig's fields, the node's ``default`` elsewhere;
+    ``keeps``: whether a switch away from it may keep its requests (the claim's effective
+    ``keepRequests``, which the caller resolves: a gang's claim never keeps).
 
     The lease controller passes only a config bounded by the admin's binding
     (:func:`controller.lease.tenants.bound`): a claim's own values are the tenant's."""
@@ -371,4 +655,9 @@ def policy_for(config: EngineConfig, default: ModelPolicy) -> ModelPolicy:
         max_wait_s=default.max_wait_s if config.max_wait_seconds is None
         else config.max_wait_seconds,
         share_weight=default.share_weight if config.share_weight is None
-        else config.share_weight, mode=default.mode)
+        else config.share_weight,
+        first_token_s=(default.first_token_s if config.first_token_seconds is None
+                       else config.first_token_seconds),
+        longest_freeze_s=(default.longest_freeze_s if config.longest_freeze_seconds is None
+                          else config.longest_freeze_seconds),
+        keeps_requests=keeps, switch_share=default.switch_share, mode=default.mode)

@@ -94,7 +94,10 @@ class LeaseSettings(BaseModel):
     idle_sleep_s: float = Field(default=0.0, ge=0, description="Put the holder to sleep "
                                 "after this long without work (0: never).")
     policy_mode: PolicyMode = Field(default=PolicyMode.ROTA, description="Switch policy: "
-                                    "rota (quantum, bounds, priorities, cost, fair share) or "
+                                    "rota (quantum, bounds, priorities, cost, fair share, "
+                                    "service objectives; a holder that keeps its requests "
+                                    "may be preempted), drain (the same rules, every switch "
+                                    "drains the holder: the baseline before preemption) or "
                                     "first-come (on-demand in arrival order, llama-swap's "
                                     "behaviour: a request for a sleeping model drains and "
                                     "sleeps the holder at once; the baseline to compare).")
@@ -116,13 +119,29 @@ class LeaseSettings(BaseModel):
         description="Switch policy: JSON object of what the claims of a namespace may "
                     "take, by name or shell pattern: a priority ceiling ({\"prod\": 100}) "
                     "or an object of priority, maxWaitSeconds (the shortest bound), "
-                    "shareWeight, keepAliveSeconds and home ({\"team-*\": {\"priority\": "
-                    "10, \"maxWaitSeconds\": 60}}); a claim asking more is held to it, and "
-                    "what an entry leaves out, or a namespace not named, is held to the "
-                    "node's defaults (no home). Empty: no bound but a maxWaitSeconds of at "
-                    "least 5 s.")
+                    "shareWeight, keepAliveSeconds, home, firstTokenSeconds and "
+                    "longestFreezeSeconds (the tightest objectives) ({\"team-*\": "
+                    "{\"priority\": 10, \"maxWaitSeconds\": 60}}); a claim asking more is "
+                    "held to it, and what an entry leaves out, or a namespace not named, is "
+                    "held to the node's defaults (no home). Empty: no bound but a "
+                    "maxWaitSeconds of at least 5 s and objectives of at least 1 s.")
     policy_share_weight: float = Field(default=1.0, gt=0, description="Switch policy: "
                                        "default fair-share weight.")
+    policy_switch_share: float = Field(default=0.25, gt=0, lt=1, description="Switch "
+                                       "policy: the largest share of GPU time a turn of a "
+                                       "preemptible holder spends switching (its quantum is "
+                                       "at least (1 - share) / share x the switch's cost, "
+                                       "the kept requests' recompute included).")
+    first_token_objective_s: float = Field(default=2.0, gt=0, le=3600, description="Switch "
+                                           "policy: default objective for a request's first "
+                                           "token (EngineConfig firstTokenSeconds); a waiter "
+                                           "due at it preempts a holder that keeps its "
+                                           "requests.")
+    longest_freeze_s: float = Field(default=3.0, gt=0, le=3600, description="Switch policy: "
+                                    "default longest gap a started stream may suffer while "
+                                    "its engine sleeps with the stream kept (EngineConfig "
+                                    "longestFreezeSeconds); a holder is preempted only when "
+                                    "every frozen stream stays within its bound.")
     home_model: str = Field(default="", description="Switch policy: the served model name "
                             "woken on a GPU idle for --home-idle-s (empty: the claim with "
                             "home: true, if any).")
@@ -160,7 +179,10 @@ class LeaseSettings(BaseModel):
                            quantum_factor=self.policy_quantum_factor,
                            min_quantum_s=self.policy_min_quantum_s,
                            max_wait_s=self.policy_max_wait_s,
-                           share_weight=self.policy_share_weight, mode=self.policy_mode)
+                           share_weight=self.policy_share_weight,
+                           first_token_s=self.first_token_objective_s,
+                           longest_freeze_s=self.longest_freeze_s,
+                           switch_share=self.policy_switch_share, mode=self.policy_mode)
 
     @field_validator("start_socket", mode="before")
     @classmethod

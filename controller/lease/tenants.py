@@ -1,9 +1,12 @@
 """What the admin lets each namespace take of a shared GPU: the tenant binding.
 
-A claim's EngineConfig is written by its tenant, and five of its fields buy GPU time:
+A claim's EngineConfig is written by its tenant, and seven of its fields buy GPU time:
 ``priority`` (preempts lower), ``maxWaitSeconds`` (a waiter due at its bound is served
 whatever the holder's priority), ``shareWeight`` (the fair share), ``keepAliveSeconds``
-(the GPU stays with it while nobody waits) and ``home`` (woken on an idle GPU). Bounding
+(the GPU stays with it while nobody waits), ``home`` (woken on an idle GPU), and the
+service objectives ``firstTokenSeconds`` (a waiter due at it preempts a holder that keeps
+its requests) and ``longestFreezeSeconds`` (a frozen stream due at it is woken first; a
+holder whose freeze bound no preemption can keep is drained, never preempted). Bounding
 only ``priority`` left the others open: with ``maxWaitSeconds: 0.001`` every request of a
 tenant held to priority 0 was due at once and preempted a busy priority-100 holder.
 
@@ -17,14 +20,16 @@ either a number (the priority ceiling alone) or a :class:`TenantLimits` object. 
 namespace's own name is looked up first, then the patterns in order.
 
 - **No binding at all** (the default): a trusted cluster. Every claim's values stand, but
-  ``maxWaitSeconds`` is raised to :data:`MAX_WAIT_FLOOR_S` (or the node's own default
-  bound, when that is shorter). A bound shorter than the switch it needs cannot be kept:
-  it only makes every request due at once, which turns the quantum, the priorities and
-  the cost rule off for everyone else on the GPU.
+  ``maxWaitSeconds`` is raised to :data:`MAX_WAIT_FLOOR_S` and the objectives to
+  :data:`OBJECTIVE_FLOOR_S` (or the node's own defaults, when those are shorter). A bound
+  shorter than the switch it needs cannot be kept: it only makes every request due at
+  once, which turns the quantum, the priorities and the cost rule off for everyone else
+  on the GPU.
 - **A binding**: a namespace takes no more than its entry grants, and where the entry (or
   a plain number) says nothing of a knob, no more than the node's default: priority up to
   ``--policy-priority``, a bound no shorter than ``--policy-max-wait-s``, a weight up to
-  ``--policy-share-weight``, a keep-alive up to the node's, and no ``home``. A namespace
+  ``--policy-share-weight``, a keep-alive up to the node's, objectives no tighter than
+  ``--first-token-objective-s`` and ``--longest-freeze-s``, and no ``home``. A namespace
   no entry names is held to the node's defaults in the same way.
 
 What a bound changed is logged once per claim (``switch policy bounded by the admin``,
@@ -49,6 +54,7 @@ from rota.api.engine_config import EngineConfig
 
 __all__ = [
     "MAX_WAIT_FLOOR_S",
+    "OBJECTIVE_FLOOR_S",
     "Binding",
     "Bounded",
     "Limits",
@@ -68,6 +74,13 @@ seconds for a large one; the bound rule fires once the wait plus that switch rea
 bound, so a bound near the switch's own cost is due at once. 5 s leaves a busy holder
 its default quantum (4 x a ~1 s switch) before a waiter of lower priority takes the GPU,
 and stays well below the default 30 s bound. An admin may grant less per namespace."""
+
+OBJECTIVE_FLOOR_S = 1.0
+"""The tightest ``firstTokenSeconds`` and ``longestFreezeSeconds`` a claim takes when the
+admin bound nothing. A small model's switch costs 0.1-0.7 s one way and a freeze spans
+two (away and back): a first-token objective below this is due on arrival, preempting
+the holder as soon as its turn allows, and a freeze bound below it makes the claim's
+own holder impossible to preempt (it drains, keeping the GPU for its whole generations)."""
 
 _MEMO_LIMIT = 4096
 
@@ -93,6 +106,10 @@ class TenantLimits(BaseModel):
     """The longest ``keepAliveSeconds`` its claims may take."""
     home: bool | None = None
     """Whether its claims may name themselves their GPU's home model (``home: true``)."""
+    first_token_seconds: float | None = Field(default=None, gt=0, le=3600)
+    """The tightest ``firstTokenSeconds`` its claims may ask for (a floor)."""
+    longest_freeze_seconds: float | None = Field(default=None, gt=0, le=3600)
+    """The tightest ``longestFreezeSeconds`` its claims may ask for (a floor)."""
 
 
 Binding = Mapping[str, int | TenantLimits]
@@ -111,6 +128,8 @@ class Limits:
     share_weight: float
     keep_alive_s: float
     home: bool
+    min_first_token_s: float
+    min_freeze_s: float
 
 
 @dataclass(frozen=True)
@@ -138,7 +157,9 @@ def limits_for(namespace: str, binding: Binding, default: ModelPolicy) -> Limits
     if not binding:
         return Limits(entry="", priority=None,
                       min_wait_s=min(MAX_WAIT_FLOOR_S, default.max_wait_s),
-                      share_weight=math.inf, keep_alive_s=math.inf, home=True)
+                      share_weight=math.inf, keep_alive_s=math.inf, home=True,
+                      min_first_token_s=min(OBJECTIVE_FLOOR_S, default.first_token_s),
+                      min_freeze_s=min(OBJECTIVE_FLOOR_S, default.longest_freeze_s))
     found = _entry(namespace, binding)
     key, granted = found if found is not None else ("", TenantLimits())
     return Limits(
@@ -150,7 +171,11 @@ def limits_for(namespace: str, binding: Binding, default: ModelPolicy) -> Limits
                       else granted.share_weight),
         keep_alive_s=(default.keep_alive_s if granted.keep_alive_seconds is None
                       else granted.keep_alive_seconds),
-        home=bool(granted.home))
+        home=bool(granted.home),
+        min_first_token_s=(default.first_token_s if granted.first_token_seconds is None
+                           else granted.first_token_seconds),
+        min_freeze_s=(default.longest_freeze_s if granted.longest_freeze_seconds is None
+                      else granted.longest_freeze_seconds))
 
 
 def bound(config: EngineConfig, namespace: str, default: ModelPolicy, binding: Binding
@@ -179,6 +204,12 @@ def bound(config: EngineConfig, namespace: str, default: ModelPolicy, binding: B
              limits.keep_alive_s)
     if config.home and not limits.home:
         give("home", "home", True, False)
+    if asked.first_token_s < limits.min_first_token_s:
+        give("first_token_seconds", "firstTokenSeconds", asked.first_token_s,
+             limits.min_first_token_s)
+    if asked.longest_freeze_s < limits.min_freeze_s:
+        give("longest_freeze_seconds", "longestFreezeSeconds", asked.longest_freeze_s,
+             limits.min_freeze_s)
     return Bounded(config.model_copy(update=changes) if changes else config, limits, changed)
 
 
