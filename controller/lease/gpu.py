@@ -149,7 +149,10 @@ class GpuWorker:
         self.queue = CallerQueue(clock=clock, wakeup=self.state.wakeup,
                                  answered=self.work.answered)
         self.view = PolicyView(gpu=gpu, policy=policy, clock=clock, claimants=claimants,
-                               on_gpu=self.on_gpu, work=self.work, queue=self.queue)
+                               on_gpu=self.on_gpu, work=self.work, queue=self.queue,
+                               # a test's stand-in switcher may have no ports
+                               freezes=getattr(getattr(switcher, "ports", None), "freezes",
+                                               None))
         self.outcomes = Outcomes(state=self.state, work=self.work, visibility=visibility,
                                  on_gpu=self.on_gpu)
         self.starts = StartGate(self)

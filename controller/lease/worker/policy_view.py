@@ -11,10 +11,11 @@ from collections.abc import Callable
 from controller.claimants import Claimant
 from controller.lease import metrics, tenants
 from controller.lease import policy as switch_policy
+from controller.lease.switch import Freezes
 from controller.lease.worker.accounting import HolderWork
 from controller.lease.worker.callers import CallerQueue
 from controller.lease.worker.state import Policy
-from rota.api.engine_config import EngineConfig
+from rota.api.engine_config import EngineConfig, keeps_requests
 
 log = logging.getLogger("controller.lease.gpu.policy")
 
@@ -26,7 +27,7 @@ class PolicyView:
     def __init__(self, *, gpu: str, policy: Policy, clock: Callable[[], float],
                  claimants: Callable[[], list[Claimant]],
                  on_gpu: Callable[[], list[Claimant]], work: HolderWork,
-                 queue: CallerQueue) -> None:
+                 queue: CallerQueue, freezes: Freezes | None = None) -> None:
         self.gpu = gpu
         self.policy = policy
         self.clock = clock
@@ -34,6 +35,8 @@ class PolicyView:
         self.on_gpu = on_gpu
         self.work = work
         self.queue = queue
+        self.freezes = freezes
+        """The engines of this GPU sleeping with requests kept (None: none are known)."""
 
     def defaults(self) -> switch_policy.ModelPolicy:
         """The node's default model policy; the old idle TTL is the default keep-alive."""
@@ -71,11 +74,26 @@ class PolicyView:
                 in_flight=in_flight, idle_since=work.last_busy,
                 drain_estimate_s=work.drains.get(holder.ref, 0.0) if holder else 0.0),
             queues=self.queue.claim_queues(),
-            policies={c.ref: switch_policy.policy_for(self.bounded(c), defaults)
-                      for c in self.claimants()},
+            policies={c.ref: self.model_policy(c, defaults) for c in self.claimants()},
             costs=dict(work.costs), default_policy=defaults,
             home=home.ref if home else None, home_idle_s=self.policy.home_idle_s,
-            usage_s=work.usage_now(holder))
+            usage_s=work.usage_now(holder), kept=self.kept())
+
+    def model_policy(self, c: Claimant, defaults: switch_policy.ModelPolicy
+                     ) -> switch_policy.ModelPolicy:
+        """The claim's policy: its bounded EngineConfig, and whether a switch away from
+        it may keep its requests (never a gang's)."""
+        config = self.bounded(c)
+        return switch_policy.policy_for(config, defaults,
+                                        keeps=keeps_requests(config, gang=c.spans_gpus))
+
+    def kept(self) -> dict[str, switch_policy.KeptWork]:
+        """The sleeping claimants' frozen requests, by claim, as the switches recorded
+        them (counted from the engine's gauges before its sleep)."""
+        if self.freezes is None:
+            return {}
+        return {f.claim: switch_policy.KeptWork(f.kept, f.since)
+                for f in self.freezes.all().values() if f.kept > 0}
 
     def decide(self, holder: Claimant | None, in_flight: int) -> switch_policy.Decision:
         return switch_policy.decide(self.input(holder, in_flight))
