@@ -1,18 +1,26 @@
 """The switch policy of one GPU: one pure decision function, state in, decision out.
 
 :func:`decide` reads a :class:`PolicyInput` (the GPU's holder and its load, the queue of
-every claimant waiting for the GPU, each claimant's :class:`ModelPolicy`, the measured
+every claimant waiting for the GPU, the requests sleeping claimants keep
+(:class:`KeptWork`), each claimant's :class:`ModelPolicy`, the measured
 :class:`SwitchCost` of each claimant, the home model) and answers a :class:`Decision`:
-stay, switch to a claimant, put the holder to sleep, or cancel a switch whose waiters
-left, with the rule that fired (a short stable string, :data:`RULES`: an Event's note
+stay, switch to a claimant (draining the holder, or preempting it: it sleeps with its
+requests kept), put the holder to sleep, or cancel a switch whose waiters left, with the
+rule that fired (a short stable string, :data:`RULES`: an Event's note
 and a metric label) and a reason in words. No I/O and no clock: time is ``now`` in the
 input. The lease controller (:mod:`controller.lease.gpu`) and the policy benchmark
 (``python -m e2e.bench.policy``) call this same function.
 
+Every claimant has two service objectives: its requests' first token within
+``first_token_s`` and no started stream frozen longer than ``longest_freeze_s`` (a stream
+freezes when its engine is preempted: put to sleep with its requests kept, continued at
+its next wake). A sleeping claimant's kept requests wait for the GPU like a queue.
+
 The rules, in the order they are tried:
 
 1. ``cancelled``: a switch decided earlier whose waiters have all left before its wake
-   began is not made (unless it is the return of the home model).
+   began is not made (unless it is the return of the home model, or the target keeps
+   frozen requests).
 2. ``bounded_wait`` (anti-starvation): a waiting claimant whose oldest request, plus the
    switch it needs and the holder's drain, would reach its ``max_wait_s`` is served now,
    whatever the holder's priority or quantum; among several, the one nearest (or past)
@@ -20,6 +28,13 @@ The rules, in the order they are tried:
    its own that buys GPU time, is within what the admin allows its namespace before it
    reaches this module (:mod:`controller.lease.tenants`): a tenant held to a low
    priority cannot get ahead by asking for a tiny bound.
+   In ``rota`` mode two more bounds join it, and the waiter most past (or nearest) any
+   of its bounds is served, the decision's reason naming the others due:
+   ``freeze_bound``: a sleeping claimant whose kept streams, plus the switch back and
+   their recompute, would be frozen past its ``longest_freeze_s``; and, against a busy
+   holder that keeps its requests, ``first_token_due``: a waiter whose oldest request,
+   plus the switch, would miss its ``first_token_s`` (only where the preemption fits,
+   below).
 3. ``priority_preempt``: a waiting claimant of higher priority than the holder is served
    now. The holder's requests in flight finish within the switch's drain deadline (the
    switch closes the holder's admission, drains, then sleeps it); its later requests
@@ -35,6 +50,7 @@ The rules, in the order they are tried:
    (waiting time + switch cost) / switch cost, times its fair share over its recent
    share of the GPU, clipped to 0.1-10) is served once its waited request-seconds exceed the cost of
    the switch; otherwise the holder stays (``stay``).
+   In ``rota`` mode a holder that keeps its requests has a turn instead: see below.
 7. With nobody waiting: ``keep_alive`` (the holder stays while its last request is
    younger than its keep-alive), ``home_return`` (after ``home_idle_s`` without work the
    GPU's home model is woken, so the most likely next request finds it awake),
@@ -43,6 +59,30 @@ The rules, in the order they are tried:
 
 A GPU with no awake holder serves the best waiter at once (``first_request`` when one
 claimant waits, else the ranking above without the holder's rules).
+
+**Preemption** (``rota`` mode, the default). A switch away from a busy holder whose claim
+keeps its requests (``keeps_requests``: the claim's effective ``keepRequests``) preempts
+it (:attr:`Decision.preempt`) instead of draining it, where that keeps every frozen stream
+within its bound: a plan that serves the target one turn, then wakes every frozen claimant
+(the holder's streams included) in order of its freeze deadline, each given its turn, must
+wake each before its deadline. Where it would not, the holder drains, as in ``drain``
+mode; a switch that brings frozen streams back preempts regardless (a drain would keep
+them frozen for the holder's whole generations). The choice of the next waiter follows the
+same plan: while streams are frozen, a waiter whose turn first would overrun one gives way
+to the frozen claimant with the earliest deadline. Turns bound the switching overhead: a
+turn costs the switch in (the previous holder's sleep, the wake, the probe, the kept
+requests' recompute at :attr:`SwitchCost.recompute_tokens_per_s`) and the sleep that ends
+it, and lasts at least ``(1 - switch_share) / switch_share`` times that (3 x at 25 %), so
+switching takes at most ``switch_share`` of a contended GPU's time; no rule preempts a
+holder before its turn is over (the bounds that predate preemption, ``bounded_wait`` and
+``priority_preempt``, drain it instead), and past it a preemptible holder gives way to a
+waiter at once (rule ``cost``). A holder with nothing in flight gives way at once
+(``holder_idle``), so sequential traffic gets its first token within the switch's own
+cost. Where no claim keeps requests, ``rota`` decides exactly as ``drain``.
+
+The node may run the policy in :attr:`PolicyMode.DRAIN` (``--policy-mode drain``): the
+rules above without preemption, every switch draining the holder (rota's policy before
+turns at token granularity; the baseline the policy comparison measures ``rota`` against).
 
 The node may run the policy in :attr:`PolicyMode.FIRST_COME` instead (``--policy-mode
 first-come``): on-demand switching in arrival order, as llama-swap does, the baseline the
