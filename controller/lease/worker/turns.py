@@ -245,8 +245,11 @@ class TurnLoop:
             worker.visibility.switching(turn.awake_holder, target)
         result: SwitchResult | None = None
         try:
+            # preemptive only where the policy decided so (a holder that keeps requests)
+            preempt = {"preempt": True} if turn.decision and turn.decision.preempt else {}
             result = await worker.switcher.switch(turn.lease, holder=turn.awake_holder,
-                                                  target=target, claimants=turn.on_gpu)
+                                                  target=target, claimants=turn.on_gpu,
+                                                  **preempt)
             worker.work.measured(result, turn.awake_holder, target)
         finally:
             state.switching = False

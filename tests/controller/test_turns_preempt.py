@@ -1,0 +1,82 @@
+"""The turn loop hands the policy's ``Decision.preempt`` to the switch (the one place it
+runs a switch, ``TurnLoop.switch``): a preemptive decision makes a preemptive switch, any
+other a draining one. Fakes stand in for the Lease, the engines and the switch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controller.claimants import Claimant
+from controller.lease import policy as switch_policy
+from controller.lease.gpu import GpuWorker, Policy
+from controller.lease.switch import Switcher, SwitchResult
+from controller.lease.worker.callers import Waiting
+from controller.lease.worker.turns import Turn
+from rota.api.engine_config import parse_engine_config
+from rota.api.gpu_lease import GpuLease
+
+
+def _claimant(name: str) -> Claimant:
+    config = parse_engine_config({"apiVersion": "gpu.rota.dev/v1alpha1",
+                                  "kind": "EngineConfig", "model": name, "awakeMemory": "8Gi"})
+    return Claimant(claim_uid=f"uid-{name}", namespace="ns", claim_name=name, node="n",
+                    device="gpu-0", share_id=None, config=config, model=name, port=8000,
+                    sleep_level=1, resident_bytes=1 << 30, pod_name=f"p-{name}",
+                    pod_uid=f"pu-{name}", pod_ip="127.0.0.2", pod_ready=True,
+                    pod_deleting=False)
+
+
+class _FakeEngine:
+    async def in_flight(self) -> int:
+        return 2
+
+
+class _FakeLeasePort:
+    def __init__(self, lease: GpuLease) -> None:
+        self.lease = lease
+
+    async def read(self) -> GpuLease:
+        return self.lease
+
+
+class _FakeSwitcher:
+    """Switches at once; records whether each switch was asked to preempt."""
+
+    def __init__(self, port: _FakeLeasePort) -> None:
+        self.port = port
+        self.preempts: list[bool] = []
+
+    async def switch(self, lease: GpuLease, *, holder: Claimant | None, target: Claimant,
+                     claimants: Any, preempt: bool = False) -> SwitchResult:
+        self.preempts.append(preempt)
+        self.port.lease = Switcher.serving(lease.with_(fence=lease.fence + 1), target)
+        return SwitchResult(True, self.port.lease, kept=2 if preempt else 0)
+
+
+def _decision(preempt: bool) -> switch_policy.Decision:
+    return switch_policy.Decision(switch_policy.Action.SWITCH, "first_token_due", "due",
+                                  target="ns/b", preempt=preempt)
+
+
+@pytest.mark.parametrize(("decision", "preempted"), [
+    (_decision(True), True), (_decision(False), False), (None, False)])
+async def test_the_switch_preempts_as_the_policy_decided(
+        decision: switch_policy.Decision | None, preempted: bool) -> None:
+    a, b = _claimant("a"), _claimant("b")
+    lease = Switcher.serving(GpuLease(name="l", node="n", device="gpu-0", fence=1), a)
+    port = _FakeLeasePort(lease)
+    switcher = _FakeSwitcher(port)
+    unused: Any = switcher
+    worker = GpuWorker(gpu="gpu-0", lease_port=port,  # type: ignore[arg-type]
+                       switcher=unused, claimants=lambda: [a, b],
+                       engine=lambda c: _FakeEngine(),  # type: ignore[arg-type,return-value]
+                       policy=Policy(), clock=lambda: 1000.0)
+    worker.state.lease = lease
+    worker.state.accepting = True
+    waiting = Waiting(b, [], since=1000.0)
+    worker.queue.entries[b.claim_uid] = waiting
+    await worker.turns.switch(Turn(waiting, b, decision, lease, a, [a, b]))
+    assert switcher.preempts == [preempted]
+    assert port.lease.holder == "ns/b"
