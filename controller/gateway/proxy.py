@@ -302,6 +302,10 @@ async def _first_of(opening: Awaitable[_Opened],
     raise failure
 
 
+class _Ended(Exception):
+    """Raised in the reader when the answer was ended beside it."""
+
+
 def _streamed(downstream: Downstream, upstream: aiohttp.ClientResponse) -> bool:
     """The client's answer is an event stream (its own engine's, or the early one)."""
     return downstream.early or (
@@ -339,6 +343,11 @@ class _Relay:
         self.spoke = False
         """The engine sent bytes since the freeze began."""
         self.last_sent = self._now()
+        self.lock = asyncio.Lock()
+        """Held by whatever writes to the client: the reader and the pacer."""
+        self.ended = False
+        """The pacer ended the answer (an error event, or the client left)."""
+        self.client_gone = False
 
     @staticmethod
     def _now() -> float:
@@ -358,48 +367,83 @@ class _Relay:
                          client_gone=client_gone)
 
     async def _relay(self, chunk: bytes) -> Delivered:
-        watch = self.pacing.watch
-        reader: asyncio.Future[bytes] | None = None
-        watcher: asyncio.Future[None] | None = None
+        """Read the engine and pass on what it sends; a pacer (:meth:`_pace`) beside it
+        writes heartbeats and acts on the engine's view, under :attr:`lock`."""
+        pacer = None
+        if self.pacing.watch is not None or self._beat_in() is not None:
+            pacer = asyncio.create_task(self._pace(), name="stream-pacer")
         try:
-            while True:
-                if reader is None:
-                    if not chunk:
+            while chunk:
+                async with self.lock:
+                    if self.ended:
                         break
                     await self._pass(chunk)
-                    reader = asyncio.ensure_future(self.upstream.content.readany())
-                if watcher is None and watch is not None:
-                    watcher = asyncio.ensure_future(watch.changed())
-                waiting: set[asyncio.Future[bytes] | asyncio.Future[None]] = {reader}
-                if watcher is not None:
-                    waiting.add(watcher)
-                done, _ = await asyncio.wait(waiting, timeout=self._beat_in(),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if reader in done:
-                    try:
-                        chunk = reader.result()
-                    except (aiohttp.ClientError, TimeoutError) as exc:
+                try:
+                    chunk = await self.upstream.content.readany()
+                except _Ended:
+                    break
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    await self._stop(pacer)
+                    if not self.ended:
                         await self._broken_off(exc)
-                        return self._delivered(complete=False)
-                    reader = None
-                    continue
-                if watcher is not None and watcher in done:
-                    watcher.result()
-                    watcher = None
-                    assert watch is not None
-                    if not await self._judge(watch.view()):
-                        return self._delivered(complete=False)
-                    continue
-                await self._heartbeat()
+                    return self._delivered(complete=False)
         finally:
-            for task in (reader, watcher):
-                if task is not None and not task.done():
-                    task.cancel()
+            await self._stop(pacer)
+        if self.ended:
+            return self._delivered(complete=False, client_gone=self.client_gone)
         if self.partial:
             await self.response.write(bytes(self.partial))  # the engine's last bytes as sent
             self.partial.clear()
         await self.response.write_eof()
         return self._delivered(complete=True)
+
+    async def _stop(self, pacer: asyncio.Task[None] | None) -> None:
+        """Stop the pacer, never inside what it writes (it is cancelled only while it
+        waits)."""
+        if pacer is None or pacer.done():
+            return
+        async with self.lock:
+            pacer.cancel()
+        with suppress(asyncio.CancelledError):
+            await pacer
+
+    async def _pace(self) -> None:
+        """Heartbeats while the engine is silent; the engine's view acted on as it
+        changes. Ends the relay (:meth:`_end_relay`) when the answer was ended here."""
+        watch = self.pacing.watch
+        watcher: asyncio.Future[None] | None = None
+        try:
+            while not self.ended:
+                if watch is not None and watcher is None:
+                    watcher = asyncio.ensure_future(watch.changed())
+                beat_in = self._beat_in()
+                if watcher is None:
+                    await asyncio.sleep(beat_in or 0.0)
+                else:
+                    await asyncio.wait({watcher}, timeout=beat_in)
+                async with self.lock:
+                    if self.ended:
+                        return
+                    if watcher is not None and watcher.done():
+                        watcher.result()
+                        watcher = None
+                        assert watch is not None
+                        if not await self._judge(watch.view()):
+                            self._end_relay()
+                            return
+                    elif (due := self._beat_in()) is not None and due <= 0:
+                        await self._heartbeat()
+        except ConnectionError:
+            self.client_gone = True
+            self._end_relay()
+        finally:
+            if watcher is not None and not watcher.done():
+                watcher.cancel()
+
+    def _end_relay(self) -> None:
+        """The answer was ended beside the reader: wake it (its read raises :class:`_Ended`)."""
+        self.ended = True
+        self.upstream.content.set_exception(_Ended())
 
     async def _pass(self, chunk: bytes) -> None:
         """Pass the engine's bytes on (an event stream's whole events only)."""
