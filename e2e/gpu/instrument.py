@@ -156,9 +156,11 @@ class BenchAdapter:
         entry.ok = True
         return result
 
-    async def sleep(self, level: int, *, confirm: bool = True) -> SleepOutcome:
+    async def sleep(self, level: int, *, confirm: bool = True, keep: bool = False
+                    ) -> SleepOutcome:
         outcome: SleepOutcome = await self._recorded(
-            f"sleep_l{level}", self.inner.sleep(level, confirm=confirm))
+            f"sleep_l{level}{'_keep' if keep else ''}",
+            self.inner.sleep(level, confirm=confirm, keep=keep))
         self.calls[-1].detail["sleep_call_ms"] = round(outcome.sleep_s * 1e3, 3)
         return outcome
 
