@@ -7,9 +7,16 @@ GPU, and compares, on the same arrivals:
 
 - ``on-demand``: first-come switching, llama-swap's behaviour (one global queue in arrival
   order; a request for a sleeping model drains the holder, sleeps it and wakes its model);
-- ``rota``: :func:`controller.lease.policy.decide` with the lease controller's default settings;
-- ``rota-prio-home``: the same with model 0 at a higher priority and as the GPU's home;
-- ``static``: a fixed time split (each model a fixed slot of ``--static-period-s``, in turn).
+- ``rota``: :func:`controller.lease.policy.decide` with the lease controller's default
+  settings, every engine a vLLM level-1 claim that keeps its requests: a switch may
+  preempt the holder (its running requests freeze, kept by its sleeping engine, and are
+  recomputed after its next wake) instead of draining it;
+- ``drain``: the same rules in ``--policy-mode drain``: every switch drains the holder
+  (rota's policy before turns at token granularity);
+- ``rota-prio-home``: ``rota`` with model 0 at a higher priority and as the GPU's home;
+- ``static``: a fixed time split (each model a fixed slot of ``--static-period-s``, in turn);
+- ``all-awake``: every engine awake at once, each on its own share of nothing (no
+  switching, no contention between them): the bound where the engines fit together.
 
 The engines are simulated in fixed steps of ``--step-s`` (default 20 ms), calibrated from
 the H200 measurements of vLLM 0.26 (README, "With real vLLM on a GPU"): a level-1 wake
@@ -20,13 +27,18 @@ a wake 0.086 s (recovery 0.686 s minus the 0.600 s wake call); decoding one step
 eager), at least 10 ms, for every running sequence at once up to ``--max-seqs``; prefill
 runs at ``--prefill-tflops`` (an assumption, not measured: 2 FLOP per parameter per
 token, bf16 weights). A switch drains the holder (its requests in flight finish), as rota's
-switch and llama-swap's do. A client leaves after ``--client-timeout-s`` without a first
-token (counted as not served, TTFT infinite).
+switch and llama-swap's do, unless the policy preempts it: then its running and queued
+requests stay with its sleeping engine, frozen, and at its next wake each running one is
+prefilled again (its prompt and the tokens it had generated) before its next token, as
+vLLM recomputes requests kept across a sleep. A client leaves after
+``--client-timeout-s`` without a first token (counted as not served, TTFT infinite).
 
-Reported per model: requests, served, goodput (first token within ``--ttft-slo-s``), TTFT
-p50/p90/p99 (over all arrivals, a request never served counting as infinite), mean wait
-for a switch, wakes per hour, wasted wakes (woken, no request served), the GPU share it
-was awake. One PNG per policy (``--plot-dir``): the GPU's owner over time and the queues.
+Reported per model: requests, served, goodput (first token within ``--ttft-slo-s``), SLO
+goodput (that, and no gap between two tokens over ``--longest-freeze-s``), TTFT
+p50/p90/p99 (over all arrivals, a request never served counting as infinite), the
+requests frozen by a preemption, mean wait for a switch, wakes per hour, wasted wakes
+(woken, no request served), the GPU share it was awake. One PNG per policy
+(``--plot-dir``): the GPU's owner over time and the queues.
 
 Data: Azure LLM inference trace 2023, CC-BY 4.0 (attribution below, printed with every
 result).
@@ -36,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import itertools
 import math
 import os
@@ -51,8 +64,10 @@ from controller.lease.policy import (
     Action,
     ClaimQueue,
     GpuView,
+    KeptWork,
     ModelPolicy,
     PolicyInput,
+    PolicyMode,
     SwitchCost,
     decide,
 )
@@ -85,7 +100,7 @@ SLEEP_RATIO = 1.11
 PROBE_S = 0.086
 STEP_PER_26GB_S = 0.0245
 MIN_STEP_S = 0.010
-POLICIES = ("on-demand", "rota", "rota-prio-home", "static")
+POLICIES = ("on-demand", "drain", "rota", "rota-prio-home", "static", "all-awake")
 
 
 @dataclass
@@ -99,6 +114,18 @@ class Request:
     left: bool = False
     prefill_left: float = 0.0
     decode_left: float = 0.0
+    frozen_at: float = math.inf
+    """When its engine last slept with it kept (inf: never)."""
+    recomputing: bool = False
+    """Kept across a sleep after its first token: its prefill now is the recompute."""
+    gap_s: float = 0.0
+    """The longest wait between two of its tokens (a freeze and its recompute)."""
+
+    def tokens_done(self) -> int:
+        """Prompt and generated tokens so far: what a recompute prefills again."""
+        started = math.isfinite(self.first_token)
+        return self.context + (max(0, round(self.generated - 1 - self.decode_left)) + 1
+                               if started else 0)
 
 
 @dataclass(frozen=True)
@@ -209,6 +236,8 @@ class Gpu:
     drain_began: float = 0.0
     measured_drain: dict[int, float] = field(default_factory=dict)
     woken: set[int] = field(default_factory=set)
+    kept: dict[int, tuple[float, list[Request]]] = field(default_factory=dict)
+    """Per sleeping model, when it was preempted and the requests it keeps."""
     timeline: list[tuple[float, int]] = field(default_factory=list)
     """(time, owner): -1 idle, -2 switching, else the awake model."""
 
@@ -236,13 +265,47 @@ class Sim:
         self.rules: dict[str, int] = {}
 
     # actions the policies take
-    def begin_switch(self, target: int) -> None:
+    def begin_switch(self, target: int, *, preempt: bool = False) -> None:
         g = self.gpu
-        if g.state == "awake" and g.holder is not None:
+        if g.state == "awake" and g.holder is not None and preempt:
+            self._freeze(g.holder)
+            g.state, g.target = "sleep", target
+            g.until = self.now + self.models[g.holder].sleep_s
+        elif g.state == "awake" and g.holder is not None:
             g.state, g.target, g.drain_began = "drain", target, self.now
         elif g.state == "idle":
             self._begin_wake(target)
         g.timeline.append((self.now, -2))
+
+    def start_awake(self, model: int) -> None:
+        """The engine of ``model`` is awake from the start (the all-awake bound)."""
+        g = self.gpu
+        g.state, g.holder, g.awake_since = "awake", model, 0.0
+        g.woken.add(model)
+        g.timeline.append((0.0, model))
+
+    def _freeze(self, model: int) -> None:
+        """The holder sleeps with its requests kept: none finishes, none is lost."""
+        g = self.gpu
+        kept = [*g.running, *g.engine_wait]
+        for r in kept:
+            r.frozen_at = self.now
+        g.kept[model] = (self.now, kept)
+        g.running, g.engine_wait = [], deque()
+
+    def _resume(self, model: int) -> None:
+        """A woken engine takes back what it kept: its running requests are prefilled
+        again (prompt and generated tokens) before their next token."""
+        g = self.gpu
+        _, kept = g.kept.pop(model, (0.0, []))
+        for r in kept:
+            if r.left:
+                continue
+            if math.isfinite(r.first_token):
+                r.prefill_left, r.recomputing = float(r.tokens_done()), True
+            g.engine_wait.append(r)
+        if kept:
+            g.served_in_tenure += 1
 
     def begin_sleep(self) -> None:
         g = self.gpu
@@ -259,9 +322,7 @@ class Sim:
         g = self.gpu
         i = 0
         next_sample = 0.0
-        while self.now < self.end or (i < len(self.arrivals)):
-            if self.now > self.end + 600:
-                break
+        while self.now <= self.end + 600:  # past the last arrival: until its work is done
             while i < len(self.arrivals) and self.arrivals[i].arrival <= self.now:
                 r = self.arrivals[i]
                 self.queues[r.model].append(r)
@@ -284,7 +345,7 @@ class Sim:
                 next_sample += 5.0
             self.now += self.step
             if i >= len(self.arrivals) and not any(self.queues) and not g.in_flight() \
-                    and self.now >= self.end:
+                    and not g.kept and self.now >= self.end:
                 break
 
     def _timeouts(self) -> None:
@@ -343,6 +404,7 @@ class Sim:
             self.stats[g.holder].wakes += 1
             g.woken.add(g.holder)
             g.timeline.append((self.now, g.holder))
+            self._resume(g.holder)
 
     def _cancel(self, target: int) -> bool:
         return False
@@ -354,8 +416,9 @@ class Sim:
         m = self.models[g.holder]
         while g.engine_wait and len(g.running) < g.max_seqs:
             r = g.engine_wait.popleft()
-            r.prefill_left = float(r.context)
-            r.decode_left = float(r.generated - 1)
+            if not r.recomputing:
+                r.prefill_left = float(r.context)
+                r.decode_left = float(r.generated - 1)
             g.running.append(r)
         budget = m.prefill_tok_s * self.step
         for r in g.running:
@@ -364,8 +427,12 @@ class Sim:
                 r.prefill_left -= used
                 budget -= used
                 if r.prefill_left <= 0:
-                    r.first_token = self.now + self.step * (1 - budget / (m.prefill_tok_s
-                                                                          * self.step))
+                    done = self.now + self.step * (1 - budget / (m.prefill_tok_s * self.step))
+                    if r.recomputing:  # its next token after the freeze
+                        r.gap_s = max(r.gap_s, done - r.frozen_at)
+                        r.recomputing = False
+                    else:
+                        r.first_token = done
         tokens = self.step / m.decode_step_s
         for r in g.running:
             if r.prefill_left <= 0 and r.first_token <= self.now:
@@ -405,10 +472,11 @@ def defaults() -> ModelPolicy:
 
 class RotaPolicy:
     def __init__(self, policies: dict[str, ModelPolicy], home: str | None,
-                 home_idle_s: float) -> None:
+                 home_idle_s: float, default: ModelPolicy | None = None) -> None:
         self.policies = policies
         self.home = home
         self.home_idle_s = home_idle_s
+        self.default = default or defaults()
 
     def state(self, sim: Sim, *, pending: int | None = None) -> PolicyInput:
         g = sim.gpu
@@ -424,10 +492,13 @@ class RotaPolicy:
                        if g.holder is not None else 0.0,
                        pending=names[pending] if pending is not None else None,
                        idle_since=g.idle_since)
+        kept = {names[k]: KeptWork(len(reqs), since, sum(r.tokens_done() for r in reqs))
+                for k, (since, reqs) in g.kept.items() if reqs}
         return PolicyInput(gpu=view, queues=queues, policies=self.policies, costs=costs,
-                           default_policy=defaults(), home=self.home,
+                           default_policy=self.default, home=self.home,
                            home_idle_s=self.home_idle_s,
-                           usage_s={names[k]: u for k, u in enumerate(sim.usage) if u > 0})
+                           usage_s={names[k]: u for k, u in enumerate(sim.usage) if u > 0},
+                           kept=kept)
 
     def __call__(self, sim: Sim) -> None:
         d = decide(self.state(sim))
@@ -435,7 +506,7 @@ class RotaPolicy:
             return
         sim.rules[d.rule] = sim.rules.get(d.rule, 0) + 1
         if d.action is Action.SWITCH and d.target is not None:
-            sim.begin_switch(int(d.target[1:]))
+            sim.begin_switch(int(d.target[1:]), preempt=d.preempt)
         elif d.action is Action.SLEEP:
             sim.begin_sleep()
 
@@ -455,56 +526,87 @@ class Result:
     rows: list[dict[str, object]]
     total_goodput: int
     sim: Sim
+    total_slo_goodput: int = 0
+    """Requests with their first token within the objective and no gap over the bound."""
 
 
-def simulate(policy: str, arrivals: list[Request], models: list[EngineModel],
-             args: argparse.Namespace) -> Result:
-    fresh = [Request(r.arrival, r.model, r.context, r.generated) for r in arrivals]
+def rota_policy(policy: str, args: argparse.Namespace) -> RotaPolicy:
+    """rota's rules as the lease controller runs them for vLLM level-1 claims (which keep
+    their requests): preemptive in ``rota`` mode, draining in ``drain`` mode; the
+    objectives it aims at are the ones measured (``--ttft-slo-s``, ``--longest-freeze-s``)."""
+    d = dataclasses.replace(defaults(), keeps_requests=True,
+                            mode=PolicyMode.DRAIN if policy == "drain" else PolicyMode.ROTA,
+                            first_token_s=args.ttft_slo_s,
+                            longest_freeze_s=getattr(args, "longest_freeze_s", 3.0))
+    policies: dict[str, ModelPolicy] = {}
+    home = None
+    if policy == "rota-prio-home":
+        policies["m0"] = dataclasses.replace(d, priority=10)
+        home = "m0"
+    return RotaPolicy(policies, home, LeaseSettings(node_name="bench").home_idle_s, d)
+
+
+def _run_one(policy: str, fresh: list[Request], models: list[EngineModel],
+             args: argparse.Namespace, end: float, awake: int | None = None) -> Sim:
     chooser: Callable[[Sim], None]
     rota: RotaPolicy | None = None
     if policy == "on-demand":
         chooser = on_demand
     elif policy == "static":
         chooser = static_split(args.static_period_s)
+    elif policy == "all-awake":
+        chooser = _stay
     else:
-        d = defaults()
-        policies: dict[str, ModelPolicy] = {}
-        home = None
-        if policy == "rota-prio-home":
-            policies["m0"] = ModelPolicy(priority=10, keep_alive_s=d.keep_alive_s,
-                                         quantum_factor=d.quantum_factor,
-                                         min_quantum_s=d.min_quantum_s,
-                                         max_wait_s=d.max_wait_s,
-                                         share_weight=d.share_weight)
-            home = "m0"
-        rota = RotaPolicy(policies, home,
-                          LeaseSettings(node_name="bench").home_idle_s)
+        rota = rota_policy(policy, args)
         chooser = rota
-    end = max((r.arrival for r in fresh), default=0.0)
     sim = Sim(fresh, models, step_s=args.step_s, max_seqs=args.max_seqs,
               client_timeout_s=args.client_timeout_s, chooser=chooser, end_s=end)
+    if awake is not None:
+        sim.start_awake(awake)
     if rota is not None:
         sim._cancel = lambda target: rota.cancel(sim, target)  # type: ignore[method-assign]
     sim.run()
+    return sim
+
+
+def _stay(sim: Sim) -> None:
+    """The all-awake engine's chooser: it never switches."""
+
+
+def simulate(policy: str, arrivals: list[Request], models: list[EngineModel],
+             args: argparse.Namespace) -> Result:
+    fresh = [Request(r.arrival, r.model, r.context, r.generated) for r in arrivals]
+    end = max((r.arrival for r in fresh), default=0.0)
+    if policy == "all-awake":  # one GPU each, awake from the start: nothing shared
+        sims = [_run_one(policy, [r for r in fresh if r.model == k], models, args, end,
+                         awake=k) for k in range(len(models))]
+    else:
+        sims = [_run_one(policy, fresh, models, args, end)] * len(models)
     hours = max(end, 1.0) / 3600.0
+    freeze = getattr(args, "longest_freeze_s", 3.0)
     rows: list[dict[str, object]] = []
-    total = 0
+    total = total_slo = 0
     for k, m in enumerate(models):
         mine = [r for r in fresh if r.model == k]
         ttft = [r.first_token - r.arrival for r in mine]
         good = sum(1 for t in ttft if t <= args.ttft_slo_s)
+        slo = sum(1 for r in mine if r.first_token - r.arrival <= args.ttft_slo_s
+                  and r.gap_s <= freeze)
         total += good
-        st = sim.stats[k]
+        total_slo += slo
+        st = sims[k].stats[k]
         rows.append({
             "model": f"{m.name} ({m.weight_bytes / 1e9:g} GB)", "requests": len(mine),
             "served": sum(1 for t in ttft if math.isfinite(t)), "goodput": good,
+            "slo_goodput": slo, "frozen": sum(1 for r in mine if math.isfinite(r.frozen_at)),
+            "longest_gap": max((r.gap_s for r in mine), default=0.0),
             "p50": percentile(ttft, 0.5) if ttft else math.nan,
             "p90": percentile(ttft, 0.9) if ttft else math.nan,
             "p99": percentile(ttft, 0.99) if ttft else math.nan,
             "switch_wait": st.switch_wait_s / max(1, len(mine)),
             "wakes_h": st.wakes / hours, "wasted": st.wasted,
             "awake": st.awake_s / max(end, 1e-9)})
-    return Result(policy, rows, total, sim)
+    return Result(policy, rows, total, sims[0], total_slo)
 
 
 def _f(v: object) -> str:
@@ -513,19 +615,21 @@ def _f(v: object) -> str:
     return str(v)
 
 
-def table(results: Sequence[Result], slo: float) -> str:
+def table(results: Sequence[Result], slo: float, freeze: float = 3.0) -> str:
     head = ("| policy | model | requests | served | goodput (TTFT ≤ "
             f"{slo:g} s) | TTFT p50 s | p90 s | p99 s | switch wait s (mean) | wakes/h "
-            "| wasted wakes | GPU awake share |")
-    lines = [head, "|" + "---|" * 12]
+            f"| wasted wakes | GPU awake share | SLO met (and gaps ≤ {freeze:g} s) | frozen "
+            "| longest gap s |")
+    lines = [head, "|" + "---|" * 15]
     for res in results:
         for row in res.rows:
             lines.append("| " + " | ".join([res.policy, *(
                 _f(row[k]) for k in ("model", "requests", "served", "goodput", "p50", "p90",
                                      "p99", "switch_wait", "wakes_h", "wasted"))],
-                ) + f" | {row['awake']:.0%} |")
+                ) + f" | {row['awake']:.0%} | {row['slo_goodput']} | {row['frozen']} | "
+                f"{_f(row['longest_gap'])} |")
         lines.append(f"| **{res.policy}** | **all** | | | **{res.total_goodput}** | | | | | | "
-                     "| |")
+                     f"| | **{res.total_slo_goodput}** | | |")
     return "\n".join(lines)
 
 
@@ -579,6 +683,8 @@ def parser() -> argparse.ArgumentParser:
                    "of the (compressed) trace to replay (default: all)")
     p.add_argument("--limit", type=int, default=None, help="at most this many arrivals")
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
+    p.add_argument("--longest-freeze-s", type=float, default=3.0,
+                   help="the SLO's bound on the gap between two tokens of a stream")
     p.add_argument("--client-timeout-s", type=float, default=60.0)
     p.add_argument("--max-seqs", type=int, default=32)
     p.add_argument("--prefill-tflops", type=float, default=400.0)
@@ -600,15 +706,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(arrivals)} arrivals, {args.models} models (mapping {args.mapping}, speed "
           f"{args.speed:g}), simulated H200-calibrated engines")
     print()
-    print(table(results, args.ttft_slo_s))
+    print(table(results, args.ttft_slo_s, args.longest_freeze_s))
     print()
     base = next((r.total_goodput for r in results if r.policy == "on-demand"), 0)
     for res in results:
         ratio = f" ({res.total_goodput / base:.2f} x on-demand)" if base else ""
         rules = ", ".join(f"{k} {v}" for k, v in sorted(res.sim.rules.items()))
-        print(f"- {res.policy}: goodput {res.total_goodput}{ratio}"
-              + (f"; rules fired: {rules}" if rules else ""))
-        if args.plot_dir is not None:
+        print(f"- {res.policy}: goodput {res.total_goodput}{ratio}, SLO goodput "
+              f"{res.total_slo_goodput}" + (f"; rules fired: {rules}" if rules else ""))
+        if args.plot_dir is not None and res.policy != "all-awake":
             args.plot_dir.mkdir(parents=True, exist_ok=True)
             path = args.plot_dir / f"bench_policy_{res.policy}.png"
             if plot(res, path, args.models):

@@ -350,8 +350,11 @@ async def replay(*, mode: PolicyMode, arrivals: Sequence[Arrival], claimants: Se
                  engine: Callable[[Claimant], EngineAdapter], session: aiohttp.ClientSession,
                  client: ClientSettings, window_s: float) -> PolicyRun:
     """Replay ``arrivals`` (model index into ``claimants``) through a fresh GPU worker whose
-    node-wide policy mode is ``mode``; every engine asleep and ``port`` idle at the start."""
-    settings = LeaseSettings(node_name="policy-run", policy_mode=mode)
+    node-wide policy mode is ``mode`` and whose objectives are the ones measured (the
+    client's bounds); every engine asleep and ``port`` idle at the start."""
+    settings = LeaseSettings(node_name="policy-run", policy_mode=mode,
+                             first_token_objective_s=client.bounds.first_token_s,
+                             longest_freeze_s=client.bounds.longest_freeze_s)
     loop = asyncio.get_running_loop()
     worker = GpuWorker(
         gpu=gpu, lease_port=port, switcher=switcher,  # type: ignore[arg-type]

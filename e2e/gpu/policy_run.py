@@ -38,8 +38,8 @@ all-awake run's answers where it ran; else each engine is woken alone and asked 
 window's requests after the policies (``policy_replay.references``).
 
 For the same arrivals it also prints what the simulation of ``e2e.bench.policy``
-predicts, with its engines calibrated to these engines' weights (it knows on-demand
-switching and rota's drain-based rules), so the rankings sit side by side; ``python -m
+predicts for every policy, with its engines calibrated to these engines' weights, so the
+rankings sit side by side (``simulated_ranking_agrees`` per window); ``python -m
 e2e.gpu.report policy.json [other.json]`` prints the tables of a run, and whether the
 simulator's run (``--launcher simulator``) and the real one rank the policies alike.
 
@@ -91,7 +91,7 @@ from e2e.gpu.policy_replay import (
     replay_awake,
     rows,
 )
-from e2e.gpu.policy_slo import Bounds, Reference, RefKey, ranking, share
+from e2e.gpu.policy_slo import Bounds, Reference, RefKey, ranking, rankings_agree, share
 from e2e.gpu.report import policy_summary, policy_totals
 from e2e.gpu.sampler import NvmlSampler
 from e2e.gpu.steps import admit, say
@@ -105,9 +105,9 @@ POLICIES = ("all-awake", "first-come", "drain", "rota")
 """The policies of a run, in the order they run (all-awake first: its answers are the
 references the others' frozen streams are checked against)."""
 AWAKE = "all-awake"
-SIM_NAMES = {"first-come": "on-demand", "drain": "rota"}
-"""The policies ``e2e.bench.policy`` simulates, by its names (its ``rota`` is the
-drain-based rules)."""
+SIM_NAMES = {"all-awake": "all-awake", "first-come": "on-demand", "drain": "drain",
+             "rota": "rota"}
+"""The policies by the names ``e2e.bench.policy`` simulates them under."""
 TAIL_S = 15.0
 """Expected seconds after a window's last arrival until its clients are done."""
 MIN_WINDOW_S = 10.0
@@ -288,13 +288,15 @@ def simulated(arrivals: Sequence[Arrival], weights_bytes: int, args: argparse.Na
         models = [dataclasses.replace(m, decode_step_s=args.sim_decode_step_s) for m in models]
     sim_args = argparse.Namespace(step_s=0.02, max_seqs=args.max_seqs,
                                   client_timeout_s=args.client_timeout_s,
-                                  static_period_s=10.0, ttft_slo_s=args.ttft_slo_s)
+                                  static_period_s=10.0, ttft_slo_s=args.ttft_slo_s,
+                                  longest_freeze_s=args.longest_freeze_s)
     requests = [bench_policy.Request(a.at, a.model, a.context, a.generated) for a in arrivals]
     names = {SIM_NAMES[p]: p for p in args.policies.split(",") if p in SIM_NAMES}
     results = [bench_policy.simulate(sim, requests, models, sim_args) for sim in names]
-    return {"table": bench_policy.table(results, args.ttft_slo_s),
+    return {"table": bench_policy.table(results, args.ttft_slo_s, args.longest_freeze_s),
             "goodput": {r.policy: r.total_goodput for r in results},
             "as_policies": {names[r.policy]: r.total_goodput for r in results},
+            "slo_goodput": {names[r.policy]: r.total_slo_goodput for r in results},
             "rows": {r.policy: r.rows for r in results}}
 
 
@@ -563,7 +565,11 @@ async def _window(bench: Bench, args: argparse.Namespace, start_s: float,
     for run in runs:
         check(run, refs, client)
     entry["runs"] = [run_json(r) if isinstance(r, PolicyRun) else r for r in slots]
-    entry["ranking"] = ranking({r.name: policy_totals(rows(r))["slo_goodput"] for r in runs})
+    measured = {r.name: policy_totals(rows(r))["slo_goodput"] for r in runs}
+    entry["ranking"] = ranking(measured)
+    entry["simulated_ranking"] = ranking(entry["simulated"]["slo_goodput"])
+    entry["simulated_ranking_agrees"] = rankings_agree(measured,
+                                                       entry["simulated"]["slo_goodput"])
     write_json(out, result)
     return entry, runs
 
@@ -749,6 +755,8 @@ def closing(result: dict[str, Any]) -> str:
         "altered": sum((r.get("correctness") or {}).get("altered", 0)
                        for w in result.get("windows", []) for r in w["runs"]),
         "ranking": [w.get("ranking") for w in result.get("windows", [])],
+        "simulated_ranking_agrees": [w.get("simulated_ranking_agrees")
+                                     for w in result.get("windows", [])],
         "wall_s": result.get("wall_s")}))
     return "\n".join(lines)
 
