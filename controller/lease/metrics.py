@@ -172,17 +172,16 @@ class SwitchMetrics:
         KEPT.labels(frozen.gpu, frozen.claim, frozen.model).set(frozen.kept)
 
     def thawed(self, frozen: Frozen, seconds: float) -> None:
-        """An engine frozen for ``seconds`` woke (or left): its series goes."""
+        """An engine frozen for ``seconds`` woke: its series goes."""
         FREEZE.labels(frozen.model).observe(seconds)
-        forget_kept(frozen)
+        self.forgot(frozen)
 
-
-def forget_kept(frozen: Frozen) -> None:
-    """Remove the kept-requests series of an engine that woke or left."""
-    try:
-        KEPT.remove(frozen.gpu, frozen.claim, frozen.model)
-    except KeyError:
-        pass
+    def forgot(self, frozen: Frozen) -> None:
+        """A frozen engine's claim left the GPU (or it woke): its series goes."""
+        try:
+            KEPT.remove(frozen.gpu, frozen.claim, frozen.model)
+        except KeyError:
+            pass
 
 for _reason in SWITCH_FAILURE_REASONS:
     FAILURES.labels(_reason)

@@ -115,6 +115,7 @@ class SwitchObserver(Protocol):
     def start_took(self, model: str, seconds: float) -> None: ...
     def froze(self, frozen: Frozen) -> None: ...
     def thawed(self, frozen: Frozen, seconds: float) -> None: ...
+    def forgot(self, frozen: Frozen) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -533,6 +534,8 @@ class Switcher:
         it, where it keeps requests (:meth:`keeps`); drained otherwise."""
         timings: dict[str, float] = {}
         begin = self.ports.clock()
+        for gone in self.ports.freezes.keep_only({c.claim_uid for c in claimants}):
+            self.ports.observer.forgot(gone)  # its claim left the GPU, its requests too
         keep = preempt and holder is not None and await self.keeps(holder)
         lease = await self.begin(lease, naming.LeaseState.SWITCHING, holder=holder, target=target,
                                  timings=timings)

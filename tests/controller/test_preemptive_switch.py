@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from controller.claimants import Claimant
+from controller.lease import metrics
 from controller.lease.engines.base import Timeouts
 from controller.lease.metrics import SwitchMetrics
 from controller.lease.switch import Frozen
@@ -222,3 +223,33 @@ async def test_a_keep_sleep_of_unknown_outcome_leaves_the_holder_unsettled(
     assert recorder.frozen == []
     assert a.engine.generations_aborted == 0
     stream.close()
+
+
+async def test_a_frozen_claim_that_left_the_gpu_is_forgotten_with_its_series(
+        engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
+    a = await engine_sim_factory(model="m/a", tokens_per_second=SLOW)
+    b = await engine_sim_factory(model="m/b")
+    c = await engine_sim_factory(model="m/c")
+    kit = make_kit(engine_session, [("a", a), ("b", b), ("c", c)])
+    ca, cb, cc = kit.claimants
+    for asleep in (cb, cc):
+        await kit.switcher.ports.engine(asleep).sleep(1)
+    stream = await _stream(a, engine_session, PROMPT)
+    await _read(stream, until_first=True)
+    result = await kit.switcher.switch(kit.holding(ca), holder=ca, target=cb,
+                                       claimants=kit.claimants, preempt=True)
+    assert result.ok, (result.reason, result.message)
+    assert _kept_series(ca) == 1.0
+    del kit.device.sims[ca.claim_uid]  # A's claim and pod left the GPU
+    stream.close()
+    result = await kit.switcher.switch(kit.lease.current, holder=cb, target=cc,
+                                       claimants=[cb, cc])
+    assert result.ok, (result.reason, result.message)
+    assert kit.switcher.ports.freezes.all() == {}
+    assert _kept_series(ca) is None
+
+
+def _kept_series(claimant: Claimant) -> float | None:
+    return metrics.REGISTRY.get_sample_value(
+        "rota_controller_kept_requests",
+        {"gpu": claimant.gpu, "claim": claimant.ref, "model_name": claimant.model})
