@@ -17,6 +17,10 @@ adapter sends is checked by the guard alone. Its traps, and what this adapter do
   the engine sleeps at level 1 with ``mode=abort``. The adapter sends
   ``/sleep?level=N&mode=wait`` and no body. (The controller drains at the gateway first;
   ``wait`` is the second line of defence: ``abort`` races in-flight CUDA work.)
+- A sleep that keeps requests (``sleep(1, keep=True)``, the preemptive switch) is
+  ``/pause?mode=keep`` then ``/sleep?level=1&mode=keep``: a plain ``/sleep`` after the
+  pause would abort what it kept (its default mode). Only where the release and the
+  engine's route table serve ``/pause``, ``/resume`` and ``/is_paused`` (:func:`serves_keep`).
 - ``/sleep`` and ``/wake_up`` answer 200 with an empty body, even from an engine that is
   about to crash: every sleep and wake is confirmed with ``GET /is_sleeping`` and, where
   exported, ``vllm:engine_sleep_state``.
