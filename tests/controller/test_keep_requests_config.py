@@ -38,7 +38,8 @@ def test_keeping_where_not_shown_safe_is_refused_with_the_reason(
         fields: dict[str, Any], why: str) -> None:
     with pytest.raises(OpaqueConfigError) as caught:
         parse_engine_config(_config(**fields))
-    assert "keepRequests" in str(caught.value) and why in str(caught.value)
+    assert "keepRequests" in str(caught.value)
+    assert why in str(caught.value)
 
 
 def test_the_json_name_is_camel_case() -> None:
