@@ -23,13 +23,17 @@ class Waiting:
     """When its first request arrived."""
     home: bool = False
     """The return of the GPU's home model (nobody waits; never cancelled)."""
+    kept: bool = False
+    """An engine sleeping with requests kept (a preemptive switch froze them): its wake
+    serves those requests, whether or not a caller asks for it too."""
 
     def waiting(self) -> int:
         return sum(1 for f in self.futures if not f.done())
 
     def wanted(self) -> bool:
-        """Whether a switch for it still serves somebody (the home return always does)."""
-        return self.home or self.waiting() > 0
+        """Whether a switch for it still serves somebody (the home return and the kept
+        requests of a frozen engine always do)."""
+        return self.home or self.kept or self.waiting() > 0
 
 
 class CallerQueue:
@@ -63,6 +67,22 @@ class CallerQueue:
         self.entries.setdefault(home.claim_uid, Waiting(home, [], since=self.clock(),
                                                         home=True))
         self.wakeup.set()
+
+    def keep_frozen(self, frozen: dict[str, tuple[Claimant, float]]) -> None:
+        """Queue a wake of every engine in ``frozen`` (claim uid to its claimant and since
+        when it is frozen), so that the policy can serve its kept requests when no caller
+        asks; an entry queued so whose engine is no longer frozen goes (its callers, if any,
+        stay)."""
+        for uid, waiting in list(self.entries.items()):
+            if waiting.kept and uid not in frozen:
+                waiting.kept = False
+                if not waiting.wanted():
+                    self.entries.pop(uid)
+        for uid, (claimant, since) in frozen.items():
+            waiting = self.entries.setdefault(uid, Waiting(claimant, [], since=since))
+            if not waiting.kept:
+                waiting.kept = True
+                waiting.since = min(waiting.since, since)
 
     def pending(self) -> int:
         return sum(len(w.futures) for w in self.entries.values())

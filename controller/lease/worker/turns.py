@@ -75,6 +75,7 @@ class TurnLoop:
         """The queued claim to serve now and the policy's decision for it (None when
         answered without asking it); None when the policy holds (this waits until its
         next look, or until news)."""
+        self._queue_frozen()
         for gone in self.queue.abandoned():  # every caller left: no switch for them
             self.view.decided("cancelled", gone.claimant, "every request for it left")
         if not self.queue:
@@ -95,6 +96,21 @@ class TurnLoop:
                 return chosen.claimant.claim_uid, decision
         await self._hold(decision, in_flight, stop)
         return None
+
+    def _queue_frozen(self) -> None:
+        """Engines of this GPU asleep with requests kept wait for their wake as callers
+        do: queued, the policy wakes them by its bounds (``freeze_bound``) even when no
+        new request asks for them (otherwise their streams would stay frozen until one
+        did)."""
+        freezes = self.view.freezes
+        if freezes is None:
+            return
+        holder = self.state.awake_holder()
+        on_gpu = {c.claim_uid: c for c in self.worker.on_gpu()}
+        self.queue.keep_frozen({
+            uid: (on_gpu[uid], frozen.since) for uid, frozen in freezes.all().items()
+            if frozen.kept > 0 and uid in on_gpu and on_gpu[uid].serving
+            and on_gpu[uid].ref != holder})
 
     async def _holder_load(self, holder: Claimant | None) -> int:
         if holder is None:
@@ -259,6 +275,7 @@ class TurnLoop:
         self.queue.resolve(turn.waiting, Activation(
             result.ok, target, switched=result.ok, fence=result.lease.fence,
             reason=result.reason, message=result.message, timings=result.timings))
+        self._queue_frozen()  # a holder this switch froze waits for its wake from now on
 
     def fenced_off(self, waiting: Waiting, target: Claimant, fence: int) -> None:
         """A switch ended by fencing (another writer moved a Lease, or leadership went):
