@@ -11,7 +11,8 @@
    shows the claimant awake under the answer's fence, and is routed from that view. A
    controller that declines for now (409, e.g. minimum residency) is asked again after
    its Retry-After while the request has time left; a failed switch is a 503 with the
-   reason.
+   reason; a controller that cannot be reached is lost: the request waits for its Lease
+   to change (a gone pod's Lease, taken over by the next controller).
 3. Forward (:mod:`~controller.gateway.proxy`), while watching the Lease. If, before the
    engine's first byte, the GPU's Lease settles with another holder (the engine was put to
    sleep, and holds the request), or the engine refused with 503 or could not be reached,
@@ -409,6 +410,10 @@ class Dispatcher:
                     request_id=gen.request_id)
             except ActivationFailed as exc:
                 expecting.cancel()
+                if exc.code == Code.CONTROLLER_UNREACHABLE:
+                    # A lost controller, not an answer: wait for its Lease to change.
+                    self.state.unreachable(decision.claim, decision.activation_url)
+                    continue
                 wait = exc.retry_after or self.settings.retry_after_s
                 if not exc.refused or loop.time() + wait >= deadline:
                     raise

@@ -19,7 +19,9 @@ by the request path. What each kind of object may decide:
   election applies too); the ``renewTime`` the node's clock stamped is never compared
   with this one. A GPU whose controller Lease expired is treated as lost: its engine gets
   no traffic, and its unfinished switch does not hold requests when another replica
-  could be woken.
+  could be woken. A controller whose activation API cannot be reached at the address its
+  Lease names is lost for activations until that Lease changes
+  (:meth:`RoutingState.unreachable`): requests wait for the next holder, not fail.
 
 The Leases are the truth: nothing here is replica-local knowledge that another gateway
 replica could contradict. Only the event loop's thread may touch a state (sources in
@@ -224,6 +226,9 @@ class RoutingState:
         """When this gateway saw each controller Lease change, on :attr:`clock`."""
         self._live: dict[str, bool] = {}
         """Whether each controller counted as alive when last judged."""
+        self._unreached: dict[str, ControllerLease] = {}
+        """Controller Leases whose activation API could not be reached at the address they
+        name, as they read then: lost until the record changes (:meth:`unreachable`)."""
         self._expiry: dict[str, float] = {}
         self._expiries: list[tuple[float, str]] = []
         """A heap of (expires at, controller Lease name); an entry whose time is no longer
@@ -461,6 +466,7 @@ class RoutingState:
                 self._bump(self._models_of(self._by_gpu_lease.get(name, ())))
         elif kind == "controller":
             self._observer.forget(name)
+            self._unreached.pop(name, None)
             self._expiry.pop(name, None)
             self._live.pop(name, None)
             if self._controllers.pop(name, None) is not None:
@@ -473,8 +479,11 @@ class RoutingState:
         self._expire()
         now = self._clock()
         previous = self._controllers.get(lease.name)
+        unreached = self._unreached.get(lease.name)
         was = (previous is not None, self._live.get(lease.name, False),
-               None if previous is None else activation_url(previous))
+               None if previous is None else activation_url(previous), unreached is not None)
+        if unreached is not None and not unreached.same_record(lease):
+            del self._unreached[lease.name]  # renewed or taken over: worth asking again
         seen = self._observer.observe(lease, now)
         self._controllers[lease.name] = lease
         self._live[lease.name] = seen.fresh(now)
@@ -485,8 +494,31 @@ class RoutingState:
             if known is None or expires < known:
                 heapq.heappush(self._expiries, (expires, lease.name))
             self._expiry[lease.name] = expires  # a later time: its entry moves on surfacing
-        if was != (True, self._live[lease.name], activation_url(lease)):
+        if was != (True, self._live[lease.name], activation_url(lease),
+                   lease.name in self._unreached):
             self._bump(self._models_of(self._by_controller.get(lease.name, ())))
+
+    def unreachable(self, claim: str, url: str) -> None:
+        """The activation API at ``url``, to which a request for ``claim`` was sent, could
+        not be reached. If the controller Lease of the claim's node still names ``url``,
+        its holder counts as lost for activations until the Lease's record changes (a
+        renewal, another holder or instance), and requests for the node's sleeping models
+        wait for that instead of failing: a controller that stopped without releasing its
+        Lease (its RBAC deleted first, on an uninstall) leaves a Lease that looks fresh for
+        a whole duration to a reader that first sees it. A Lease already naming another
+        address is left alone (asking again goes there)."""
+        claimant = self._claimants.get(claim)
+        if claimant is None:
+            return
+        name = naming.controller_lease_name(claimant.node)
+        lease = self._controllers.get(name)
+        if lease is None or activation_url(lease) != url or name in self._unreached:
+            return
+        self._unreached[name] = lease
+        log.warning("the node's lease controller cannot be reached at the address its Lease "
+                    "names; waiting for the Lease to change", extra={
+                        "node": claimant.node, "upstream": url, "holder": lease.holder})
+        self._bump(self._models_of(self._by_controller.get(name, ())))
 
     def _expire(self) -> None:
         """Judge the controllers whose Leases have run out since last judged (the clock
@@ -686,12 +718,16 @@ class RoutingState:
         if waiting:
             return Decision(Action.WAIT, model, reason=waiting)
         options: list[tuple[int, str, Claimant, str]] = []
+        unreached = False
         for claimant in claimants:
             controller = self._controller(claimant)
             url = None if controller is None else activation_url(controller)
-            if not claimant.serving or url is None:
+            if controller is None or not claimant.serving or url is None:
                 continue
             if not self._alive(claimant, now):
+                continue
+            if controller.name in self._unreached:
+                unreached = True
                 continue
             lease = self.lease_of(claimant)
             rank = _NO_LEASE_RANK if lease is None else _ACTIVATION_RANK.get(lease.state, 5)
@@ -700,9 +736,10 @@ class RoutingState:
             _, ref, _, url = min(options, key=lambda o: (o[0], o[1]))
             return Decision(Action.ACTIVATE, model, claim=ref, activation_url=url)
         lost = self._switch_touching(model, now, alive=False)
-        if lost:
-            # Its node's controller stopped renewing mid-switch and nothing else can be
-            # woken: a restarted controller may still finish it.
+        if lost or unreached:
+            # Its node's controller stopped renewing mid-switch, or cannot be reached at the
+            # address its Lease names, and nothing else can be woken: a restarted (or the
+            # next) controller may still finish it.
             return Decision(Action.WAIT, model, reason="controller_lost")
         if any(c.serving for c in claimants):
             # Serving engines, but no live controller to wake one (one is starting, or

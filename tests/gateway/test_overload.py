@@ -120,8 +120,9 @@ async def test_a_wrong_activation_token_is_a_503_not_a_hang(make_rig: RigFactory
 
 
 async def test_an_unreachable_controller_is_retried_then_503(make_rig: RigFactory) -> None:
-    rig = await make_rig(activation_attempts=2)
+    # Then counted lost: the request waits for its Lease to change, bounded.
+    rig = await make_rig(activation_attempts=2, max_wait_s=1.0)
     rig.state.apply("lease", "MODIFIED", controller_lease("http://127.0.0.1:9"))
     resp = await rig.chat(MODEL_B)
     assert resp.status == 503
-    assert (await resp.json())["error"]["code"] == "controller_unreachable"
+    assert (await resp.json())["error"]["code"] == "controller_lost"
