@@ -30,8 +30,9 @@ A call that cannot reach the controller is retried a bounded number of times wit
 jittered backoff (:class:`rota.kit.aio.Backoff`); connecting has its own short timeout, so a
 controller whose address does not answer costs seconds, not the request's whole wait; the
 dispatcher then counts that controller lost until its Lease changes
-(:meth:`~controller.gateway.routing.RoutingState.unreachable`). A refusal is not retried here: it becomes :class:`ActivationFailed` carrying the controller's
-reason and Retry-After (``refused`` when the code says "ask again").
+(:meth:`~controller.gateway.routing.RoutingState.unreachable`). A refusal is not retried
+here: it becomes :class:`ActivationFailed` carrying the controller's reason and
+Retry-After (``refused`` when the code says "ask again").
 """
 
 from __future__ import annotations
