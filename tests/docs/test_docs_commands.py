@@ -24,7 +24,7 @@ docs' own names (namespace ``rota-system``, release ``rota``, the DeviceClass th
 creates) are used unchanged. The node has **no GPU**: the fake NVML backend answers for an
 H200 (helm gets its values through a wrapper, and ``--plain-http`` for the registry, which
 has no TLS) and **rota's engine simulator stands in for vLLM** (the simulator example,
-with the vLLM example's readiness probe, replaces ``vllm-two-models.yaml``).
+which carries the vLLM example's readiness probe, replaces ``vllm-two-models.yaml``).
 :meth:`Substitutions.table` is every change made to the docs' text, and :func:`BETWEEN`
 and :func:`_registry_steps` every command the runner adds between blocks.
 """
@@ -42,10 +42,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from tests.docs.blocks import (
     ROOT,
@@ -217,7 +215,7 @@ class Substitutions:
     port: int
     timeout: str = "--timeout=5m"
     example: str = "manifests/examples/two-models.yaml"
-    """The simulator's example in place of the vLLM one (:func:`simulator_example`)."""
+    """The simulator's example in place of the vLLM one (with the same readiness probe)."""
     registry: str = ""
     """``<your registry>`` (``make push``'s ``REGISTRY``); empty: the chart of the clone."""
     version: str = ""
@@ -246,33 +244,6 @@ class Substitutions:
         for old, new in self.table():
             text = text.replace(old, new)
         return text
-
-
-def simulator_example(tmp: Path) -> Path:
-    """``manifests/examples/two-models.yaml`` with vLLM's readiness probe (the one of
-    ``vllm-two-models.yaml``) on each engine, written under ``tmp``. In vLLM's place the
-    simulator is Ready, as vLLM is, only once it answers ``/health``, so the quick start's
-    ``kubectl wait --for=condition=Ready`` means what it means with vLLM: without a probe
-    the pod is Ready before the simulator listens, and a request right after it fails."""
-    examples = ROOT / "manifests" / "examples"
-    probes = [c["readinessProbe"] for d in yaml.safe_load_all(
-                  (examples / "vllm-two-models.yaml").read_text()) if d
-              for c in _containers(d) if "readinessProbe" in c]
-    docs = [d for d in yaml.safe_load_all((examples / "two-models.yaml").read_text()) if d]
-    for doc in docs:
-        for container in _containers(doc):
-            container["readinessProbe"] = probes[0]
-    path = tmp / "two-models.yaml"
-    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-    return path
-
-
-def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The containers of a Pod or of a workload's pod template."""
-    spec = doc.get("spec") or {}
-    if doc.get("kind") != "Pod":
-        spec = (spec.get("template") or {}).get("spec") or {}
-    return list(spec.get("containers") or [])
 
 
 def _port_open(port: int) -> str:
@@ -404,8 +375,7 @@ def _skip_without_a_real_node() -> None:
 @pytest.mark.sampled
 def test_quick_start_and_admin_commands_on_a_real_node(tmp_path: Path) -> None:
     _skip_without_a_real_node()
-    subs = Substitutions(node="gpu-node-1", port=_free_port(),
-                         example=str(simulator_example(tmp_path)))
+    subs = Substitutions(node="gpu-node-1", port=_free_port())
     with _own_node(index=200) as node:
         output = node.run(tmp_path, _script(_doc_steps(subs)))
     print("\n" + output)
@@ -485,8 +455,7 @@ def test_quick_start_from_a_verified_registry_image_on_a_real_node(tmp_path: Pat
         want = f"{registry.address}/{IMAGE_PATH}@" + registry.digest(
             registry.image_ref(snapshot.version))
         subs = Substitutions(node="gpu-node-1", port=_free_port(), registry=registry.target,
-                             version=snapshot.version,
-                             example=str(simulator_example(tmp_path)))
+                             version=snapshot.version)
         with _own_node(index=201, registry_ports=[registry.port]) as node:
             output = node.run(tmp_path / "docs", _script(_registry_steps(subs)),
                               plain_http=True)
@@ -500,15 +469,6 @@ def test_quick_start_from_a_verified_registry_image_on_a_real_node(tmp_path: Pat
         assert len(ids) >= 3, f"{name}: {ids}"  # the driver, the controller, the gateway
         assert set(ids) == {want}, f"{name}: {ids}, want {want}"
     again = sections["quickstart-requests-again"]
-    if '"code": "controller_unreachable"' in again:
-        # helm uninstall deletes the controller's Role with its pods: the stopping
-        # controller's release of its Lease is refused (403), so the Lease still names the
-        # gone pod. The new gateway counts a Lease it first sees as fresh for a whole
-        # duration and sends the switch to the gone address: 503 at once, instead of
-        # waiting for the new controller to take the Lease over.
-        pytest.xfail("known defect: after helm uninstall the controller Lease stays held "
-                     "(its release is refused: the Role is gone), and a switch right after "
-                     "the next install goes to the gone controller (controller_unreachable)")
     assert again.count('"choices"') == 2, again
 
 
