@@ -5,7 +5,10 @@ A switch never waits for an Event, a label or a condition: callers hand their ch
 state of a pod replaces an older one not yet sent) and writes them from one background
 task. A failed write is retried a few times with the shared backoff and then dropped with a
 warning and a count (``rota_controller_visible_state_errors_total{kind}``); the next change of that
-object writes it again.
+object writes it again. A claim's conditions are written as a patch of its
+``status.devices`` alone (:meth:`VisibleStateKube.set_claim_devices`): the controller may
+not change a claim's allocation, and a whole claim sent back may look changed to the API
+server.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ log = logging.getLogger(__name__)
 
 _WRITTEN_CLAIMS = 1024
 """Claims whose last written version is remembered (a node's claims, with room)."""
+_ALLOCATION_CHANGED = "status.allocation"
+"""In a 422's message: the API server saw the write change the claim's allocation."""
 
 class VisibleStateKube(Kube):
     """The three writes, through the shared facade (threads, timeouts, error mapping)."""
@@ -53,6 +58,9 @@ class VisibleStateKube(Kube):
         self._events = client.EventsV1Api(api)
         self._written: dict[tuple[str, str], dict[str, Any]] = {}
         """Claims as this controller's last status write returned them (oldest first)."""
+        self._updated: set[tuple[str, str]] = set()
+        """Claims whose patch the API server read as a change of their allocation (see
+        :meth:`_write_devices`): written by an update."""
 
     async def create_event(self, body: dict[str, Any]) -> None:
         meta = body["metadata"]
@@ -77,7 +85,8 @@ class VisibleStateKube(Kube):
 
         The claim as the last write returned it is the base of the next write (one request
         per change); a claim not written before, or one another writer changed since (a
-        409), is read first."""
+        409), is read first. The write carries ``status.devices`` alone
+        (:meth:`_write_devices`)."""
         key = (namespace, name)
         known = self._written.pop(key, None)
         for attempt in range(2):
@@ -86,23 +95,59 @@ class VisibleStateKube(Kube):
                 self._objects.get_namespaced_custom_object, RESOURCE_GROUP,
                 RESOURCE_VERSION, namespace, "resourceclaims", name))
             known = None
-            status = dict(claim.get("status") or {})
-            status["devices"] = merged_devices(status.get("devices") or [], entries)
-            claim["status"] = status
+            devices = merged_devices((claim.get("status") or {}).get("devices") or [], entries)
             try:
-                resp = await self._call(
-                    f"update resourceclaim status {namespace}/{name}",
-                    self._objects.replace_namespaced_custom_object_status, RESOURCE_GROUP,
-                    RESOURCE_VERSION, namespace, "resourceclaims", name, claim,
-                    field_manager=FIELD_MANAGER, _preload_content=False)
+                written = await self._write_devices(namespace, name, claim, devices)
             except KubeConflictError:
                 if attempt:
                     raise
                 continue
-            self._written[key] = dict(json.loads(resp.data))
+            self._written[key] = written
             while len(self._written) > _WRITTEN_CLAIMS:
                 self._written.pop(next(iter(self._written)))
             return
+
+    async def _write_devices(self, namespace: str, name: str, claim: dict[str, Any],
+                             devices: list[dict[str, Any]]) -> dict[str, Any]:
+        """Write ``devices`` as the claim's ``status.devices`` (under ``claim``'s
+        resourceVersion); the claim as written.
+
+        A JSON merge patch of ``status.devices`` and the resourceVersion: the API server
+        applies it to the claim as it stores it, so ``status.allocation`` and
+        ``reservedFor`` stay as they are, which a controller may not change (without
+        ``resourceclaims/binding`` the API server refuses any change, 422). A whole claim
+        sent back (an update) does change them whenever the allocation's opaque configs
+        are not stored as this client writes JSON: the API server compares their raw bytes,
+        and a claim made by kubectl or a controller holds them without spaces, which
+        Python's JSON encoder adds. A claim whose configs are stored with those spaces
+        (made by a Python client) fails the patch the same way, as the API server re-encodes
+        them without: that claim is written by an update instead."""
+        patch = {"metadata": {"resourceVersion": (claim.get("metadata") or {})
+                              .get("resourceVersion")},
+                 "status": {"devices": devices}}
+        if (namespace, name) not in self._updated:
+            try:
+                resp = await self._call(
+                    f"patch resourceclaim status {namespace}/{name}",
+                    self._objects.patch_namespaced_custom_object_status, RESOURCE_GROUP,
+                    RESOURCE_VERSION, namespace, "resourceclaims", name, patch,
+                    field_manager=FIELD_MANAGER,
+                    _content_type="application/merge-patch+json", _preload_content=False)
+                return dict(json.loads(resp.data))
+            except KubeError as exc:
+                if exc.status != 422 or _ALLOCATION_CHANGED not in str(exc):
+                    raise
+                self._updated.add((namespace, name))
+                while len(self._updated) > _WRITTEN_CLAIMS:
+                    self._updated.pop()
+        body = dict(claim)
+        body["status"] = dict(claim.get("status") or {}) | {"devices": devices}
+        resp = await self._call(
+            f"update resourceclaim status {namespace}/{name}",
+            self._objects.replace_namespaced_custom_object_status, RESOURCE_GROUP,
+            RESOURCE_VERSION, namespace, "resourceclaims", name, body,
+            field_manager=FIELD_MANAGER, _preload_content=False)
+        return dict(json.loads(resp.data))
 
 
 @dataclass

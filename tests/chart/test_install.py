@@ -182,7 +182,9 @@ def _expected(release: Release) -> dict[str, dict[str, set[Rule]]]:
     controller = {(rs, "resourceclaims", "get", ""),
                   (rs, "resourceslices", "list", ""), (rs, "resourceslices", "watch", ""),
                   (rs, "resourceclaims/status", "update", ""),
+                  (rs, "resourceclaims/status", "patch", ""),
                   (rs, "resourceclaims/driver", "associated-node:update", "gpu.rota.dev"),
+                  (rs, "resourceclaims/driver", "associated-node:patch", "gpu.rota.dev"),
                   (core, "pods", "list", ""), (core, "pods", "watch", ""),
                   (core, "pods", "patch", ""),
                   (ev, "events", "create", ""), (ev, "events", "patch", "")}
