@@ -63,22 +63,50 @@ claimant waits, else the ranking above without the holder's rules).
 **Preemption** (``rota`` mode, the default). A switch away from a busy holder whose claim
 keeps its requests (``keeps_requests``: the claim's effective ``keepRequests``) preempts
 it (:attr:`Decision.preempt`) instead of draining it, where that keeps every frozen stream
-within its bound: a plan that serves the target one turn, then wakes every frozen claimant
-(the holder's streams included) in order of its freeze deadline, each given its turn, must
-wake each before its deadline. Where it would not, the holder drains, as in ``drain``
-mode; a switch that brings frozen streams back preempts regardless (a drain would keep
-them frozen for the holder's whole generations). The choice of the next waiter follows the
-same plan: while streams are frozen, a waiter whose turn first would overrun one gives way
-to the frozen claimant with the earliest deadline. Turns bound the switching overhead: a
-turn costs the switch in (the previous holder's sleep, the wake, the probe, the kept
+within its bound: a plan that serves the target a *visit*, then wakes every frozen
+claimant (the holder's streams included) in order of its freeze deadline, each given a
+visit, must wake each at least ``DUE_MARGIN_S`` before its deadline. A visit lasts until
+the frozen streams' bound calls them back (``freeze_bound``): the freeze bound less the
+two switches and the recompute. It must be at least what a woken waiter needs for its
+first tokens (its probe's first token and the margin) and half the measured switch that
+brought it in (``VISIT_SWITCHES``): a shorter visit serves a first token, then freezes the
+visitor's own streams past their bound when the holder comes back, for two switches'
+cost. A switch not yet measured (the default costs stand in) sets no such floor.
+
+So with the default, unmeasured costs (sleep 0.5, wake 0.6, probe 0.1 s) a holder
+streaming one request is preempted: 1.2 s away, a 0.2 s visit, 1.3 s back (its recompute
+included) is 2.7 s; a plan that gave the target a whole turn (3 x its switch) would
+never fit a 3 s bound. Measured switches are far cheaper (model-small on an H100:
+sleep 0.056 s, wake 0.037 s p50); measured switches of a 26.5 GB model (about 0.6 s each
+way) leave a visit 0.4 s, under half a switch, and drain: simulated, preempting them gave
+96 requests within the SLO where ``drain`` gave 184.
+
+A holder can be preempted only where some waiter's plan fits, or a waiter's wake brings
+frozen streams back, and a freeze is begun (not merely continued) only while no other
+claimant's streams are frozen, so frozen claimants never cascade. Where no preemption can
+be planned the holder is not preemptible and every rule is ``drain``'s, its quantum, cost
+rule and bounds included (the holder's drain counted before a frozen claimant's wake): a
+policy that does not preempt decides exactly as ``drain`` does, so ``rota`` never does
+worse than ``drain`` by preempting nobody. A switch that brings frozen streams back
+preempts the holder even where its plan does not fit (a drain would keep them frozen for
+the holder's whole generations). The choice of the next waiter follows the plan: while
+streams are frozen, a waiter whose visit first would overrun one gives way to the frozen
+claimant with the earliest deadline.
+
+Turns bound the switching overhead. A holder on a visit (some frozen streams' return still
+fits its plan) gives the GPU back once it has had its visit. Any other preemptible holder
+has a turn first: the switch in (the previous holder's sleep, the wake, the probe, the kept
 requests' recompute at :attr:`SwitchCost.recompute_tokens_per_s`) and the sleep that ends
-it, and lasts at least ``(1 - switch_share) / switch_share`` times that (3 x at 25 %), so
-switching takes at most ``switch_share`` of a contended GPU's time; no rule preempts a
-holder before its turn is over (the bounds that predate preemption, ``bounded_wait`` and
-``priority_preempt``, drain it instead), and past it a preemptible holder gives way to a
-waiter at once (rule ``cost``). A holder with nothing in flight gives way at once
-(``holder_idle``), so sequential traffic gets its first token within the switch's own
-cost. Where no claim keeps requests, ``rota`` decides exactly as ``drain``.
+it, times ``(1 - switch_share) / switch_share`` (3 x at 25 %), so a freeze is begun only
+after the holder has had three times what the switch costs; no rule preempts it before
+(the bounds that predate preemption, ``bounded_wait`` and ``priority_preempt``, drain it
+instead), and past it a preemptible holder gives way to a waiter at once (rule ``cost``).
+While streams stay frozen, visits alternate as the freeze bound asks and may spend more
+than the switch share switching (with 16 GB engines, about 0.8 s a switch, a visit of
+about 1.2 s); once a return no longer fits, the holder that returned keeps its whole turn.
+A holder with nothing in flight gives way at once (``holder_idle``), so sequential traffic
+gets its first token within the switch's own cost. Where no claim keeps requests,
+``rota`` decides exactly as ``drain``.
 
 The node may run the policy in :attr:`PolicyMode.DRAIN` (``--policy-mode drain``): the
 rules above without preemption, every switch draining the holder (rota's policy before
@@ -208,6 +236,14 @@ DUE_MARGIN_S = 0.1
 (its look at the engine's load, the decision, the first call of the switch)."""
 
 
+VISIT_SWITCHES = 0.5
+"""A visit lasts at least this many times the measured switch that brought it in (the
+holder's sleep, the visitor's wake and probe). Simulated over the Azure trace, 0.5 keeps
+every scenario tried at or above ``drain`` (26.5 GB engines: no visit fits, exactly
+``drain``); 1.0 gave 2-5 % fewer requests within the SLO with 16 GB engines, and 0 (the
+first tokens alone) half of ``drain``'s with 26.5 GB engines."""
+
+
 @dataclass(frozen=True)
 class KeptWork:
     """A sleeping claimant's frozen requests: kept by a preemptive switch away from it,
@@ -304,7 +340,8 @@ class Decision:
 def quantum_of(inp: PolicyInput, holder: str, target: str | None) -> float:
     """The holder's quantum against a switch to ``target``.
 
-    A holder that may be preempted (``rota`` mode, its requests kept, busy) has the
+    A holder that may be preempted (``rota`` mode, its requests kept, busy, and a
+    preemption that can be planned: :func:`_preemptible`) has the
     quantum that keeps switching within its ``switch_share`` of GPU time: the switch's
     cost, the target's recompute included (or the switch that brought the holder in and
     its sleep, if more), times ``(1 - share) / share``; no drain is counted since none
@@ -333,6 +370,13 @@ def _cost(inp: PolicyInput, holder: str | None, target: str) -> float:
     return sleep + _wake_cost(inp, target)
 
 
+def _measured_cost(inp: PolicyInput, holder: str | None, target: str) -> float:
+    """:func:`_cost` where both ends of the switch were measured, else 0 (unknown: the
+    default costs are a cautious stand-in, not a measure to size a visit by)."""
+    known = target in inp.costs and (holder is None or holder in inp.costs)
+    return _cost(inp, holder, target) if known else 0.0
+
+
 def _recompute_s(inp: PolicyInput, claim: str, tokens: int | None = None) -> float:
     """How long ``claim``'s engine recomputes its kept requests after its wake."""
     if tokens is None:
@@ -349,10 +393,25 @@ def _turn_quantum(inp: PolicyInput, policy: ModelPolicy, cost: float) -> float:
 
 
 def _preemptible(inp: PolicyInput, holder: str | None) -> bool:
-    """Whether a switch away from ``holder`` may keep its requests (``rota`` mode, its
-    claim keeps requests, and it has requests to keep)."""
-    return (holder is not None and inp.default_policy.mode is PolicyMode.ROTA
-            and inp.gpu.in_flight > 0 and _policy(inp, holder).keeps_requests)
+    """Whether a switch away from ``holder`` may keep its requests: ``rota`` mode, its
+    claim keeps requests, it has requests to keep, and a preemption can be made for some
+    waiter (its plan keeps every frozen stream within its bound, :func:`_freeze_fits`, or
+    it brings frozen streams back). Where none can, the holder is not preemptible and
+    every rule is ``drain``'s: a policy that will not preempt decides as ``drain``."""
+    if not (holder is not None and inp.default_policy.mode is PolicyMode.ROTA
+            and inp.gpu.in_flight > 0 and _policy(inp, holder).keeps_requests):
+        return False
+    waiters = _waiters(inp, holder)
+    if any(_returning(inp, q.claim) for q in waiters):
+        return True
+    return not _frozen_others(inp, holder) and any(
+        _freeze_fits(inp, holder, q.claim)[0] for q in waiters)
+
+
+def _returning(inp: PolicyInput, claim: str) -> bool:
+    """Whether waking ``claim`` brings frozen streams back."""
+    kept = inp.kept.get(claim)
+    return kept is not None and kept.count > 0
 
 
 def _wait(inp: PolicyInput, q: ClaimQueue) -> float:
@@ -435,7 +494,7 @@ def _bounds(inp: PolicyInput, waiters: list[ClaimQueue], holder: str | None,
         kept = inp.kept.get(q.claim) if rota else None
         if kept is not None and kept.count > 0:
             frozen = max(0.0, inp.gpu.now - kept.frozen_since)
-            back = cost + _recompute_s(inp, q.claim) + DUE_MARGIN_S
+            back = cost + drain + _recompute_s(inp, q.claim) + DUE_MARGIN_S
             urgency = (frozen + back) / policy.longest_freeze_s
             if urgency >= 1.0:
                 due.append(_Due(urgency, "freeze_bound", q, f"{q.claim}'s {kept.count} "
@@ -463,8 +522,9 @@ def _freeze_fits(inp: PolicyInput, holder: str | None, target: str, *,
                  preempted: bool = True) -> tuple[bool, str]:
     """Whether serving ``target`` next keeps every frozen stream within its longest
     freeze: every claimant's kept streams, and the holder's when it is ``preempted``,
-    woken in order of their deadlines (earliest first) after the target's turn, each turn
-    given the least service the switch share asks. The text says which would overrun."""
+    woken in order of their deadlines (earliest first) after the target's visit, each
+    given a visit (:func:`_visit_s`), each woken ``DUE_MARGIN_S`` before its deadline.
+    The text says which would overrun."""
     now = inp.gpu.now
     holder_frozen: list[tuple[float, str, int | None]] = [] if holder is None or not (
         preempted) else [(now + _policy(inp, holder).longest_freeze_s, holder,
@@ -475,17 +535,39 @@ def _freeze_fits(inp: PolicyInput, holder: str | None, target: str, *,
         + holder_frozen)
     drain = inp.gpu.drain_estimate_s if holder is not None and not preempted else 0.0
     switch_in = _cost(inp, holder, target) + _recompute_s(inp, target)
-    t = now + drain + switch_in + _own_turn(inp, target, switch_in)
+    t = now + drain + switch_in + _visit_s(inp, target, _measured_cost(inp, holder, target))
     previous: str | None = target
     for deadline, claim, tokens in deadlines:
         switch_in = _cost(inp, previous, claim) + _recompute_s(inp, claim, tokens)
         t += switch_in
-        if t > deadline:
-            return False, (f"{claim}'s frozen streams would wait {t - deadline:.2f} s past "
-                           f"their {_policy(inp, claim).longest_freeze_s:g} s bound")
-        t += _own_turn(inp, claim, switch_in)
+        if t + DUE_MARGIN_S > deadline:
+            return False, (f"{claim}'s frozen streams would wait "
+                           f"{t + DUE_MARGIN_S - deadline:.2f} s past their "
+                           f"{_policy(inp, claim).longest_freeze_s:g} s bound")
+        t += _visit_s(inp, claim, _measured_cost(inp, previous, claim))
         previous = claim
     return True, ""
+
+
+def _visit_s(inp: PolicyInput, claim: str, switch_in_s: float = 0.0) -> float:
+    """The least service a turn of ``claim`` gets while streams are frozen (a visit):
+    its waiters' first tokens (a woken engine's first token, measured by its probe) and
+    the reaction margin, and at least ``VISIT_SWITCHES`` x ``switch_in_s`` (the measured
+    switch that brings it in; 0 when unknown). A visit's length is bounded above by the
+    frozen streams' bound (rule ``freeze_bound`` ends it)."""
+    return max(VISIT_SWITCHES * switch_in_s,
+               inp.costs.get(claim, inp.default_cost).probe_s + DUE_MARGIN_S)
+
+
+def _frozen_others(inp: PolicyInput, holder: str) -> bool:
+    return any(k.count > 0 for c, k in inp.kept.items() if c != holder)
+
+
+def _visited(inp: PolicyInput, holder: str) -> bool:
+    """Whether ``holder`` holds the GPU on a visit: some claimant's frozen streams can
+    still be brought back within their bound by preempting it."""
+    return any(k.count > 0 and c != holder and _freeze_fits(inp, holder, c)[0]
+               for c, k in inp.kept.items())
 
 
 def _own_turn(inp: PolicyInput, claim: str, switch_in_s: float) -> float:
@@ -499,21 +581,24 @@ def _own_turn(inp: PolicyInput, claim: str, switch_in_s: float) -> float:
 def _tenure_ends(inp: PolicyInput, holder: str) -> float:
     """When a preemptible holder has had the least service its turn buys: before, no
     rule preempts it, so every turn makes progress and the switching stays within the
-    switch share even when the bounds cannot all be kept. The plans of
-    :func:`_freeze_fits` give every turn the same."""
+    switch share even when the bounds cannot all be kept. A holder woken while others'
+    streams are frozen is on a visit (:func:`_visit_s`): the plans of
+    :func:`_freeze_fits` give it that much before the frozen streams come back."""
+    if _visited(inp, holder):
+        return inp.gpu.awake_since + _visit_s(inp, holder)
     switch_in = inp.gpu.switch_in_s or _cost(inp, holder, holder)
     return inp.gpu.awake_since + _own_turn(inp, holder, switch_in)
 
 
 def _switch(inp: PolicyInput, rule: str, reason: str, target: str, holder: str | None,
             preemptible: bool) -> Decision:
-    """A switch to ``target``: preemptive when the holder may be preempted, has had its
-    turn (:func:`_tenure_ends`) and every frozen stream stays within its bound; drained
-    (as always) otherwise. A switch that brings frozen streams back preempts whatever
-    follows: a drain would keep them frozen for the holder's whole generations, a certain
-    overrun against a possible one. Before the holder's turn is over, the bounds that
-    predate preemption (the wait's and a priority's) drain it as always; the others wait
-    for the turn's end."""
+    """A switch to ``target``: preemptive when the holder may be preempted
+    (:func:`_preemptible`), has had its turn or visit (:func:`_tenure_ends`) and every
+    frozen stream stays within its bound; drained (as always) otherwise. A switch that
+    brings frozen streams back preempts whatever follows: a drain would keep them frozen
+    for the holder's whole generations, a certain overrun against a possible one. Before
+    the holder's turn is over, the bounds that predate preemption (the wait's and a
+    priority's) drain it as always; the others wait for the turn's end."""
     if not preemptible or holder is None:
         return Decision(Action.SWITCH, rule, reason, target)
     tenure = _tenure_ends(inp, holder)
@@ -525,8 +610,7 @@ def _switch(inp: PolicyInput, rule: str, reason: str, target: str, holder: str |
                         f"has had the service its switch buys, in "
                         f"{tenure - inp.gpu.now:.2f} s", recheck_at=tenure)
     fits, why = _freeze_fits(inp, holder, target)
-    returning = target in inp.kept and inp.kept[target].count > 0
-    if not fits and returning:
+    if not fits and _returning(inp, target):
         return Decision(Action.SWITCH, rule, f"{reason}; {holder} is preempted, its "
                         f"{inp.gpu.in_flight} requests kept, though {why}", target,
                         preempt=True)
