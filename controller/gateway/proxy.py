@@ -64,7 +64,13 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from controller.gateway.downstream import Downstream
-from controller.gateway.errors import Code, GatewayError, GatewayTimeout, Unavailable
+from controller.gateway.errors import (
+    Code,
+    GatewayError,
+    GatewayTimeout,
+    RotaGatewayError,
+    Unavailable,
+)
 
 __all__ = ["HEARTBEAT", "Delivered", "EngineView", "EngineWatch", "Pacing", "Refused",
            "TokenSpotter", "forward", "paused_note", "read_bounded"]
@@ -302,7 +308,7 @@ async def _first_of(opening: Awaitable[_Opened],
     raise failure
 
 
-class _Ended(Exception):
+class _Ended(RotaGatewayError):
     """Raised in the reader when the answer was ended beside it."""
 
 
