@@ -18,38 +18,15 @@ from controller.lease.gpu import GpuWorker, Policy
 from controller.lease.switch import Freezes, Frozen, Switcher, SwitchResult
 from controller.lease.worker.callers import Waiting
 from controller.lease.worker.turns import Turn
-from rota.api.engine_config import parse_engine_config
 from rota.api.gpu_lease import GpuLease
-
-
-def _claimant(name: str) -> Claimant:
-    config = parse_engine_config({"apiVersion": "gpu.rota.dev/v1alpha1",
-                                  "kind": "EngineConfig", "model": name, "awakeMemory": "8Gi"})
-    return Claimant(claim_uid=f"uid-{name}", namespace="ns", claim_name=name, node="n",
-                    device="gpu-0", share_id=None, config=config, model=name, port=8000,
-                    sleep_level=1, resident_bytes=1 << 30, pod_name=f"p-{name}",
-                    pod_uid=f"pu-{name}", pod_ip="127.0.0.2", pod_ready=True,
-                    pod_deleting=False)
-
-
-class _FakeEngine:
-    async def in_flight(self) -> int:
-        return 2
-
-
-class _FakeLeasePort:
-    def __init__(self, lease: GpuLease) -> None:
-        self.lease = lease
-
-    async def read(self) -> GpuLease:
-        return self.lease
+from tests.controller.worker_kit import FakeEngine, FakeLeasePort, claimant
 
 
 class _FakeSwitcher:
     """Switches at once; records whether each switch was asked to preempt, and freezes
     (and thaws) as the Switcher does."""
 
-    def __init__(self, port: _FakeLeasePort, clock: Any = lambda: 1000.0) -> None:
+    def __init__(self, port: FakeLeasePort, clock: Any = lambda: 1000.0) -> None:
         self.port = port
         self.clock = clock
         self.preempts: list[bool] = []
@@ -76,14 +53,14 @@ def _decision(preempt: bool) -> switch_policy.Decision:
     (_decision(True), True), (_decision(False), False), (None, False)])
 async def test_the_switch_preempts_as_the_policy_decided(
         decision: switch_policy.Decision | None, preempted: bool) -> None:
-    a, b = _claimant("a"), _claimant("b")
+    a, b = claimant("a"), claimant("b")
     lease = Switcher.serving(GpuLease(name="l", node="n", device="gpu-0", fence=1), a)
-    port = _FakeLeasePort(lease)
+    port = FakeLeasePort(lease)
     switcher = _FakeSwitcher(port)
     unused: Any = switcher
     worker = GpuWorker(gpu="gpu-0", lease_port=port,  # type: ignore[arg-type]
                        switcher=unused, claimants=lambda: [a, b],
-                       engine=lambda c: _FakeEngine(),  # type: ignore[arg-type,return-value]
+                       engine=lambda c: FakeEngine(2),  # type: ignore[arg-type,return-value]
                        policy=Policy(), clock=lambda: 1000.0)
     worker.state.lease = lease
     worker.state.accepting = True
@@ -96,14 +73,14 @@ async def test_the_switch_preempts_as_the_policy_decided(
 
 async def test_a_frozen_holder_is_woken_by_its_freeze_bound_though_nobody_asks() -> None:
     now = [1000.0]
-    a, b = _claimant("a"), _claimant("b")
+    a, b = claimant("a"), claimant("b")
     lease = Switcher.serving(GpuLease(name="l", node="n", device="gpu-0", fence=1), a)
-    port = _FakeLeasePort(lease)
+    port = FakeLeasePort(lease)
     switcher = _FakeSwitcher(port, clock=lambda: now[0])
     unused: Any = switcher
     worker = GpuWorker(gpu="gpu-0", lease_port=port,  # type: ignore[arg-type]
                        switcher=unused, claimants=lambda: [a, b],
-                       engine=lambda c: _FakeEngine(),  # type: ignore[arg-type,return-value]
+                       engine=lambda c: FakeEngine(2),  # type: ignore[arg-type,return-value]
                        policy=Policy(), clock=lambda: now[0])
     worker.state.lease = lease
     worker.state.accepting = True

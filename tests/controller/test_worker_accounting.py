@@ -8,21 +8,10 @@ import math
 
 import pytest
 
-from controller.claimants import Claimant
 from controller.lease.switch import SwitchResult
 from controller.lease.worker.accounting import ANSWERED_GRACE_S, USAGE_DECAY_S, HolderWork
-from rota.api.engine_config import parse_engine_config
 from rota.api.gpu_lease import GpuLease
-
-
-def _claimant(name: str) -> Claimant:
-    config = parse_engine_config({"apiVersion": "gpu.rota.dev/v1alpha1",
-                                  "kind": "EngineConfig", "model": name, "awakeMemory": "8Gi"})
-    return Claimant(claim_uid=f"uid-{name}", namespace="ns", claim_name=name, node="n",
-                    device="gpu-0", share_id=None, config=config, model=name, port=8000,
-                    sleep_level=1, resident_bytes=1 << 30, pod_name=f"p-{name}",
-                    pod_uid=f"pu-{name}", pod_ip="127.0.0.2", pod_ready=True,
-                    pod_deleting=False)
+from tests.controller.worker_kit import FakeEngine, claimant
 
 
 class _Clock:
@@ -33,34 +22,24 @@ class _Clock:
         return self.now
 
 
-class _FakeEngine:
-    """An engine whose metrics show ``busy`` requests in flight."""
-
-    def __init__(self, busy: int) -> None:
-        self.busy = busy
-
-    async def in_flight(self) -> int:
-        return self.busy
-
-
 async def test_answered_callers_count_as_work_until_the_engine_shows_them() -> None:
     clock = _Clock()
     work = HolderWork(clock)
-    a, b = _claimant("a"), _claimant("b")
+    a, b = claimant("a"), claimant("b")
     work.answered("uid-a", 3)
     assert work.in_flight_seen(b, 0) == 0, "another claim's callers are not b's work"
     assert work.in_flight_seen(a, 0) == 3, "their requests are on their way"
     clock.now += ANSWERED_GRACE_S / 2
-    assert await work.load(a, _FakeEngine(0)) == 3  # type: ignore[arg-type]
+    assert await work.load(a, FakeEngine(0)) == 3  # type: ignore[arg-type]
     assert work.last_busy == clock.now, "work seen is the holder busy now"
-    assert await work.load(a, _FakeEngine(1)) == 1  # type: ignore[arg-type]
+    assert await work.load(a, FakeEngine(1)) == 1  # type: ignore[arg-type]
     assert work.in_flight_seen(a, 0) == 0, "once the engine showed work, its metrics rule"
 
 
 def test_the_grace_ends() -> None:
     clock = _Clock()
     work = HolderWork(clock)
-    a = _claimant("a")
+    a = claimant("a")
     work.answered("uid-a", 2)
     clock.now += ANSWERED_GRACE_S + 0.01
     assert work.in_flight_seen(a, 0) == 0
@@ -69,7 +48,7 @@ def test_the_grace_ends() -> None:
 def test_tenure_and_decaying_usage() -> None:
     clock = _Clock()
     work = HolderWork(clock)
-    a, b = _claimant("a"), _claimant("b")
+    a, b = claimant("a"), claimant("b")
     clock.now += 40.0
     assert work.usage_now(a) == {"ns/a": 40.0}, "the current tenure counts"
     work.new_tenure("ns/a")
@@ -84,7 +63,7 @@ def test_tenure_and_decaying_usage() -> None:
 
 def test_measured_costs_per_claim() -> None:
     work = HolderWork(_Clock())
-    a, b = _claimant("a"), _claimant("b")
+    a, b = claimant("a"), claimant("b")
     default = work.switch_cost("ns/a", "ns/b")
     lease = GpuLease(name="l", node="n", device="gpu-0")
     timings = {"drain": 0.2, "later_sleep": 0.5, "wake_call": 0.6, "probe_ttft": 0.1}

@@ -10,17 +10,7 @@ import asyncio
 from controller.claimants import Claimant
 from controller.lease.worker.callers import CallerQueue
 from controller.lease.worker.state import Activation
-from rota.api.engine_config import parse_engine_config
-
-
-def _claimant(name: str) -> Claimant:
-    config = parse_engine_config({"apiVersion": "gpu.rota.dev/v1alpha1",
-                                  "kind": "EngineConfig", "model": name, "awakeMemory": "8Gi"})
-    return Claimant(claim_uid=f"uid-{name}", namespace="ns", claim_name=name, node="n",
-                    device="gpu-0", share_id=None, config=config, model=name, port=8000,
-                    sleep_level=1, resident_bytes=1 << 30, pod_name=f"p-{name}",
-                    pod_uid=f"pu-{name}", pod_ip="127.0.0.2", pod_ready=True,
-                    pod_deleting=False)
+from tests.controller.worker_kit import claimant
 
 
 class _Queue:
@@ -46,7 +36,7 @@ async def _settle() -> None:
 
 async def test_callers_of_one_claim_share_an_entry_in_first_request_order() -> None:
     q = _Queue()
-    a, b = _claimant("a"), _claimant("b")
+    a, b = claimant("a"), claimant("b")
     tasks = [await q.ask(b), await q.ask(a), await q.ask(b)]
     assert q.wakeup.is_set(), "a caller wakes the worker"
     assert list(q.queue.entries) == ["uid-b", "uid-a"], "the order of first requests"
@@ -66,7 +56,7 @@ async def test_callers_of_one_claim_share_an_entry_in_first_request_order() -> N
 
 async def test_an_entry_every_caller_left_is_dropped_but_not_the_home_return() -> None:
     q = _Queue()
-    a, home = _claimant("a"), _claimant("home")
+    a, home = claimant("a"), claimant("home")
     task = await q.ask(a)
     q.queue.add_home(home)
     assert [w.claimant.ref for w in q.queue.ahead_of("uid-none")] == ["ns/a", "ns/home"]
@@ -82,7 +72,7 @@ async def test_an_entry_every_caller_left_is_dropped_but_not_the_home_return() -
 
 async def test_a_fenced_off_entry_goes_first_with_the_callers_who_came_meanwhile() -> None:
     q = _Queue()
-    a, b = _claimant("a"), _claimant("b")
+    a, b = claimant("a"), claimant("b")
     first = await q.ask(a)
     other = await q.ask(b)
     waiting = q.queue.take("uid-a")  # its switch begins

@@ -13,38 +13,15 @@ from controller.lease.gpu import GpuWorker, Policy
 from controller.lease.switch import Fenced, Switcher, SwitchResult
 from controller.lease.worker.turns import Turn
 from rota.api import naming
-from rota.api.engine_config import parse_engine_config
 from rota.api.gpu_lease import GpuLease
-
-
-def _claimant(name: str) -> Claimant:
-    config = parse_engine_config({"apiVersion": "gpu.rota.dev/v1alpha1",
-                                  "kind": "EngineConfig", "model": name, "awakeMemory": "8Gi"})
-    return Claimant(claim_uid=f"uid-{name}", namespace="ns", claim_name=name, node="n",
-                    device="gpu-0", share_id=None, config=config, model=name, port=8000,
-                    sleep_level=1, resident_bytes=1 << 30, pod_name=f"p-{name}",
-                    pod_uid=f"pu-{name}", pod_ip="127.0.0.2", pod_ready=True,
-                    pod_deleting=False)
-
-
-class _FakeEngine:
-    async def in_flight(self) -> int:
-        return 0
-
-
-class _FakeLeasePort:
-    def __init__(self, lease: GpuLease) -> None:
-        self.lease = lease
-
-    async def read(self) -> GpuLease:
-        return self.lease
+from tests.controller.worker_kit import FakeEngine, FakeLeasePort, claimant
 
 
 class _FakeSwitcher:
     """Switches at once (or is fenced off ``fenced`` times first), and records what the
     worker showed while it ran."""
 
-    def __init__(self, port: _FakeLeasePort, worker: Any = None, fenced: int = 0) -> None:
+    def __init__(self, port: FakeLeasePort, worker: Any = None, fenced: int = 0) -> None:
         self.port = port
         self.worker: GpuWorker | None = worker
         self.fenced = fenced
@@ -66,14 +43,14 @@ class _FakeSwitcher:
 class _Gpu:
     def __init__(self, *, fenced: int = 0, retries: int = 2) -> None:
         self.now = 1000.0
-        self.a, self.b = _claimant("a"), _claimant("b")
+        self.a, self.b = claimant("a"), claimant("b")
         lease = Switcher.serving(GpuLease(name="l", node="n", device="gpu-0", fence=1), self.a)
-        self.port = _FakeLeasePort(lease)
+        self.port = FakeLeasePort(lease)
         self.switcher = _FakeSwitcher(self.port, fenced=fenced)
         unused: Any = self.switcher
         self.worker = GpuWorker(gpu="gpu-0", lease_port=self.port,  # type: ignore[arg-type]
                                 switcher=unused, claimants=lambda: [self.a, self.b],
-                                engine=lambda c: _FakeEngine(),  # type: ignore[arg-type,return-value]
+                                engine=lambda c: FakeEngine(),  # type: ignore[arg-type,return-value]
                                 policy=Policy(fenced_retries=retries), clock=lambda: self.now)
         self.switcher.worker = self.worker
         self.worker.state.lease = lease
