@@ -3,19 +3,23 @@ pure check the switch makes before every wake."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from controller.claimants import Claimant
+from controller.lease import metrics
 from controller.lease.errors import LeaseControllerError
 from rota.api.quantity import format_bytes
 from rota.kit.grpc_services import unary_client
 from rota.pb.rota.v1 import inspect_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["NodeInspection"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -219,3 +223,156 @@ def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
             f"{target.ref} needs {format_bytes(needed)} more to wake; {snapshot.device} has "
             f"{format_bytes(snapshot.free_bytes)} free")
     return None
+
+
+# -- footprint creep ----------------------------------------------------------------------
+
+FOOTPRINT_WARN_FRACTION = 0.9
+"""Default of ``--footprint-warn-fraction``: the notice comes once a claimant holds more
+than this share of its budget + tolerance (the line past which a wake is refused)."""
+REARM_MARGIN = 0.05
+"""Hysteresis: a claimant that was warned about is warned again only after its footprint
+fell this share of its budget + tolerance below the warning line (a restart, a raised
+budget), so a footprint that hovers at the line gives one notice, not one per switch."""
+ASLEEP = "asleep"
+AWAKE = "awake"
+
+
+@dataclass(frozen=True)
+class FootprintNotice:
+    """A claimant's measured footprint on one GPU has passed the warning line: it creeps
+    toward the point where the wake check refuses a wake because of it."""
+
+    claimant: Claimant
+    device: str
+    state: str
+    """:data:`ASLEEP` (measured against its resident budget) or :data:`AWAKE` (the engine
+    about to be woken, against its awake budget)."""
+    used_bytes: int
+    budget_bytes: int
+    limit_bytes: int
+    """Budget + tolerance: above it, an asleep claimant stops every wake on the GPU."""
+
+    @property
+    def message(self) -> str:
+        """What the numbers are and what to do (the Event's note, the log line's text)."""
+        c = self.claimant
+        share = self.used_bytes / self.limit_bytes if self.limit_bytes else 1.0
+        budget = "resident" if self.state == ASLEEP else "awake"
+        what = ("wakes on this GPU are refused once it holds more than"
+                if self.state == ASLEEP else "other engines' wakes count on no more than")
+        return (f"{c.ref} ({c.model}) holds {format_bytes(self.used_bytes)} {self.state} on "
+                f"{self.device}: {share:.0%} of its {budget} budget "
+                f"{format_bytes(self.budget_bytes)} + tolerance "
+                f"{format_bytes(self.limit_bytes - self.budget_bytes)}; {what} "
+                f"{format_bytes(self.limit_bytes)}. Its footprint grows across sleep/wake "
+                f"cycles (the engine leaks): restart the engine's pod, or raise its "
+                f"{budget} budget in its EngineConfig")
+
+
+def footprints(snapshot: GpuSnapshot, *, target: Claimant, claimants: Sequence[Claimant],
+               starting: bool = False) -> list[tuple[Claimant, str, int, int]]:
+    """What the wake check measures, per claimant on ``snapshot``'s GPU: (claimant, state,
+    used bytes, budget bytes). The claimants other than ``target`` are asleep (their
+    resident budget); ``target`` is measured against its awake budget, except when it is
+    ``starting`` (its pod's memory is a previous container's). A claimant with a process
+    whose size NVML cannot tell is left out (the wake check refuses it anyway)."""
+    everyone = _with(claimants, target)
+    owned: dict[str, list[GpuProcess]] = {}
+    for process in snapshot.processes:
+        owner = owner_of(process, everyone)
+        if owner is not None:
+            owned.setdefault(owner.claim_uid, []).append(process)
+    measured = []
+    for claimant in everyone:
+        is_target = claimant.claim_uid == target.claim_uid
+        if is_target and starting:
+            continue
+        if snapshot.device not in claimant.gpus:
+            continue
+        processes = owned.get(claimant.claim_uid, [])
+        if any(p.used_bytes_unknown for p in processes):
+            continue
+        used = sum(p.used_bytes for p in processes)
+        if is_target:
+            measured.append((claimant, AWAKE, used, claimant.config.awake_memory))
+        else:
+            measured.append((claimant, ASLEEP, used, claimant.resident_on(snapshot.device)))
+    return measured
+
+
+def warning_line(budget: int, limit: int, fraction: float) -> float:
+    """The footprint past which a notice comes: ``fraction`` of budget + tolerance, and
+    never below the budget itself (an awake engine fills its awake budget by design)."""
+    return max(float(budget), fraction * limit)
+
+
+@dataclass
+class FootprintWatch:
+    """Notices a claimant's footprint creeping toward its budget, from the snapshots the
+    wake check reads anyway (no NVML read of its own): the ratio gauge on every read, and
+    once per crossing of the warning line (hysteresis: :data:`REARM_MARGIN`) a JSON log
+    line and ``notify`` (the lease controller's Warning Event)."""
+
+    fraction: float = FOOTPRINT_WARN_FRACTION
+    notify: Callable[[FootprintNotice], None] | None = None
+    warned: set[tuple[str, str, str]] = field(default_factory=set)
+    """(claim uid, device, state) past the line and already told."""
+    series: dict[tuple[str, str], set[tuple[str, str, str, str]]] = field(
+        default_factory=dict)
+    """The gauge's label values per (claim uid, device)."""
+
+    def observe(self, snapshot: GpuSnapshot, *, target: Claimant,
+                claimants: Sequence[Claimant], tolerance_bytes: int,
+                starting: bool = False) -> list[FootprintNotice]:
+        """Measure every claimant on the snapshot; the notices of those that just crossed
+        the warning line (each also logged and passed to ``notify``)."""
+        self._forget_gone(snapshot.device, {c.claim_uid for c in _with(claimants, target)})
+        notices = []
+        for claimant, state, used, budget in footprints(
+                snapshot, target=target, claimants=claimants, starting=starting):
+            labels = (claimant.ref, claimant.model, snapshot.device, state)
+            self.series.setdefault((claimant.claim_uid, snapshot.device), set()).add(labels)
+            metrics.FOOTPRINT_RATIO.labels(*labels).set(used / budget if budget else 0.0)
+            limit = budget + tolerance_bytes
+            notice = self._crossed(FootprintNotice(claimant, snapshot.device, state, used,
+                                                   budget, limit))
+            if notice is not None:
+                notices.append(notice)
+                self._tell(notice)
+        return notices
+
+    def _crossed(self, notice: FootprintNotice) -> FootprintNotice | None:
+        """``notice`` when its footprint is newly past the line; re-arms one that fell back."""
+        key = (notice.claimant.claim_uid, notice.device, notice.state)
+        line = warning_line(notice.budget_bytes, notice.limit_bytes, self.fraction)
+        if notice.used_bytes > line:
+            if key in self.warned:
+                return None
+            self.warned.add(key)
+            return notice
+        if notice.used_bytes <= line - REARM_MARGIN * notice.limit_bytes:
+            self.warned.discard(key)
+        return None
+
+    def _tell(self, notice: FootprintNotice) -> None:
+        c = notice.claimant
+        log.warning(notice.message, extra={
+            "event": "footprint_creeping", "claim": c.ref, "pod": c.pod_name,
+            "device": notice.device, "model": c.model, "state": notice.state,
+            "used_bytes": notice.used_bytes, "budget_bytes": notice.budget_bytes,
+            "limit_bytes": notice.limit_bytes})
+        if self.notify is not None:
+            self.notify(notice)
+
+    def _forget_gone(self, device: str, present: set[str]) -> None:
+        """Drop what is remembered on ``device`` of claims not among ``present`` (the wake
+        check is given every claimant of the GPU): a new claim starts unwarned, and the
+        gauge keeps no series of a claim that left."""
+        self.warned = {k for k in self.warned if k[1] != device or k[0] in present}
+        for key in [k for k in self.series if k[1] == device and k[0] not in present]:
+            for labels in self.series.pop(key):
+                try:
+                    metrics.FOOTPRINT_RATIO.remove(*labels)
+                except KeyError:
+                    pass

@@ -217,3 +217,12 @@ class SeriesSet:
             except KeyError:
                 pass
         self._live[scope] = set(values)
+
+
+FOOTPRINT_RATIO = Gauge(
+    "rota_controller_footprint_ratio",
+    "An engine's measured memory on a GPU over its budget, read by the check before each "
+    "wake: asleep against its resident budget, the engine about to wake against its awake "
+    "budget. A sleeping engine is refused wakes past 1 + tolerance/budget; a notice comes "
+    "before (--footprint-warn-fraction). The series goes when the claim leaves.",
+    ["claim", "model_name", "device", "state"], registry=REGISTRY)

@@ -35,7 +35,7 @@ from controller.lease import metrics
 from controller.lease.admission import StartLimits, StartSwitch
 from controller.lease.cache import NodeCache
 from controller.lease.control_tokens import ControlTokens
-from controller.lease.device import DeviceReader, GpuSnapshot
+from controller.lease.device import DeviceReader, FootprintWatch, GpuSnapshot
 from controller.lease.election import Election
 from controller.lease.engines import dialect
 from controller.lease.engines.base import EngineAdapter, EngineEndpoint
@@ -152,9 +152,13 @@ class NodeController:
                 async def snapshot(self, device: str) -> GpuSnapshot:
                     return await snapshot(device)
 
+            visibility = GpuVisibility(self.visible, gpu) if self.visible else None
+            footprint = FootprintWatch(
+                fraction=s.footprint_warn_fraction,
+                notify=visibility.footprint_creeping if visibility else None)
             switcher = Switcher(
                 ports=Ports(lease=lease_port, device=_Device(), engine=self.engine,
-                            guard=self._guard, clock=self.clock),
+                            guard=self._guard, clock=self.clock, footprint=footprint),
                 limits=Limits(tolerance_bytes=s.resident_tolerance_bytes,
                               unknown_limit_bytes=s.unknown_process_bytes,
                               timeouts=s.timeouts),
@@ -168,7 +172,7 @@ class NodeController:
                 locks=self.locks, domain=functools.partial(self._domain_of, gpu),
                 sibling=self._worker,
                 lease_seen=functools.partial(self.cache.lease_version, lease_port.name),
-                visibility=GpuVisibility(self.visible, gpu) if self.visible else None,
+                visibility=visibility,
                 policy=Policy(min_residency_s=s.min_residency_s, idle_sleep_s=s.idle_sleep_s,
                               coalesce_window_s=s.coalesce_window_s, resync_s=s.resync_s,
                               tolerance_bytes=s.resident_tolerance_bytes,

@@ -157,6 +157,11 @@ class LeaseSettings(BaseModel):
                                           "its resident budget a sleeping engine may read.")
     unknown_process_bytes: int = Field(default=512 * MIB, ge=0, description="An unknown "
                                        "process holding more than this blocks wakes.")
+    footprint_warn_fraction: float = Field(default=0.9, gt=0, le=1, description="Warn (a "
+                                           "Warning Event, a log line) once an engine holds "
+                                           "more than this share of its budget + "
+                                           "--resident-tolerance-bytes, before its creep "
+                                           "gets a wake refused.")
     timeouts: StepTimeouts = Field(default_factory=StepTimeouts,
                                    description="JSON object of per-step timeouts.")
     start_socket: Path | None = Field(default=Path("/var/run/rota/start/start.sock"),

@@ -58,7 +58,12 @@ from typing import Protocol, TypeVar
 
 from controller.claimants import Claimant
 from controller.lease import metrics
-from controller.lease.device import GpuSnapshot, HandbackProblem, check_before_wake
+from controller.lease.device import (
+    FootprintWatch,
+    GpuSnapshot,
+    HandbackProblem,
+    check_before_wake,
+)
 from controller.lease.engines.base import EngineAdapter
 from controller.lease.engines.errors import (
     EngineError,
@@ -189,6 +194,9 @@ class Ports:
     """Told of every measurement (Prometheus series by default)."""
     freezes: Freezes = field(default_factory=Freezes)
     """The engines sleeping with requests kept."""
+    footprint: FootprintWatch = field(default_factory=FootprintWatch)
+    """Told of every GPU read before a wake: notices footprints creeping toward their
+    budgets before a wake is refused for them."""
 
 
 @dataclass(frozen=True)
@@ -460,9 +468,13 @@ class Switcher:
                             timings: dict[str, float], *, starting: bool = False
                             ) -> HandbackProblem | None:
         """The NVML check before a wake of ``target``, on every GPU it holds (one read
-        each, in GPU order): the first problem found, or None."""
+        each, in GPU order): the first problem found, or None. The same read tells the
+        footprint watch (a notice before a footprint's creep refuses a wake)."""
         for gpu in target.gpus:
             snapshot = await self.snapshot(gpu, timings)
+            self.ports.footprint.observe(snapshot, target=target, claimants=claimants,
+                                         tolerance_bytes=self.limits.tolerance_bytes,
+                                         starting=starting)
             problem = check_before_wake(snapshot, target=target, claimants=claimants,
                                         tolerance_bytes=self.limits.tolerance_bytes,
                                         unknown_limit_bytes=self.limits.unknown_limit_bytes,

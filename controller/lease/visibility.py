@@ -2,7 +2,8 @@
 
 A :class:`GpuVisibility` turns a GPU worker's steps into the visible state that
 :mod:`controller.lease.visible_state` defines: Events (``SwitchedIn``, ``SwitchedOut``,
-``SwitchFailed`` with a CamelCase cause, ``StartWaiting``, ``StartAdmitted``), the
+``SwitchFailed`` with a CamelCase cause, ``StartWaiting``, ``StartAdmitted``, the Warning
+``FootprintCreeping``), the
 ``gpu.rota.dev/state`` label of every engine pod on the GPU, and the ``Awake`` and
 ``Ready`` conditions of each claim's device. It only queues writes
 (:class:`controller.lease.visible_state_writer.VisibleStateWriter` sends them off the switch's
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from controller.claimants import Claimant
+from controller.lease.device import FootprintNotice
 from controller.lease.switch import SwitchResult
 from controller.lease.visible_state import (
     EngineState,
@@ -111,6 +113,11 @@ class GpuVisibility:
         self._record(claimant, EventReason.START_WAITING,
                      f"waiting at the start gate until {holder or 'the GPU'} is put to sleep "
                      f"on {self.gpu}")
+
+    def footprint_creeping(self, notice: FootprintNotice) -> None:
+        """A claimant's footprint passed the warning line (a Warning Event, once per
+        crossing: :class:`controller.lease.device.FootprintWatch`)."""
+        self._record(notice.claimant, EventReason.FOOTPRINT_CREEPING, notice.message)
 
     def _record(self, claimant: Claimant, reason: EventReason, note: str) -> None:
         claim = claim_ref(claimant)

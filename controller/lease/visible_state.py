@@ -77,12 +77,13 @@ class EventReason(StrEnum):
     SWITCH_FAILED = "SwitchFailed"
     START_WAITING = "StartWaiting"
     START_ADMITTED = "StartAdmitted"
+    FOOTPRINT_CREEPING = "FootprintCreeping"
 
 
-_WARNING = {EventReason.SWITCH_FAILED}
+_WARNING = {EventReason.SWITCH_FAILED, EventReason.FOOTPRINT_CREEPING}
 _ACTION = {EventReason.SWITCHED_IN: "Wake", EventReason.SWITCHED_OUT: "Sleep",
            EventReason.SWITCH_FAILED: "Switch", EventReason.START_WAITING: "Start",
-           EventReason.START_ADMITTED: "Start"}
+           EventReason.START_ADMITTED: "Start", EventReason.FOOTPRINT_CREEPING: "Inspect"}
 
 # Words that stay upper case in a CamelCase cause (metric reasons are snake_case).
 _ACRONYMS = {"gpu": "GPU", "oom": "OutOfMemory", "nvml": "NVML", "api": "API",
