@@ -32,8 +32,8 @@ NVML attributes them, else the device).
 Within ``--budget-s`` (engine start included), stopping cleanly and writing what it has.
 ``--out``: one JSON, rewritten after every phase (and every 50 cycles); a table on stdout,
 the JSON headline as the last line. ``--launcher simulator --fake-nvml h200`` runs it on
-the engine simulator (no GPU; the simulator sends no logprobs, so its chunks count one
-token each).
+the engine simulator (no GPU; the simulator sends token ids too, so its chunks are counted
+by them as a real engine's are).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ import aiohttp
 from driver.devices import discover
 from driver.nvml import open_backend
 from driver.nvml.api import NvmlBackend
-from e2e.gpu.context import GIB, MIB, REPO_ROOT, byte_count
+from e2e.gpu.context import MIB, REPO_ROOT
+from e2e.gpu.engine_args import add_engine_arguments
 from e2e.gpu.engines import (
     EngineProcess,
     EngineSpec,
@@ -111,18 +112,8 @@ is abort). B2: pause with keep, then a sleep with keep (right today and under RF
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m e2e.gpu.keep_probe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_arguments(p, model_help="the folder under --models")
     add = p.add_argument
-    add("--launcher", choices=("vllm", "simulator"), default="vllm")
-    add("--fake-nvml", metavar="FIXTURE", default=None,
-        help="the fake NVML with this fixture (with --launcher simulator)")
-    add("--gpu-index", type=int, default=0)
-    add("--models", type=Path, default=REPO_ROOT / ".vllm" / "models",
-        help="folder holding model-small (config + tokenizer)")
-    add("--model", default="model-small", help="the folder under --models")
-    add("--kv", type=byte_count, default=2 * GIB, metavar="BYTES")
-    add("--max-seqs", type=int, default=32)
-    add("--max-model-len", type=int, default=4096)
-    add("--gpu-memory-utilization", type=float, default=0.2)
     add("--streams", type=int, default=4, help="concurrent streams kept by each sequence")
     add("--max-tokens", type=int, default=160)
     add("--preempt-after", type=int, default=40,
@@ -138,10 +129,6 @@ def parser() -> argparse.ArgumentParser:
     add("--budget-s", type=float, default=480.0, help="seconds for everything, start included")
     add("--out", type=Path, default=Path("keep.json"))
     add("--state-dir", type=Path, default=None)
-    add("--vllm-python", default=sys.executable)
-    add("--vllm-pythonpath", default=os.environ.get("ROTA_VLLM_PYTHONPATH", ""))
-    add("--tokens-per-second", type=float, default=100.0,
-        help="the simulator's decode rate per request (with --launcher simulator)")
     add("--start-timeout-s", type=float, default=300.0)
     add("--control-timeout-s", type=float, default=120.0)
     add("--stream-timeout-s", type=float, default=120.0)

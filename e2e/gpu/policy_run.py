@@ -76,6 +76,7 @@ from driver.inspection import InspectionService
 from driver.nvml import open_backend
 from e2e.bench import policy as bench_policy
 from e2e.gpu.context import GIB, MIB, REPO_ROOT, Bench, BenchError, BenchState, byte_count
+from e2e.gpu.engine_args import add_engine_arguments
 from e2e.gpu.engines import EngineSpec, Launcher, SimulatorLauncher, VllmLauncher, boot_id
 from e2e.gpu.instrument import HttpTrace
 from e2e.gpu.policy_replay import (
@@ -127,20 +128,10 @@ def mode_of(policy: str) -> PolicyMode:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m e2e.gpu.policy_run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_arguments(p, model_help="the folder under --models of every engine",
+                         kv_help="each engine's fixed KV cache")
     add = p.add_argument
-    add("--launcher", choices=("vllm", "simulator"), default="vllm")
-    add("--fake-nvml", metavar="FIXTURE", default=None,
-        help="the fake NVML with this fixture (with --launcher simulator)")
-    add("--gpu-index", type=int, default=0)
-    add("--models", type=Path, default=REPO_ROOT / ".vllm" / "models",
-        help="folder holding model-small (config + tokenizer)")
-    add("--model", default="model-small", help="the folder under --models of every engine")
     add("--engines", type=int, default=3)
-    add("--kv", type=byte_count, default=2 * GIB, metavar="BYTES",
-        help="each engine's fixed KV cache")
-    add("--max-seqs", type=int, default=32)
-    add("--max-model-len", type=int, default=4096)
-    add("--gpu-memory-utilization", type=float, default=0.2)
     add("--start", choices=("parallel", "sequential"), default="parallel",
         help="start the engines at once (one after the other if that fails) or in turn")
     add("--trace", type=Path, default=None, help="CSV of timestamp (s), model, context "
@@ -178,8 +169,6 @@ def parser() -> argparse.ArgumentParser:
              "for a model this small; the real engines' measured rate is in policy.json)")
     add("--simulate-only", action="store_true",
         help="print the simulation of the window and exit (no engines)")
-    add("--tokens-per-second", type=float, default=100.0,
-        help="the simulator's decode rate per request (with --launcher simulator)")
     add("--sim-env", action="append", default=[], metavar="NAME=VALUE",
         help="an environment variable for every simulated engine (its settings' "
              "variables, e.g. a fault), repeatable")
@@ -187,8 +176,6 @@ def parser() -> argparse.ArgumentParser:
     add("--state-dir", type=Path, default=None)
     add("--budget-s", "--deadline-s", dest="budget_s", type=float, default=540.0,
         help="the whole run's seconds (one GPU call gives about 570)")
-    add("--vllm-python", default=sys.executable)
-    add("--vllm-pythonpath", default=os.environ.get("ROTA_VLLM_PYTHONPATH", ""))
     add("--probe-mode", choices=("structure", "answer"), default="structure")
     add("--probe-max-tokens", type=int, default=4)
     add("--resident-budget", type=byte_count, default=GIB, metavar="BYTES")
