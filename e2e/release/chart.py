@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from e2e.release.toolchain import tool_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rota"
 MANIFESTS = ROOT / "manifests"
@@ -43,14 +45,7 @@ class ChartToolError(RuntimeError):
 
 def tools_bin() -> Path:
     """The directory holding helm and promtool (built on first use, then cached)."""
-    given = os.environ.get("ROTA_CHART_TOOLS_BIN")
-    if given:
-        return Path(given)
-    done = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
-                          check=False, timeout=3600)
-    if done.returncode != 0:
-        raise ChartToolError(f"{BUILD_SCRIPT.name} failed:\n{done.stderr[-4000:]}")
-    return Path(done.stdout.strip().splitlines()[-1])
+    return tool_dir("ROTA_CHART_TOOLS_BIN", BUILD_SCRIPT, error=ChartToolError)
 
 
 def run_tool(tool: str, args: Sequence[str], *, bin_dir: Path | None = None,

@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from e2e.release.artifacts import ReleaseError, helm_binary, sha256
+from e2e.release.toolchain import tool_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 COSIGN_SCRIPT = ROOT / "e2e" / "toolchain" / "build-cosign.sh"
@@ -42,19 +43,6 @@ REGISTRY_SCRIPT = ROOT / "e2e" / "toolchain" / "build-registry.sh"
 PREDICATE_TYPE = "slsaprovenance1"
 """cosign's name for ``https://slsa.dev/provenance/v1``."""
 TOOL_TIMEOUT_S = 300.0
-
-
-def _tool_dir(env: str, script: Path) -> Path:
-    """The directory ``env`` names, else the one ``script`` builds (cached after the first
-    build) and prints last."""
-    given = os.environ.get(env)
-    if given:
-        return Path(given)
-    done = subprocess.run(["bash", str(script)], capture_output=True, text=True,
-                          check=False, timeout=3600)
-    if done.returncode != 0:
-        raise ReleaseError(f"{script.name} failed:\n{done.stderr[-4000:]}")
-    return Path(done.stdout.strip().splitlines()[-1])
 
 
 @dataclass(frozen=True)
@@ -69,13 +57,14 @@ class Tools:
     def find(cls) -> Tools:
         """From ``ROTA_REGISTRY_TOOLS_BIN``, ``ROTA_CHART_TOOLS_BIN``, ``ROTA_COSIGN_BIN``
         (directories), else built from the Go module proxy."""
-        return cls(crane=_tool_dir("ROTA_REGISTRY_TOOLS_BIN", REGISTRY_SCRIPT) / "crane",
+        crane = tool_dir("ROTA_REGISTRY_TOOLS_BIN", REGISTRY_SCRIPT, error=ReleaseError)
+        return cls(crane=crane / "crane",
                    helm=helm_binary(), cosign=cosign_binary())
 
 
 def cosign_binary() -> Path:
     """cosign from ``ROTA_COSIGN_BIN`` (a directory), else built from the Go module proxy."""
-    return _tool_dir("ROTA_COSIGN_BIN", COSIGN_SCRIPT) / "cosign"
+    return tool_dir("ROTA_COSIGN_BIN", COSIGN_SCRIPT, error=ReleaseError) / "cosign"
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from types import TracebackType
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
 from e2e.harness.waiting import eventually
+from e2e.release.toolchain import tool_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "e2e" / "toolchain" / "build-registry.sh"
@@ -49,14 +50,8 @@ class RegistryError(RuntimeError):
 
 def registry_tools_bin() -> Path:
     """The directory holding ``crane`` (built on first use, then cached)."""
-    given = os.environ.get("ROTA_REGISTRY_TOOLS_BIN")
-    if given:
-        return Path(given)
-    done = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
-                          check=False, timeout=1800)
-    if done.returncode != 0:
-        raise RegistryError(f"{BUILD_SCRIPT.name} failed:\n{done.stderr[-4000:]}")
-    return Path(done.stdout.strip().splitlines()[-1])
+    return tool_dir("ROTA_REGISTRY_TOOLS_BIN", BUILD_SCRIPT, error=RegistryError,
+                    timeout_s=1800.0)
 
 
 def _run(argv: list[str], *, env: Mapping[str, str] | None = None,
