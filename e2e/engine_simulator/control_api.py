@@ -16,7 +16,7 @@ Served only with ``VLLM_SERVER_DEV_MODE=1`` (``dev_mode``); never authenticated.
   a wake; 503 once the engine core is dead.
 
 Each release speaks its own surface (``--vllm-version``, from the committed surfaces that
-``e2e/vllm_routes.py`` read from the wheels): ``GET /version`` (always served) names it;
+``e2e/tools/vllm_routes.py`` read from the wheels): ``GET /version`` (always served) names it;
 ``GET /openapi.json`` lists its routes (the development ones only in dev mode) with the
 query parameters its handlers declare (0.26-0.31 read ``/sleep``'s raw, so none);
 from 0.32 ``/sleep`` answers ``{"status": "sleeping", "level": N}`` and ``/wake_up``

@@ -165,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
     add("--max-context", type=int, default=2048)
     add("--max-generated", type=int, default=256)
     add("--sim-decode-step-s", type=float, default=None,
-        help="the simulation's decode step (default: e2e.bench_policy's calibration, 10 ms "
+        help="the simulation's decode step (default: e2e.bench.policy's calibration, 10 ms "
              "for a model this small; the real engines' measured rate is in policy.json)")
     add("--simulate-only", action="store_true",
         help="print the simulation of the window and exit (no engines)")
@@ -269,7 +269,7 @@ def capped(arrivals: Sequence[Arrival], args: argparse.Namespace) -> list[Arriva
 
 def simulated(arrivals: Sequence[Arrival], weights_bytes: int, args: argparse.Namespace
               ) -> dict[str, Any]:
-    """What ``e2e.bench_policy`` predicts for these arrivals and engines of this size."""
+    """What ``e2e.bench.policy`` predicts for these arrivals and engines of this size."""
     models = bench_policy.engine_models([weights_bytes / 1e9], args.engines, 400.0)
     if args.sim_decode_step_s:
         models = [dataclasses.replace(m, decode_step_s=args.sim_decode_step_s) for m in models]

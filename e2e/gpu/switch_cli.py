@@ -42,7 +42,7 @@ from rota.kit.logs import configure
 
 __all__ = ["main", "parser"]
 
-log = logging.getLogger("e2e.bench_gpu")
+log = logging.getLogger("e2e.gpu.switch_cli")
 
 
 def _engine_of(argv: Sequence[str]) -> str:
