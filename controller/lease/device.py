@@ -260,7 +260,8 @@ class FootprintNotice:
         share = self.used_bytes / self.limit_bytes if self.limit_bytes else 1.0
         budget = "resident" if self.state == ASLEEP else "awake"
         what = ("wakes on this GPU are refused once it holds more than"
-                if self.state == ASLEEP else "other engines' wakes count on no more than")
+                if self.state == ASLEEP else
+                "the other engines' budgets leave it no more than")
         return (f"{c.ref} ({c.model}) holds {format_bytes(self.used_bytes)} {self.state} on "
                 f"{self.device}: {share:.0%} of its {budget} budget "
                 f"{format_bytes(self.budget_bytes)} + tolerance "
