@@ -118,21 +118,33 @@ class HelmRelease:
 
 
 async def switch_to_the_sleeping_model(release: HelmRelease) -> str:
-    """Once the controller holds the GPU for one of the release's engines, ask the other
-    (asleep) model through the gateway: it answers, then holds the GPU, and the engines'
-    state labels say one awake, one asleep. The model switched to."""
-    holder = eventually(lambda: release.holder() if release.holder()[0]
-                        .startswith(f"{release.engines}/") else None,
-                        timeout=180, what="the controller holding the GPU for one engine")
-    assert holder is not None
-    (asleep,) = {e.model for e in release.engine_pods} - {holder[1]}
+    """Ask one model through the gateway (the controller gives it the GPU, unless it holds
+    it already: engines whose pods were not yet Ready when they came up are put to sleep,
+    and nobody is woken before a request asks), then the other, asleep one: it answers,
+    then holds the GPU, and the engines' state labels say one awake, one asleep. The
+    model switched to."""
     gateway = release.gateway_url()
 
-    async def answered() -> str:
+    async def answered(model: str) -> str:
         async with aiohttp.ClientSession() as session:
-            return await ask_seven(session, gateway, asleep)
+            return await ask_seven(session, gateway, model)
 
-    answer = await eventually_async(answered, timeout=180, max_interval=3.0,
+    models = sorted(e.model for e in release.engine_pods)
+    try:
+        first = await eventually_async(lambda: answered(models[0]), timeout=180,
+                                       max_interval=3.0,
+                                       what=f"an answer from {models[0]} through the gateway")
+    except WaitTimeout as exc:
+        raise AssertionError(
+            kubectl(release, "-n", release.engines, "get", "pods", "-o", "wide")
+            + kubectl(release, "-n", release.engines, "get", "events")
+            + kubectl(release, "-n", release.namespace, "logs", "--tail", "60",
+                      "-l", "app.kubernetes.io/component=controller")[-8000:]) from exc
+    assert first.strip() == "7"
+    holder = release.holder()
+    assert holder[0].startswith(f"{release.engines}/")
+    (asleep,) = set(models) - {holder[1]}
+    answer = await eventually_async(lambda: answered(asleep), timeout=180, max_interval=3.0,
                                     what=f"an answer from {asleep} through the gateway")
     assert answer.strip() == "7"
     assert release.holder()[1] == asleep
