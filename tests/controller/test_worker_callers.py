@@ -10,7 +10,7 @@ import asyncio
 from controller.claimants import Claimant
 from controller.lease.worker.callers import CallerQueue
 from controller.lease.worker.state import Activation
-from tests.controller.worker_kit import claimant
+from tests.controller.worker_kit import caller_queued, claimant
 
 
 class _Queue:
@@ -24,14 +24,7 @@ class _Queue:
     async def ask(self, claimant: Claimant) -> asyncio.Task[Activation]:
         """One caller more, one second after the previous one; queued on return."""
         self.now += 1.0
-        task = asyncio.ensure_future(self.queue.wait(claimant))
-        await _settle()
-        return task
-
-
-async def _settle() -> None:
-    for _ in range(3):
-        await asyncio.sleep(0)
+        return await caller_queued(self.queue, claimant, self.queue.wait(claimant))
 
 
 async def test_callers_of_one_claim_share_an_entry_in_first_request_order() -> None:
@@ -45,7 +38,7 @@ async def test_callers_of_one_claim_share_an_entry_in_first_request_order() -> N
         ("ns/b", 2, 11.0), ("ns/a", 1, 12.0)]
     waiting = q.queue.take("uid-b")
     q.queue.resolve(waiting, Activation(True, b, switched=True, fence=3))
-    await _settle()
+    await asyncio.wait([tasks[0], tasks[2]], timeout=5.0)
     assert [t.done() for t in tasks] == [True, False, True]
     assert q.answered == [("uid-b", 2)], "one answer for both callers of b"
     q.queue.fail_all("stopping", "the controller is stopping", fence=3)
@@ -61,7 +54,7 @@ async def test_an_entry_every_caller_left_is_dropped_but_not_the_home_return() -
     q.queue.add_home(home)
     assert [w.claimant.ref for w in q.queue.ahead_of("uid-none")] == ["ns/a", "ns/home"]
     task.cancel()
-    await _settle()
+    await asyncio.wait([task], timeout=5.0)
     assert [w.claimant.ref for w in q.queue.ahead_of("uid-none")] == ["ns/home"], (
         "nobody waits for a any more")
     gone = q.queue.abandoned()

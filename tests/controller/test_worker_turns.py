@@ -14,7 +14,7 @@ from controller.lease.switch import Fenced, Switcher, SwitchResult
 from controller.lease.worker.turns import Turn
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
-from tests.controller.worker_kit import FakeEngine, FakeLeasePort, claimant
+from tests.controller.worker_kit import FakeEngine, FakeLeasePort, caller_queued, claimant
 
 
 class _FakeSwitcher:
@@ -58,10 +58,8 @@ class _Gpu:
         self.worker.work.holder_since = self.now - 100.0
 
     async def ask(self, claimant: Claimant) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(self.worker.activate(claimant))
-        for _ in range(3):
-            await asyncio.sleep(0)
-        return task
+        return await caller_queued(self.worker.queue, claimant,
+                                   self.worker.activate(claimant))
 
 
 async def test_pick_asks_the_policy_and_hands_its_decision_on() -> None:

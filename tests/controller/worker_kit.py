@@ -4,9 +4,16 @@ Lease port fake that keeps the Lease in memory."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
 from controller.claimants import Claimant
+from controller.lease.worker.callers import CallerQueue
 from rota.api.engine_config import parse_engine_config
 from rota.api.gpu_lease import GpuLease
+
+T = TypeVar("T")
 
 
 def claimant(name: str) -> Claimant:
@@ -38,3 +45,20 @@ class FakeLeasePort:
 
     async def read(self) -> GpuLease:
         return self.lease
+
+
+async def caller_queued(queue: CallerQueue, claimant: Claimant,
+                        call: Awaitable[T]) -> asyncio.Task[T]:
+    """Start ``call`` (a caller of ``claimant``) and return once ``queue`` holds it (one
+    caller more on the claim's entry) or it was answered without queueing; bounded."""
+    def callers() -> int:
+        entry = queue.entries.get(claimant.claim_uid)
+        return len(entry.futures) if entry else 0
+
+    before = callers()
+    task = asyncio.ensure_future(call)
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while not task.done() and callers() <= before:
+        assert asyncio.get_running_loop().time() < deadline, "the caller was never queued"
+        await asyncio.sleep(0)
+    return task
