@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rota.api import naming
+from rota.api.engine_config import DEFAULT_LONGEST_FREEZE_SECONDS
 from rota.kit.errors import ConfigError
 from rota.kit.settings import build_parser as settings_parser
 from rota.kit.settings import parse_settings
@@ -105,7 +106,8 @@ class GatewaySettings(BaseModel):
                                            "between two chunks of an engine's answer, on top "
                                            "of the freeze its claim allows (a freeze is never "
                                            "a timeout: see --longest-freeze-s).")
-    longest_freeze_s: float = Field(default=3.0, gt=0, le=3600, description="The longest "
+    longest_freeze_s: float = Field(
+        default=DEFAULT_LONGEST_FREEZE_SECONDS, gt=0, le=3600, description="The longest "
                                     "freeze of a started answer (its engine asleep with the "
                                     "request kept) for a claim whose config names none "
                                     "(longestFreezeSeconds); keep it equal to the lease "

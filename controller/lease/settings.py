@@ -19,6 +19,7 @@ from controller.lease.engines.base import Timeouts
 from controller.lease.policy import ModelPolicy, PolicyMode
 from controller.lease.tenants import Priority, TenantLimits
 from rota.api import naming
+from rota.api.engine_config import DEFAULT_FIRST_TOKEN_SECONDS, DEFAULT_LONGEST_FREEZE_SECONDS
 from rota.kit.settings import LogLevel, parse_settings
 
 GIB = 1024**3
@@ -132,12 +133,14 @@ class LeaseSettings(BaseModel):
                                        "preemptible holder spends switching (its quantum is "
                                        "at least (1 - share) / share x the switch's cost, "
                                        "the kept requests' recompute included).")
-    first_token_objective_s: float = Field(default=2.0, gt=0, le=3600, description="Switch "
+    first_token_objective_s: float = Field(
+        default=DEFAULT_FIRST_TOKEN_SECONDS, gt=0, le=3600, description="Switch "
                                            "policy: default objective for a request's first "
                                            "token (EngineConfig firstTokenSeconds); a waiter "
                                            "due at it preempts a holder that keeps its "
                                            "requests.")
-    longest_freeze_s: float = Field(default=3.0, gt=0, le=3600, description="Switch policy: "
+    longest_freeze_s: float = Field(
+        default=DEFAULT_LONGEST_FREEZE_SECONDS, gt=0, le=3600, description="Switch policy: "
                                     "default longest gap a started stream may suffer while "
                                     "its engine sleeps with the stream kept (EngineConfig "
                                     "longestFreezeSeconds); a holder is preempted only when "

@@ -70,6 +70,8 @@ from rota.api.quantity import parse_quantity
 __all__ = [
     "API_GROUP",
     "API_VERSION",
+    "DEFAULT_FIRST_TOKEN_SECONDS",
+    "DEFAULT_LONGEST_FREEZE_SECONDS",
     "DEFAULT_PROBE_ANSWER",
     "DEFAULT_PROBE_MAX_TOKENS",
     "DEFAULT_PROBE_PROMPT",
@@ -103,6 +105,11 @@ _SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 DEFAULT_PROBE_PROMPT = "What is 3 + 4? Answer with a single number."
 DEFAULT_PROBE_ANSWER = "7"
 DEFAULT_PROBE_MAX_TOKENS = 8
+DEFAULT_FIRST_TOKEN_SECONDS = 2.0
+"""A request's first-token objective where neither the claim nor the node says one."""
+DEFAULT_LONGEST_FREEZE_SECONDS = 3.0
+"""The longest freeze a started stream may suffer where neither the claim nor the node
+says one: the lease controller's policy and the gateway's read timeouts both start here."""
 
 
 class _Model(BaseModel):
