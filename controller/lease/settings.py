@@ -150,6 +150,13 @@ class LeaseSettings(BaseModel):
                             "home: true, if any).")
     home_idle_s: float = Field(default=60.0, gt=0, description="Switch policy: how long a "
                                "GPU is without work before its home model is woken.")
+    awake_set: bool = Field(default=False, description="Allow an awake set: more than "
+                            "one engine awake on a GPU at once where their awake budgets "
+                            "fit it together (checked through NVML before every wake, like "
+                            "one awake; the GPU's Lease names the whole set). A switch then "
+                            "puts to sleep only as many engines as the newcomer needs room "
+                            "for. Off: one engine awake per GPU. Engines that span GPUs "
+                            "always take their GPUs alone.")
     resync_s: float = Field(default=10.0, gt=0, description="Reconcile each GPU (ask its "
                             "engines, read the device) at least this often, also under load.")
     shutdown_grace_s: float = Field(default=25.0, gt=0, description="On SIGTERM, let the "

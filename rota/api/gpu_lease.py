@@ -10,6 +10,7 @@ every switch raises it first.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -59,6 +60,44 @@ def _state(value: str) -> naming.LeaseState:
 
 
 @dataclass(frozen=True)
+class AwakeMember:
+    """An engine awake beside the holder (:data:`naming.AWAKE_WITH`)."""
+
+    claim: str
+    """``namespace/name`` of its claim (as :attr:`GpuLease.holder` names the holder)."""
+    uid: str
+    model: str
+
+
+def _members(value: str) -> tuple[AwakeMember, ...] | None:
+    """The members :data:`naming.AWAKE_WITH` lists (() when absent), or None when it is
+    not a list of well-formed members."""
+    if not value:
+        return ()
+    try:
+        items = json.loads(value)
+    except ValueError:
+        return None
+    if not isinstance(items, list):
+        return None
+    members = []
+    for item in items:
+        if not isinstance(item, dict):
+            return None
+        claim, uid, model = item.get("claim"), item.get("uid"), item.get("model")
+        if not (isinstance(claim, str) and claim and isinstance(uid, str) and uid
+                and isinstance(model, str)):
+            return None
+        members.append(AwakeMember(claim, uid, model))
+    return tuple(members)
+
+
+def _render_members(members: tuple[AwakeMember, ...]) -> str:
+    return json.dumps([{"claim": m.claim, "uid": m.uid, "model": m.model} for m in members],
+                      separators=(",", ":")) if members else ""
+
+
+@dataclass(frozen=True)
 class GpuLease:
     """The GPU Lease of one device: who is awake, and the switch in progress."""
 
@@ -82,6 +121,11 @@ class GpuLease:
     no start granted and unsettled)."""
     start_granted: dt.datetime | None = None
     """When that go was given (the start's limit runs from here)."""
+    companions: tuple[AwakeMember, ...] = ()
+    """:data:`naming.AWAKE_WITH`: the engines awake beside the holder (an awake set;
+    always empty unless the admin allows one). They stay awake, and routable, whatever
+    the Lease's state: a switch that displaces one removes it in the write that opens
+    the switch, before its sleep."""
     renewed: dt.datetime | None = None
     resource_version: str | None = None
     extra_annotations: dict[str, str] = field(default_factory=dict)
@@ -99,12 +143,16 @@ class GpuLease:
         # the next write removes it.
         annotations.pop(naming.HOLDER_ENDPOINT, None)
         start_uid, start_at = _start_granted(pop(naming.START_GRANTED))
+        members = _members(pop(naming.AWAKE_WITH))
+        state = _state(pop(naming.STATE))
+        if members is None:  # unreadable: nobody is routed to, reconciliation reads it all
+            members, state = (), naming.LeaseState.SWITCHING
         return cls(
             name=meta["name"], node=str(labels.get(naming.LABEL_NODE, "")),
             device=str(labels.get(naming.LABEL_DEVICE, "")),
             holder=str(spec.get("holderIdentity") or ""),
             fence=int(spec.get("leaseTransitions") or 0),
-            state=_state(pop(naming.STATE)),
+            state=state, companions=members,
             holder_model=pop(naming.HOLDER_MODEL), holder_claim_uid=pop(naming.HOLDER_CLAIM_UID),
             target_model=pop(naming.TARGET_MODEL),
             draining_model=pop(naming.DRAINING_MODEL), last_error=pop(naming.LAST_ERROR),
@@ -114,6 +162,18 @@ class GpuLease:
             resource_version=meta.get("resourceVersion"), extra_annotations=annotations,
         )
 
+    @property
+    def awake_set(self) -> tuple[AwakeMember, ...]:
+        """Every engine this Lease says is awake: the holder (while ``awake``) and the
+        companions, in that order."""
+        holder = ((AwakeMember(self.holder, self.holder_claim_uid, self.holder_model),)
+                  if self.state == naming.LeaseState.AWAKE and self.holder else ())
+        return holder + self.companions
+
+    def names_awake(self, claim_uid: str) -> bool:
+        """Whether this Lease says the engine of ``claim_uid`` is awake."""
+        return bool(claim_uid) and any(m.uid == claim_uid for m in self.awake_set)
+
     def with_(self, **changes: Any) -> GpuLease:
         """Any change of fields, for tests and tools; the controller writes only through
         the named transitions below, each of which clears what its state must not carry."""
@@ -122,16 +182,20 @@ class GpuLease:
     # -- the named transitions: every state a writer can put a Lease in -----------------
 
     def opening(self, state: naming.LeaseState, *, controller: str, target_model: str,
-                draining_model: str, gang: str | None = None) -> GpuLease:
+                draining_model: str, gang: str | None = None,
+                companions: tuple[AwakeMember, ...] | None = None) -> GpuLease:
         """A switch or a start-up admission begins (``switching`` or ``starting``): the
         fencing number goes up first, so every older writer's next write fails. The holder
-        stays named until the switch ends; ``gang`` (default: unchanged) names the set."""
+        stays named until the switch ends; ``gang`` (default: unchanged) names the set;
+        ``companions`` (default: none) the engines that stay awake through the switch
+        (an awake set: the holder too, when the switch does not put it to sleep)."""
         if state not in (naming.LeaseState.SWITCHING, naming.LeaseState.STARTING):
             raise ValueError(f"a switch opens as switching or starting, not {state}")
         return replace(self, state=state, fence=self.fence + 1, controller=controller,
                        target_model=target_model, draining_model=draining_model,
                        gang=self.gang if gang is None else gang, last_error="",
-                       start_claim_uid="", start_granted=None)
+                       start_claim_uid="", start_granted=None,
+                       companions=companions or ())
 
     def granted(self, claim_uid: str, at: dt.datetime) -> GpuLease:
         """The start gate of ``claim_uid`` is given its go at ``at`` (state unchanged):
@@ -145,10 +209,13 @@ class GpuLease:
         return replace(self, fence=self.fence + 1, controller=controller)
 
     def serving(self, *, holder: str, model: str, claim_uid: str, gang: str,
-                controller: str | None = None, last_error: str = "") -> GpuLease:
-        """``holder`` is awake (``awake``); no switch is under way."""
+                controller: str | None = None, last_error: str = "",
+                companions: tuple[AwakeMember, ...] = ()) -> GpuLease:
+        """``holder`` is awake (``awake``), with ``companions`` beside it (an awake set;
+        none by default); no switch is under way."""
         return replace(self, state=naming.LeaseState.AWAKE, holder=holder,
                        holder_model=model, holder_claim_uid=claim_uid, gang=gang,
+                       companions=tuple(m for m in companions if m.uid != claim_uid),
                        target_model="", draining_model="", last_error=last_error,
                        start_claim_uid="", start_granted=None,
                        controller=self.controller if controller is None else controller)
@@ -156,14 +223,18 @@ class GpuLease:
     def idle(self, *, controller: str | None = None, last_error: str = "") -> GpuLease:
         """Nobody is awake and nothing is under way (``idle``)."""
         return replace(self, state=naming.LeaseState.IDLE, holder="", holder_model="",
+                       companions=(),
                        holder_claim_uid="", gang="", target_model="", draining_model="",
                        last_error=last_error, start_claim_uid="", start_granted=None,
                        controller=self.controller if controller is None else controller)
 
-    def failed(self, last_error: str) -> GpuLease:
-        """The switch failed and left nobody awake (``failed``): the target model stays
-        named, so that readers can tell which model did not come up."""
+    def failed(self, last_error: str, *, companions: tuple[AwakeMember, ...] = ()
+               ) -> GpuLease:
+        """The switch failed and left no holder awake (``failed``): the target model stays
+        named, so that readers can tell which model did not come up. ``companions``: the
+        engines of an awake set the switch did not touch, still awake."""
         return replace(self, state=naming.LeaseState.FAILED, holder="", holder_model="",
+                       companions=companions,
                        holder_claim_uid="", gang="", draining_model="",
                        last_error=last_error, start_claim_uid="", start_granted=None)
 
@@ -183,6 +254,7 @@ def lease_body(lease: GpuLease, namespace: str, *, labels_node: str, labels_devi
                        (naming.LAST_ERROR, lease.last_error[:1024]),
                        (naming.ACTING_CONTROLLER, lease.controller),
                        (naming.GPU_UUID, lease.gpu_uuid), (naming.GANG, lease.gang),
+                       (naming.AWAKE_WITH, _render_members(lease.companions)),
                        (naming.START_GRANTED, _render_start(lease))):
         if value:
             annotations[key] = value

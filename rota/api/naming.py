@@ -73,6 +73,13 @@ GANG = f"{DOMAIN}/gang"
 """GPU Lease annotation: the GPUs of the holder (or of the switch's target) when it holds
 more than one, comma-separated in GPU order (``gpu-0,gpu-1``): a tensor-parallel engine is
 awake only while every one of those GPU Leases names it. Absent for a one-GPU holder."""
+AWAKE_WITH = f"{DOMAIN}/awake-with"
+"""GPU Lease annotation, only where the admin allows an awake set (``--awake-set``): the
+engines awake beside the holder, a JSON list of ``{"claim": "<namespace>/<name>", "uid":
+"<claim uid>", "model": "<served model>"}`` in the order they were woken. The holder and
+these are the GPU's whole awake set, and their awake budgets fit the GPU together. Absent
+(one awake at most) by default. A reader that cannot parse it reads the Lease as
+``switching`` (no traffic, reconciled first)."""
 START_GRANTED = f"{DOMAIN}/start-granted"
 """GPU Lease annotation: ``<claim uid> <MicroTime>``, the newcomer whose start gate was
 given its go, and when; written (compare-and-swap) before the go is handed over, and kept

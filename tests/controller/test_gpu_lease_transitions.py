@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rota.api import naming
-from rota.api.gpu_lease import GpuLease, lease_body
+from rota.api.gpu_lease import AwakeMember, GpuLease, lease_body
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,3 +96,58 @@ def test_the_node_selector_picks_the_leases_the_body_labels(node: str) -> None:
     wanted = dict(term.split("=", 1) for term in naming.gpu_lease_selector(node).split(","))
     assert wanted.items() <= body["metadata"]["labels"].items()
     assert wanted[naming.LABEL_KIND] == naming.KIND_GPU
+
+
+# -- the awake set (naming.AWAKE_WITH) ------------------------------------------------------
+
+_A, _C = AwakeMember("ns/a", "uid-a", "a"), AwakeMember("ns/c", "uid-c", "c")
+
+
+def test_the_awake_set_travels_through_the_lease_object() -> None:
+    served = _BUSY.serving(holder="ns/b", model="b", claim_uid="uid-b", gang="",
+                           companions=(_A, _C))
+    body = lease_body(served, "rota-system", labels_node="n", labels_device="gpu-0")
+    read = GpuLease.from_object(body)
+    assert read.companions == (_A, _C)
+    assert [m.uid for m in read.awake_set] == ["uid-b", "uid-a", "uid-c"]
+    assert read.names_awake("uid-c")
+    assert not read.names_awake("uid-x")
+    assert naming.AWAKE_WITH not in read.extra_annotations
+    # one awake (the default): no annotation at all
+    plain = lease_body(_BUSY.serving(holder="ns/b", model="b", claim_uid="uid-b", gang=""),
+                       "rota-system", labels_node="n", labels_device="gpu-0")
+    assert naming.AWAKE_WITH not in plain["metadata"]["annotations"]
+
+
+def test_the_holder_is_never_its_own_companion_and_idle_names_nobody() -> None:
+    served = _BUSY.serving(holder="ns/a", model="a", claim_uid="uid-a", gang="",
+                           companions=(_A, _C))
+    assert served.companions == (_C,)
+    assert served.idle().companions == ()
+    assert served.idle().awake_set == ()
+
+
+def test_a_switch_keeps_only_the_companions_it_names_and_failed_keeps_the_untouched() -> None:
+    served = _BUSY.serving(holder="ns/b", model="b", claim_uid="uid-b", gang="",
+                           companions=(_A, _C))
+    opened = served.opening(naming.LeaseState.SWITCHING, controller="c", target_model="d",
+                            draining_model="c", companions=(_A,))
+    assert opened.companions == (_A,)
+    # while switching, the holder is not routable; the companions are
+    assert [m.uid for m in opened.awake_set] == ["uid-a"]
+    assert served.opening(naming.LeaseState.SWITCHING, controller="c", target_model="d",
+                          draining_model="b").companions == ()
+    assert opened.failed("wake_failed: x", companions=(_A,)).awake_set == (_A,)
+    assert opened.failed("wake_failed: x").awake_set == ()
+
+
+@pytest.mark.parametrize("value", ["not json", "{}", '[{"claim": "ns/a"}]', '[1]',
+                                   '[{"claim": "", "uid": "u", "model": "m"}]'])
+def test_an_unreadable_awake_set_reads_as_switching(value: str) -> None:
+    body = lease_body(_BUSY.serving(holder="ns/b", model="b", claim_uid="uid-b", gang=""),
+                      "rota-system", labels_node="n", labels_device="gpu-0")
+    body["metadata"]["annotations"][naming.AWAKE_WITH] = value
+    read = GpuLease.from_object(body)
+    assert read.state == naming.LeaseState.SWITCHING
+    assert read.companions == ()
+    assert read.awake_set == ()

@@ -48,6 +48,9 @@ class Policy:
     """The served model name woken on a GPU idle for ``home_idle_s`` ("": a claim with
     ``home: true``, if any)."""
     home_idle_s: float = 60.0
+    awake_set: bool = False
+    """More than one engine may be awake on the GPU where their awake budgets fit it
+    together (:mod:`controller.lease.awake_set`); False: one awake at most."""
     priority_ceilings: tenants.Binding = field(default_factory=dict)
     """The admin's binding: what the claims of each namespace may take (names or shell
     patterns; see :mod:`controller.lease.tenants`); empty: only the wait's floor."""
