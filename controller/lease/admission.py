@@ -41,6 +41,7 @@ from controller.lease.switch import (
     SwitchFailed,
     SwitchResult,
     reason_of,
+    staying,
 )
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
@@ -121,15 +122,24 @@ class StartSwitch:
 
     async def start(self, lease: GpuLease, *, holder: Claimant | None, newcomer: Claimant,
                     claimants: Sequence[Claimant], ticket: StartTicket,
-                    wanted: Callable[[], bool]) -> SwitchResult:
+                    wanted: Callable[[], bool], stay: Sequence[Claimant] = (),
+                    also_sleep: Sequence[Claimant] = ()) -> SwitchResult:
         """Admit ``newcomer`` (see the module docstring); ``wanted()`` says whether
-        requests wait for it when policy decides who stays awake."""
+        requests wait for it when policy decides who stays awake. An awake set: ``stay``
+        are the members that stay awake through the start, ``holder`` and ``also_sleep``
+        the members put to sleep for it (as in :meth:`Switcher.switch`)."""
         sw = self.sw
         timings: dict[str, float] = {}
         begin = sw.ports.clock()
         lease = await sw.begin(lease, naming.LeaseState.STARTING, holder=holder, target=newcomer,
-                               timings=timings)
+                               timings=timings, stay=stay)
         fence = lease.fence
+        if also_sleep:
+            failed = await sw.sleep_also(lease, holder, also_sleep, timings)
+            if failed is not None:
+                ticket.refuse()
+                sw.ports.observer.started("refused")
+                return failed
         log.info("start-up admission", extra={"device": lease.device, "fence": fence,
                                               "claim": newcomer.ref, "model": newcomer.model,
                                               "holder": holder.ref if holder else None})
@@ -137,7 +147,7 @@ class StartSwitch:
             if holder is not None:
                 await sw.drain(holder, fence, timings)
             problem = await sw.hand_back(holder, newcomer, claimants, fence, timings,
-                                         starting=True)
+                                         starting=True, awake=staying(lease, claimants))
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
             lease = await self.record_grant(sw, lease, newcomer, timings)
@@ -170,26 +180,27 @@ class StartSwitch:
             sw.ports.observer.started("failed")
             return await self._failed(lease, holder, newcomer, claimants, exc, timings)
         sw.ports.observer.started("ok")
-        stay = newcomer if holder is None or wanted() else holder
-        stay = self.claimant_of(stay.claim_uid) or stay
+        keeper = newcomer if holder is None or wanted() else holder
+        keeper = self.claimant_of(keeper.claim_uid) or keeper
         try:
-            problem = await sw.check_device(stay, [c for c in claimants if c is not stay]
-                                            + [started], timings)
+            problem = await sw.check_device(keeper, [c for c in claimants if c is not keeper]
+                                            + [started], timings,
+                                            awake=staying(lease, claimants))
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
-            await sw.wake_and_probe(stay, fence, timings)
+            await sw.wake_and_probe(keeper, fence, timings)
         except Fenced:
             raise
         except Exception as exc:
             reason, message = reason_of(exc), str(exc) or type(exc).__name__
             return await sw.fail(lease, reason, f"{newcomer.ref} started and sleeps; waking "
-                                 f"{stay.ref} failed: {message}", restored=None,
+                                 f"{keeper.ref} failed: {message}", restored=None,
                                  timings=timings)
-        lease = await sw.write(sw.serving(lease, stay), timings)
+        lease = await sw.write(sw.serving(lease, keeper, companions=lease.companions), timings)
         timings["total"] = sw.ports.clock() - begin
         log.info("started, slept once, and the GPU goes on", extra={
             "device": lease.device, "fence": fence, "claim": newcomer.ref,
-            "holder": stay.ref, "timings": {k: round(v, 4) for k, v in timings.items()}})
+            "holder": keeper.ref, "timings": {k: round(v, 4) for k, v in timings.items()}})
         return SwitchResult(True, lease, timings=timings)
 
     async def record_grant(self, sw: Switcher, lease: GpuLease, newcomer: Claimant,

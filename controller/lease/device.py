@@ -166,16 +166,23 @@ def owner_of(process: GpuProcess, claimants: Sequence[Claimant]) -> Claimant | N
 
 def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
                       claimants: Sequence[Claimant], tolerance_bytes: int,
-                      unknown_limit_bytes: int, starting: bool = False
-                      ) -> HandbackProblem | None:
+                      unknown_limit_bytes: int, starting: bool = False,
+                      awake: Sequence[Claimant] = ()) -> HandbackProblem | None:
     """The NVML check of step 4 on one GPU: every other claimant is down to its resident
     footprint on that GPU, no unknown process holds memory, and free memory covers the
     target's wake. Processes are attributed by :func:`owner_of`. A process whose size NVML
     cannot tell may hold anything: a stranger's stops the wake, another claimant's has not
     handed its memory back, and the target's own counts as nothing held (its whole wake
     must fit). For a ``starting`` engine nothing its pod holds now is memory it reuses (a
-    previous container still exiting): its whole awake budget must be free."""
+    previous container still exiting): its whole awake budget must be free.
+
+    ``awake``: the engines of an awake set that stay awake beside the target (none: one
+    awake). Each must be at or under its awake budget + tolerance instead of its resident
+    footprint, and the free memory must cover the target's wake *and* what they may still
+    grow into up to their awake budgets: the set fits the GPU on their budgets, not only
+    on this reading."""
     everyone = _with(claimants, target)
+    staying = {c.claim_uid: c for c in awake if c.claim_uid != target.claim_uid}
     owners = [(p, owner_of(p, everyone)) for p in snapshot.processes]
 
     def used_by(claimant: Claimant) -> int:
@@ -186,6 +193,15 @@ def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
         if claimant.claim_uid == target.claim_uid:
             continue
         used = used_by(claimant)
+        if claimant.claim_uid in staying:
+            problem = _over_awake_budget(claimant, used, snapshot.device, tolerance_bytes,
+                                         unsized=any(
+                                             p.used_bytes_unknown for p, owner in owners
+                                             if owner is not None
+                                             and owner.claim_uid == claimant.claim_uid))
+            if problem is not None:
+                return problem
+            continue
         resident = claimant.resident_on(snapshot.device)
         limit = resident + tolerance_bytes
         if any(p.used_bytes_unknown for p, owner in owners
@@ -217,11 +233,36 @@ def check_before_wake(snapshot: GpuSnapshot, *, target: Claimant,
             f"{snapshot.device}: {pids}")
     reused = 0 if starting else used_by(target)
     needed = max(0, target.config.awake_memory - reused)
-    if needed > snapshot.free_bytes:
+    growth = sum(max(0, c.config.awake_memory - used_by(c)) for c in staying.values())
+    if needed + growth > snapshot.free_bytes:
+        kept = (f", of which {format_bytes(growth)} is kept for the engines awake beside "
+                f"it to reach their awake budgets" if growth else "")
         return HandbackProblem(
             "insufficient_memory",
             f"{target.ref} needs {format_bytes(needed)} more to wake; {snapshot.device} has "
-            f"{format_bytes(snapshot.free_bytes)} free")
+            f"{format_bytes(snapshot.free_bytes)} free{kept}")
+    return None
+
+
+def _over_awake_budget(claimant: Claimant, used: int, device: str, tolerance_bytes: int, *,
+                       unsized: bool) -> HandbackProblem | None:
+    """A member of an awake set that stays awake beside a wake holds more than its awake
+    budget + tolerance (or an amount NVML cannot tell): the set no longer fits as
+    planned, and the wake is refused with the numbers."""
+    budget = claimant.config.awake_memory
+    if unsized:
+        return HandbackProblem(
+            "awake_over_budget",
+            f"{claimant.ref} ({claimant.model}) is awake beside the wake and has a process "
+            f"on {device} that holds an unknown amount (NVML cannot tell): the awake set "
+            f"may not fit")
+    if used > budget + tolerance_bytes:
+        return HandbackProblem(
+            "awake_over_budget",
+            f"{claimant.ref} ({claimant.model}) is awake beside the wake and holds "
+            f"{format_bytes(used)} on {device}, above its awake budget "
+            f"{format_bytes(budget)} + {format_bytes(tolerance_bytes)}: the awake set no "
+            f"longer fits as planned")
     return None
 
 
@@ -272,13 +313,16 @@ class FootprintNotice:
 
 
 def footprints(snapshot: GpuSnapshot, *, target: Claimant, claimants: Sequence[Claimant],
-               starting: bool = False) -> list[tuple[Claimant, str, int, int]]:
+               starting: bool = False, awake: Sequence[Claimant] = ()
+               ) -> list[tuple[Claimant, str, int, int]]:
     """What the wake check measures, per claimant on ``snapshot``'s GPU: (claimant, state,
     used bytes, budget bytes). The claimants other than ``target`` are asleep (their
     resident budget); ``target`` is measured against its awake budget, except when it is
-    ``starting`` (its pod's memory is a previous container's). A claimant with a process
-    whose size NVML cannot tell is left out (the wake check refuses it anyway)."""
+    ``starting`` (its pod's memory is a previous container's), and so are the ``awake``
+    members of an awake set. A claimant with a process whose size NVML cannot tell is left
+    out (the wake check refuses it anyway)."""
     everyone = _with(claimants, target)
+    awake_uids = {c.claim_uid for c in awake}
     owned: dict[str, list[GpuProcess]] = {}
     for process in snapshot.processes:
         owner = owner_of(process, everyone)
@@ -295,7 +339,7 @@ def footprints(snapshot: GpuSnapshot, *, target: Claimant, claimants: Sequence[C
         if any(p.used_bytes_unknown for p in processes):
             continue
         used = sum(p.used_bytes for p in processes)
-        if is_target:
+        if is_target or claimant.claim_uid in awake_uids:
             measured.append((claimant, AWAKE, used, claimant.config.awake_memory))
         else:
             measured.append((claimant, ASLEEP, used, claimant.resident_on(snapshot.device)))
@@ -325,13 +369,15 @@ class FootprintWatch:
 
     def observe(self, snapshot: GpuSnapshot, *, target: Claimant,
                 claimants: Sequence[Claimant], tolerance_bytes: int,
-                starting: bool = False) -> list[FootprintNotice]:
+                starting: bool = False, awake: Sequence[Claimant] = ()
+                ) -> list[FootprintNotice]:
         """Measure every claimant on the snapshot; the notices of those that just crossed
         the warning line (each also logged and passed to ``notify``)."""
         self._forget_gone(snapshot.device, {c.claim_uid for c in _with(claimants, target)})
         notices = []
         for claimant, state, used, budget in footprints(
-                snapshot, target=target, claimants=claimants, starting=starting):
+                snapshot, target=target, claimants=claimants, starting=starting,
+                awake=awake):
             labels = (claimant.ref, claimant.model, snapshot.device, state)
             self.series.setdefault((claimant.claim_uid, snapshot.device), set()).add(labels)
             metrics.FOOTPRINT_RATIO.labels(*labels).set(used / budget if budget else 0.0)

@@ -56,6 +56,7 @@ from controller.lease.worker.lease_port import KubeLeasePort, confirmed
 from controller.lease.worker.outcomes import Outcomes
 from controller.lease.worker.policy_view import PolicyView
 from controller.lease.worker.reconciler import HOLDERS, Reconciler
+from controller.lease.worker.sets import AwakeSets
 from controller.lease.worker.start_gate import START_QUIET_S, StartGate
 from controller.lease.worker.state import Activation, GpuState, Policy
 from controller.lease.worker.turns import BUSY_HOLDER_POLL_S, TurnLoop
@@ -157,6 +158,7 @@ class GpuWorker:
                                  on_gpu=self.on_gpu)
         self.starts = StartGate(self)
         self.reconciler = Reconciler(self)
+        self.sets = AwakeSets(self)
         self.turns = TurnLoop(self)
         self.gangs = GangEntry(self)
         self.idle = IdleRules(self)

@@ -89,8 +89,9 @@ GPU_MEMORY = Gauge("rota_controller_gpu_memory_bytes",
                    "\"unknown\": processes of no claim); summed per claim, no pid. Series of "
                    "claims that left the GPU are removed.",
                    ["gpu", "gpu_uuid", "claim"], registry=REGISTRY)
-HOLDER = Gauge("rota_controller_lease_holder", "1 for the claimant that holds each GPU, 0 for "
-               "the others on it; series of claimants that left the GPU are removed.",
+HOLDER = Gauge("rota_controller_lease_holder", "1 for the claimant that holds each GPU (and, "
+               "in an awake set, for every engine awake beside it), 0 for the others on it; "
+               "series of claimants that left the GPU are removed.",
                ["gpu", "gpu_uuid", "claim", "model_name"], registry=REGISTRY)
 WATCH_RESTARTS = Counter("rota_controller_watch_restarts_total",
                          "Lists made again after a failed list or watch, by resource.",

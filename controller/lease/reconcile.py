@@ -63,22 +63,29 @@ class ReconcilePlan:
     """Every other engine that is or may be awake, and every suspect."""
     unknown: tuple[Claimant, ...]
     """Engines whose state is unknown; no wake on their GPU until they are known."""
+    keep_also: tuple[Claimant, ...] = ()
+    """An awake set: the companions the Lease names that are awake and stay so beside
+    ``keep`` (in the Lease's order; whether their budgets fit is checked by the caller)."""
 
 
 def plan(claimants: Sequence[Claimant], seen: Mapping[str, Seen], holder: str, *,
-         suspects: Collection[str] = (), may_not_keep: Collection[str] = ()
-         ) -> ReconcilePlan:
+         suspects: Collection[str] = (), may_not_keep: Collection[str] = (),
+         companions: Sequence[str] = ()) -> ReconcilePlan:
     """``seen`` maps claim uid to :class:`Seen`; ``holder`` is the Lease's holder ref;
     ``suspects`` are the claim uids of suspects (see the module docstring);
     ``may_not_keep`` those of engines that may not keep this GPU whatever they are (an
     engine spanning GPUs that another of its GPUs' Leases does not name): awake or
-    unknown, they are put to sleep like any extra engine.
+    unknown, they are put to sleep like any extra engine. ``companions``: the claim uids
+    the Lease names awake beside its holder, where an awake set is in effect (else none).
 
     The Lease's holder keeps the GPU when it is awake and serving, or when it is unknown
     and nobody else is awake (it may well be awake: never strike it on a missed answer).
     Otherwise the first awake serving engine in claimant order does (a deterministic
-    choice, so two racing instances agree). Suspects never keep the GPU. Every other awake
-    or unknown engine is put to sleep, and so is every suspect that is not absent.
+    choice, so two racing instances agree). Suspects never keep the GPU. In an awake set,
+    every companion the Lease names that is awake, serving and no suspect stays awake
+    beside it (only an engine the Lease names: one it does not was never woken into the
+    set). Every other awake or unknown engine is put to sleep, and so is every suspect
+    that is not absent.
     """
     def state(c: Claimant) -> Seen:
         return seen.get(c.claim_uid, Seen.ABSENT)
@@ -95,7 +102,12 @@ def plan(claimants: Sequence[Claimant], seen: Mapping[str, Seen], holder: str, *
         keep = next(c for c in awake if c.serving)
     elif current is not None and state(current) is Seen.UNKNOWN:
         keep = current
-    to_sleep = [c for c in claimants if c is not keep and (
+    by_uid = {c.claim_uid: c for c in claimants}
+    also = tuple(c for uid in companions if (c := by_uid.get(uid)) is not None
+                 and c is not keep and keep is not None and c.serving
+                 and state(c) is Seen.AWAKE and uid not in barred)
+    to_sleep = [c for c in claimants if c is not keep and c not in also and (
         state(c) in (Seen.AWAKE, Seen.UNKNOWN)
         or (c.claim_uid in suspects and state(c) is not Seen.ABSENT))]
-    return ReconcilePlan(keep=keep, put_to_sleep=tuple(to_sleep), unknown=unknown)
+    return ReconcilePlan(keep=keep, put_to_sleep=tuple(to_sleep), unknown=unknown,
+                         keep_also=also)

@@ -76,7 +76,7 @@ from controller.lease.in_flight import until_idle
 from controller.lease.settings import StepTimeouts
 from rota.api import naming
 from rota.api.engine_config import keeps_requests
-from rota.api.gpu_lease import GpuLease
+from rota.api.gpu_lease import AwakeMember, GpuLease
 from rota.kit.aio import Backoff
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,18 @@ sleep ends with the adapter's own timeout (a known "state unknown"), not a cance
 
 _TRANSIENT = frozenset({"memory_not_returned", "unknown_process", "insufficient_memory"})
 """Problems of a GPU read that an exiting process clears by itself."""
+
+
+def member_of(claimant: Claimant) -> AwakeMember:
+    """``claimant`` as a member of a Lease's awake set."""
+    return AwakeMember(claimant.ref, claimant.claim_uid, claimant.model)
+
+
+def staying(lease: GpuLease, claimants: Sequence[Claimant]) -> list[Claimant]:
+    """The claimants ``lease`` names awake beside its holder (an awake set's members that
+    a switch leaves awake): measured against their awake budgets by every GPU read."""
+    uids = {m.uid for m in lease.companions}
+    return [c for c in claimants if c.claim_uid in uids]
 
 
 def gang_of(claimant: Claimant) -> str:
@@ -342,14 +354,16 @@ class Switcher:
     async def hand_back(self, holder: Claimant | None, target: Claimant,
                         claimants: Sequence[Claimant], fence: int,
                         timings: dict[str, float], *, starting: bool = False,
-                        kept: int | None = None) -> HandbackProblem | None:
+                        kept: int | None = None, awake: Sequence[Claimant] = ()
+                        ) -> HandbackProblem | None:
         """Sleep ``holder`` (when there is one) and read the GPU for ``target``: what
         stands between a holder and a wake (or a ``starting`` engine's start) of
         ``target``. The holder's sleep confirmation and the GPU read run at once: both are
         reads, and the wake waits for both. ``kept`` (a count, not None): the holder
-        sleeps with its requests kept, that many by its gauges."""
+        sleeps with its requests kept, that many by its gauges. ``awake``: the members of
+        an awake set that stay awake beside ``target``."""
         read = functools.partial(self.check_device, target, claimants, timings,
-                                 starting=starting)
+                                 starting=starting, awake=awake)
         if holder is None:
             return await read()
         return await self._sleep_beside(holder, fence, timings, read, kept=kept)
@@ -465,20 +479,21 @@ class Switcher:
                                 self.limits.timeouts.inspect_s, timings)
 
     async def check_device(self, target: Claimant, claimants: Sequence[Claimant],
-                            timings: dict[str, float], *, starting: bool = False
-                            ) -> HandbackProblem | None:
+                            timings: dict[str, float], *, starting: bool = False,
+                            awake: Sequence[Claimant] = ()) -> HandbackProblem | None:
         """The NVML check before a wake of ``target``, on every GPU it holds (one read
         each, in GPU order): the first problem found, or None. The same read tells the
-        footprint watch (a notice before a footprint's creep refuses a wake)."""
+        footprint watch (a notice before a footprint's creep refuses a wake). ``awake``:
+        the members of an awake set that stay awake beside it."""
         for gpu in target.gpus:
             snapshot = await self.snapshot(gpu, timings)
             self.ports.footprint.observe(snapshot, target=target, claimants=claimants,
                                          tolerance_bytes=self.limits.tolerance_bytes,
-                                         starting=starting)
+                                         starting=starting, awake=awake)
             problem = check_before_wake(snapshot, target=target, claimants=claimants,
                                         tolerance_bytes=self.limits.tolerance_bytes,
                                         unknown_limit_bytes=self.limits.unknown_limit_bytes,
-                                        starting=starting)
+                                        starting=starting, awake=awake)
             if problem is not None:
                 return problem
         return None
@@ -532,26 +547,42 @@ class Switcher:
 
     async def begin(self, lease: GpuLease, state: naming.LeaseState, *,
                     holder: Claimant | None,
-                    target: Claimant, timings: dict[str, float]) -> GpuLease:
+                    target: Claimant, timings: dict[str, float],
+                    stay: Sequence[Claimant] = ()) -> GpuLease:
         """Open a switch (``switching``) or a start (``starting``) under a new fencing
-        number: admission closed, the Lease names who drains and who comes."""
+        number: admission closed, the Lease names who drains and who comes, and ``stay``,
+        the members of an awake set the switch leaves awake (none: one awake). Every later
+        step reads them from the Lease (:func:`staying`)."""
         return await self.write(lease.opening(
             state, controller=self.identity, target_model=target.model,
-            draining_model=holder.model if holder else ""), timings)
+            draining_model=holder.model if holder else "",
+            companions=tuple(member_of(c) for c in stay)), timings)
 
     async def switch(self, lease: GpuLease, *, holder: Claimant | None, target: Claimant,
-                     claimants: Sequence[Claimant], preempt: bool = False) -> SwitchResult:
+                     claimants: Sequence[Claimant], preempt: bool = False,
+                     stay: Sequence[Claimant] = (), also_sleep: Sequence[Claimant] = ()
+                     ) -> SwitchResult:
         """Make ``target`` the awake engine of the GPU that ``lease`` describes.
         ``preempt``: put the holder to sleep with its requests kept instead of draining
-        it, where it keeps requests (:meth:`keeps`); drained otherwise."""
+        it, where it keeps requests (:meth:`keeps`); drained otherwise.
+
+        An awake set (:mod:`controller.lease.awake_set`): ``stay`` are the members that
+        stay awake beside ``target`` (the Lease's holder among them when it is not put to
+        sleep), ``holder`` the member put to sleep for it (None: it fits beside them all),
+        ``also_sleep`` further members put to sleep (drained) before ``holder``. The wake
+        check measures ``stay`` against their awake budgets."""
         timings: dict[str, float] = {}
         begin = self.ports.clock()
         for gone in self.ports.freezes.keep_only({c.claim_uid for c in claimants}):
             self.ports.observer.forgot(gone)  # its claim left the GPU, its requests too
         keep = preempt and holder is not None and await self.keeps(holder)
         lease = await self.begin(lease, naming.LeaseState.SWITCHING, holder=holder, target=target,
-                                 timings=timings)
+                                 timings=timings, stay=stay)
         fence = lease.fence
+        if also_sleep:
+            failed = await self.sleep_also(lease, holder, also_sleep, timings)
+            if failed is not None:
+                return failed
         log.info("switch started", extra={"device": lease.device, "fence": fence,
                                           "from": holder.ref if holder else None,
                                           "to": target.ref, "preempt": keep})
@@ -565,7 +596,7 @@ class Switcher:
                 handoff_start = self.ports.clock()
             sent = self.ports.clock()
             problem = await self.hand_back(holder, target, claimants, fence, timings,
-                                           kept=kept)
+                                           kept=kept, awake=staying(lease, claimants))
             if problem is not None:
                 raise SwitchFailed(problem.reason, problem.message)
             if holder is not None and kept is not None:
@@ -587,7 +618,8 @@ class Switcher:
         handoff = first_token_at - handoff_start
         timings["handoff_to_first_token"] = handoff
         self.ports.observer.handed_off(target.model, handoff)
-        lease = await self.write(self.serving(lease, target), timings)
+        lease = await self.write(self.serving(lease, target, companions=lease.companions),
+                                 timings)
         timings["total"] = self.ports.clock() - begin
         self.ports.observer.switched(None)
         log.info("switch done", extra={"device": lease.device, "fence": fence,
@@ -595,22 +627,53 @@ class Switcher:
                                        "timings": {k: round(v, 4) for k, v in timings.items()}})
         return SwitchResult(True, lease, timings=timings, kept=kept or 0)
 
+    async def sleep_also(self, lease: GpuLease, holder: Claimant | None,
+                          members: Sequence[Claimant], timings: dict[str, float]
+                          ) -> SwitchResult | None:
+        """Drain and put to sleep the members of an awake set a switch displaces before
+        its holder, one after the other; None when all sleep. A sleep that fails ends the
+        switch with nobody woken: ``holder`` and every member not yet asleep are still
+        awake and named so again; one whose sleep's outcome is unknown is unsettled."""
+        for index, member in enumerate(members):
+            try:
+                await self.drain(member, lease.fence, timings)
+                await self.sleep(member, lease.fence, timings)
+            except Fenced:
+                raise
+            except Exception as exc:
+                unknown = isinstance(exc, SleepUnknown)
+                awake = [*members[index + (1 if unknown else 0):],
+                         *([holder] if holder is not None else [])]
+                message = f"putting {member.ref} to sleep to make room failed: {exc}"
+                return await self.fail(
+                    lease, reason_of(exc), message, restored=None, timings=timings,
+                    unsettled=(member,) if unknown else (),
+                    companions=(*lease.companions, *(member_of(c) for c in awake)))
+        return None
+
     @staticmethod
     def serving(lease: GpuLease, claimant: Claimant, *, controller: str | None = None,
-                last_error: str = "") -> GpuLease:
-        """``lease`` naming ``claimant`` as its awake holder."""
+                last_error: str = "", companions: tuple[AwakeMember, ...] = ()) -> GpuLease:
+        """``lease`` naming ``claimant`` as its awake holder (``companions`` awake beside
+        it: an awake set)."""
         return lease.serving(holder=claimant.ref, model=claimant.model,
                              claim_uid=claimant.claim_uid, gang=gang_of(claimant),
-                             controller=controller, last_error=last_error)
+                             controller=controller, last_error=last_error,
+                             companions=companions)
 
     async def fail(self, lease: GpuLease, reason: str, message: str, *,
                     restored: Claimant | None, timings: dict[str, float],
-                    unsettled: tuple[Claimant, ...] = ()) -> SwitchResult:
+                    unsettled: tuple[Claimant, ...] = (),
+                    companions: tuple[AwakeMember, ...] | None = None) -> SwitchResult:
+        """End a switch that failed: ``restored`` is awake again as holder, or nobody is
+        (``failed``); ``companions`` (default: the Lease's) stay awake beside."""
         self.ports.observer.switched(reason)
+        beside = lease.companions if companions is None else companions
         if restored is not None:
-            lease = self.serving(lease, restored, last_error=f"{reason}: {message}")
+            lease = self.serving(lease, restored, last_error=f"{reason}: {message}",
+                                 companions=beside)
         else:
-            lease = lease.failed(f"{reason}: {message}")
+            lease = lease.failed(f"{reason}: {message}", companions=beside)
         lease = await self.write(lease, timings)
         log.error("switch failed", extra={"device": lease.device, "fence": lease.fence,
                                           "reason": reason, "error": message,
@@ -635,7 +698,8 @@ class Switcher:
         reason, message = reason_of(exc), str(exc) or type(exc).__name__
         if holder is None:
             return await self.fail(lease, reason, message, restored=None, timings=timings)
-        problem = await self.check_restore(holder, claimants, timings)
+        problem = await self.check_restore(holder, claimants, timings,
+                                           awake=staying(lease, claimants))
         if problem is not None:
             return await self.fail(lease, reason, f"{message}; the old holder stays asleep: "
                                     f"{problem.message}", restored=None, timings=timings)
@@ -649,7 +713,8 @@ class Switcher:
         return await self.fail(lease, reason, message, restored=holder, timings=timings)
 
     async def check_restore(self, holder: Claimant, claimants: Sequence[Claimant],
-                            timings: dict[str, float]) -> HandbackProblem | None:
+                            timings: dict[str, float], *, awake: Sequence[Claimant] = ()
+                            ) -> HandbackProblem | None:
         """:meth:`check_device` for waking an old holder back (a failed read is a
         problem, never a pass), read again with pauses for up to ``restore_wait_s`` while
         memory is not yet handed back: a failed engine's processes may still be exiting
@@ -659,7 +724,7 @@ class Switcher:
         deadline = self.ports.clock() + self.limits.restore_wait_s
         while True:
             try:
-                problem = await self.check_device(holder, claimants, timings)
+                problem = await self.check_device(holder, claimants, timings, awake=awake)
             except Fenced:
                 raise
             except Exception as read_exc:
@@ -737,11 +802,13 @@ class Switcher:
 
     async def sleep_holder(self, lease: GpuLease, holder: Claimant, *, reason: str
                            ) -> SwitchResult:
-        """Put the holder to sleep and leave the GPU idle (idle TTL, or a vanished target)."""
+        """Put the holder to sleep and leave the GPU idle (idle TTL, or a vanished target);
+        in an awake set, the member woken last becomes the holder."""
         timings: dict[str, float] = {}
         lease = await self.write(lease.opening(naming.LeaseState.SWITCHING,
                                                controller=self.identity,
-                                               target_model="", draining_model=holder.model),
+                                               target_model="", draining_model=holder.model,
+                                               companions=lease.companions),
                                  timings)
         try:
             await self.drain(holder, lease.fence, timings)
@@ -755,5 +822,11 @@ class Switcher:
                                     restored=holder, timings=timings)
         log.info("holder put to sleep", extra={"device": lease.device, "claim": holder.ref,
                                                "reason": reason})
-        lease = await self.write(lease.idle(), timings)
+        if lease.companions:  # an awake set: the member woken last holds the GPU now
+            *rest, last = lease.companions
+            lease = lease.serving(holder=last.claim, model=last.model, claim_uid=last.uid,
+                                  gang="", companions=tuple(rest))
+        else:
+            lease = lease.idle()
+        lease = await self.write(lease, timings)
         return SwitchResult(True, lease, timings=timings)

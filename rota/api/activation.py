@@ -71,7 +71,8 @@ SWITCH_FAILURE_REASONS = frozenset({
     # The correctness probe (controller.lease.engines.probe; a probe with no reason is "failed").
     *(f"probe_{reason}" for reason in PROBE_REASONS), "probe_failed",
     # The NVML check before a wake (controller.lease.device; inspect_failed: the read failed).
-    "memory_not_returned", "unknown_process", "insufficient_memory", "inspect_failed",
+    "memory_not_returned", "awake_over_budget", "unknown_process", "insufficient_memory",
+    "inspect_failed",
     # Start-up admission (controller.lease.admission) and a switch found unfinished
     # (controller.lease.gpu).
     "start_failed", "start_timeout", "start_not_taken", "controller_crash",

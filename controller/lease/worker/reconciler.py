@@ -4,6 +4,7 @@ engine whose state is unknown remembered as possibly awake (see :meth:`Reconcile
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 from dataclasses import dataclass, field
@@ -11,10 +12,11 @@ from typing import TYPE_CHECKING
 
 from controller.claimants import Claimant
 from controller.lease import metrics
+from controller.lease.awake_set import room
 from controller.lease.device import GpuSnapshot
 from controller.lease.engines.errors import EngineError
 from controller.lease.reconcile import ReconcilePlan, Seen, classify, plan
-from controller.lease.switch import Fenced, Switcher
+from controller.lease.switch import Fenced, Switcher, member_of
 from controller.lease.worker.state import unsettled_backoff
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
@@ -68,8 +70,11 @@ class Reconciler:
         engines are suspects and are put to sleep (the engine handles the sleep after the
         wake). Engines without the guard never check the number."""
         look = await self._look()
+        in_set = self.worker.sets.in_effect(look.on_gpu)
         decision = plan(look.on_gpu, look.seen, look.lease.holder, suspects=look.suspects,
-                        may_not_keep=await self._gangs_held_elsewhere(look.on_gpu))
+                        may_not_keep=await self._gangs_held_elsewhere(look.on_gpu),
+                        companions=[m.uid for m in look.lease.companions] if in_set else ())
+        decision = self._fitting(look, decision)
         keep = decision.keep
         asleep_holding = (keep is not None and keep.ref == look.lease.holder
                           and look.seen[keep.claim_uid] is Seen.UNKNOWN
@@ -85,12 +90,13 @@ class Reconciler:
                                                               look.on_gpu, look.seen)
         # A suspect stays unsettled until a sleep of ours completed (it is then ASLEEP);
         # an engine granted a start that may still come up, until it is known.
-        self.state.unsettled = {c.claim_uid: c for c in look.on_gpu if c is not keep and (
+        self.state.unsettled = {c.claim_uid: c for c in look.on_gpu if c is not keep
+                                and c not in decision.keep_also and (
             look.seen[c.claim_uid] is Seen.UNKNOWN or c is look.coming
             or (c.claim_uid in look.suspects and c not in decision.put_to_sleep
                 and look.seen[c.claim_uid] is not Seen.ABSENT))}
-        await self._write(look, keep)
-        self._done(look, keep)
+        await self._write(look, keep, decision.keep_also)
+        self._done(look, keep, decision.keep_also)
 
     async def _look(self) -> _Look:
         """Read the Lease (a new term first when taking over) and every engine on the GPU."""
@@ -123,6 +129,30 @@ class Reconciler:
             look.suspects.add(look.coming.claim_uid)
         return look
 
+    def _fitting(self, look: _Look, decision: ReconcilePlan) -> ReconcilePlan:
+        """An awake set kept only as far as it fits: every companion at or under its
+        awake budget + tolerance by the GPU's read, and the budgets of the holder and the
+        companions (the ones woken last dropped first) within the GPU's memory. A
+        companion that does not fit is put to sleep like any extra engine."""
+        if not decision.keep_also or decision.keep is None:
+            return decision
+        tolerance = self.worker.policy.tolerance_bytes
+        within = [c for c in decision.keep_also
+                  if look.snapshot.held_by(c, look.on_gpu) <= c.config.awake_memory + tolerance]
+        reserve = self.worker.switcher.limits.unknown_limit_bytes
+        while within and not room(self.state.gpu, look.snapshot.total_bytes,
+                                  awake=[decision.keep, *within], claimants=look.on_gpu,
+                                  reserve_bytes=reserve).fits:
+            within.pop()
+        dropped = [c for c in decision.keep_also if c not in within]
+        if not dropped:
+            return decision
+        log.warning("engines awake beside the holder do not fit the GPU on their budgets; "
+                    "putting them to sleep", extra={"device": self.state.gpu,
+                                                    "claims": [c.ref for c in dropped]})
+        return dataclasses.replace(decision, keep_also=tuple(within),
+                                   put_to_sleep=(*decision.put_to_sleep, *dropped))
+
     async def _settle(self, look: _Look, decision: ReconcilePlan) -> None:
         """Put every extra engine (or suspect) to sleep under the new fence."""
         for extra in decision.put_to_sleep:
@@ -132,16 +162,21 @@ class Reconciler:
                 if gpu != self.state.gpu:
                     self.worker.sibling(gpu).mark_dirty()
 
-    async def _write(self, look: _Look, keep: Claimant | None) -> None:
-        """Write the Lease when it does not say what was found (or a switch was cut short)."""
+    async def _write(self, look: _Look, keep: Claimant | None,
+                     beside: tuple[Claimant, ...] = ()) -> None:
+        """Write the Lease when it does not say what was found (or a switch was cut short);
+        ``beside``: the companions awake beside ``keep`` (an awake set)."""
         lease, identity = look.lease, self.worker.identity
         wanted = (keep.ref if keep else "", naming.STATE_AWAKE if keep else naming.STATE_IDLE)
         start = ((lease.start_claim_uid, lease.start_granted) if look.coming is not None
                  else ("", None))
+        companions = tuple(member_of(c) for c in beside)
         if ((lease.holder, lease.state) != wanted or look.unfinished
+                or lease.companions != companions
                 or (lease.start_claim_uid, lease.start_granted) != start):
             if keep:
-                lease = Switcher.serving(lease, keep, controller=identity)
+                lease = Switcher.serving(lease, keep, controller=identity,
+                                         companions=companions)
             else:
                 lease = lease.idle(controller=identity)
             if look.coming is not None and start[1] is not None:
@@ -152,15 +187,16 @@ class Reconciler:
                                                 "state": wanted[1], "fence": lease.fence})
         look.lease = lease
 
-    def _done(self, look: _Look, keep: Claimant | None) -> None:
+    def _done(self, look: _Look, keep: Claimant | None,
+              beside: tuple[Claimant, ...] = ()) -> None:
         """Take the reconciled Lease, show it, and schedule the next reconciliation."""
         state, gpu = self.state, self.state.gpu
         state.lease = look.lease
         visibility = self.worker.visibility
         if visibility is not None:
             visibility.settled(look.on_gpu, look.lease, unknown=state.unsettled.keys())
-        HOLDERS.set(gpu, {(gpu, look.snapshot.uuid, c.ref, c.model): 1.0 if keep is c
-                          else 0.0 for c in look.on_gpu})
+        HOLDERS.set(gpu, {(gpu, look.snapshot.uuid, c.ref, c.model):
+                          1.0 if keep is c or c in beside else 0.0 for c in look.on_gpu})
         if state.unsettled:
             state.next_reconcile = state.clock() + state.unsettled_pauses.next_delay()
             log.warning("engines in an unknown state; no wake on this GPU until they are "

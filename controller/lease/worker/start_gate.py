@@ -185,6 +185,13 @@ class StartGate:
         holder = next((c for c in on_gpu if c.ref == lease.holder), None)
         if lease.state != naming.STATE_AWAKE:
             holder = None
+        stay: tuple[Claimant, ...] = ()
+        also: tuple[Claimant, ...] = ()
+        if worker.sets.in_effect([*on_gpu, newcomer]):
+            # an awake set: only the members it needs room for sleep while it comes up
+            planned = await worker.sets.plan(newcomer, lease, [*on_gpu, newcomer])
+            holder = planned.sleep[-1] if planned.sleep else None
+            stay, also = planned.stay, planned.sleep[:-1]
         state.switching, state.switching_to = True, uid
         if worker.visibility is not None:
             worker.visibility.switching(holder, newcomer, starting=True)
@@ -192,7 +199,7 @@ class StartGate:
         try:
             result = await worker.starter.start(
                 lease, holder=holder, newcomer=newcomer, claimants=on_gpu, ticket=ticket,
-                wanted=lambda: uid in worker.queue)
+                wanted=lambda: uid in worker.queue, stay=stay, also_sleep=also)
         finally:
             state.switching = False
             self.ended(uid, ticket, refused=result is None)

@@ -52,10 +52,18 @@ class Turn:
     """A gang switch's holders, to be put to sleep."""
     leases: dict[str, GpuLease] = field(default_factory=dict)
     """A gang switch's Leases, per GPU."""
+    in_set: bool = False
+    """An awake set is in effect: ``holder`` is the member put to sleep for the target
+    (None: it fits beside them all), ``stay`` the members that stay awake and
+    ``also_sleep`` the further members put to sleep first."""
+    stay: tuple[Claimant, ...] = ()
+    also_sleep: tuple[Claimant, ...] = ()
 
     @property
     def awake_holder(self) -> Claimant | None:
         """The holder a switch of this GPU alone puts to sleep (None when it is idle)."""
+        if self.in_set:
+            return self.holder
         return self.holder if self.lease.state != naming.STATE_IDLE else None
 
 
@@ -82,9 +90,13 @@ class TurnLoop:
             return None
         serving = {c.claim_uid for c in self.worker.claimants() if c.serving}
         holder_ref = self.state.awake_holder()
+        companions = {m.uid for m in self.state.lease.companions} if self.state.lease else set()
         for uid, w in self.queue.entries.items():
-            if uid not in serving or w.claimant.ref == holder_ref:
+            if uid not in serving or w.claimant.ref == holder_ref or uid in companions:
                 return uid, None  # answered at once (not serving, or already awake)
+        joining = await self._fits_beside()
+        if joining is not None:
+            return joining, None  # an awake set has room for it: nobody is displaced
         holder = next((c for c in self.worker.on_gpu() if c.ref == holder_ref), None)
         in_flight = await self._holder_load(holder)
         decision = self.view.decide(holder, in_flight)
@@ -95,6 +107,22 @@ class TurnLoop:
                 self.view.decided(self.state.rule, chosen.claimant, decision.reason)
                 return chosen.claimant.claim_uid, decision
         await self._hold(decision, in_flight, stop)
+        return None
+
+    async def _fits_beside(self) -> str | None:
+        """With an awake set in effect, the first queued claim that fits awake beside
+        every member (nobody is put to sleep for it, so no policy is asked); None when
+        none does."""
+        on_gpu = self.worker.on_gpu()
+        lease = self.state.lease
+        if lease is None or not self.worker.sets.in_effect(on_gpu) or self.state.unsettled:
+            return None
+        serving = {c.claim_uid: c for c in on_gpu if c.serving}
+        for uid in self.queue.entries:
+            claimant = serving.get(uid)
+            if claimant is not None and not (
+                    await self.worker.sets.plan(claimant, lease, on_gpu)).sleep:
+                return uid
         return None
 
     def _queue_frozen(self) -> None:
@@ -180,7 +208,7 @@ class TurnLoop:
         holder = next((c for c in on_gpu if c.ref == lease.holder), None)
         leases = {gpu: await worker.lease_of(gpu) for gpu in target.gpus}
         if all(v.holder == target.ref and v.state == naming.STATE_AWAKE
-               for v in leases.values()):
+               for v in leases.values()) or any(m.uid == uid for m in lease.companions):
             # Already the awake holder: nothing is woken, so engines in an unknown state
             # elsewhere on the GPU do not stand in its way.
             self.queue.take(uid)
@@ -194,6 +222,11 @@ class TurnLoop:
                 f"engines on {self.state.gpu} are in an unknown state (possibly awake): "
                 f"{', '.join(blockers)}; no wake until they are known"))
             return None
+        if worker.sets.in_effect(on_gpu):
+            planned = await worker.sets.plan(target, lease, on_gpu)
+            victim = planned.sleep[-1] if planned.sleep else None
+            return Turn(waiting, target, decision, lease, victim, on_gpu, in_set=True,
+                        stay=planned.stay, also_sleep=planned.sleep[:-1])
         turn = Turn(waiting, target, decision, lease, holder, on_gpu)
         gang_holders = holders_of(target, leases, worker.claimants())
         if worker.gang_needed(target, gang_holders):
@@ -261,11 +294,23 @@ class TurnLoop:
             worker.visibility.switching(turn.awake_holder, target)
         result: SwitchResult | None = None
         try:
-            # preemptive only where the policy decided so (a holder that keeps requests)
-            preempt = {"preempt": True} if turn.decision and turn.decision.preempt else {}
-            result = await worker.switcher.switch(turn.lease, holder=turn.awake_holder,
-                                                  target=target, claimants=turn.on_gpu,
-                                                  **preempt)
+            # preemptive only where the policy decided so (a holder that keeps requests;
+            # in an awake set, only where the member put to sleep is the one it weighed)
+            preempt = bool(turn.decision and turn.decision.preempt) and (
+                not turn.in_set or (turn.holder is not None
+                                    and turn.holder.ref == turn.lease.holder))
+            if turn.in_set:
+                result = await worker.switcher.switch(
+                    turn.lease, holder=turn.awake_holder, target=target,
+                    claimants=turn.on_gpu, preempt=preempt, stay=turn.stay,
+                    also_sleep=turn.also_sleep)
+            elif preempt:
+                result = await worker.switcher.switch(turn.lease, holder=turn.awake_holder,
+                                                      target=target, claimants=turn.on_gpu,
+                                                      preempt=True)
+            else:
+                result = await worker.switcher.switch(turn.lease, holder=turn.awake_holder,
+                                                      target=target, claimants=turn.on_gpu)
             worker.work.measured(result, turn.awake_holder, target)
         finally:
             state.switching = False
