@@ -179,7 +179,7 @@ class NodeController:
                               models=s.model_policy(), home_model=s.home_model,
                               home_idle_s=s.home_idle_s,
                               priority_ceilings=s.policy_priority_ceilings.root,
-                              awake_set=s.awake_set))
+                              awake_set=s.awake_set_on(gpu)))
             self.workers[gpu] = worker
             self._tasks[gpu] = asyncio.create_task(worker.run(self._workers_stop),
                                                    name=f"gpu-{gpu}")

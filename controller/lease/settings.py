@@ -7,6 +7,7 @@ field ``x_y`` is ``--x-y``; its environment variable is ``ROTA_X_Y`` (``NODE_NAM
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import socket
@@ -157,6 +158,10 @@ class LeaseSettings(BaseModel):
                             "puts to sleep only as many engines as the newcomer needs room "
                             "for. Off: one engine awake per GPU. Engines that span GPUs "
                             "always take their GPUs alone.")
+    awake_set_gpus: str = Field(default="", description="Where --awake-set applies: "
+                                "comma-separated shell patterns of node names or "
+                                "<node>/<gpu> (e.g. 'big-*,node-a/gpu-1'); empty: every GPU "
+                                "of the node.")
     resync_s: float = Field(default=10.0, gt=0, description="Reconcile each GPU (ask its "
                             "engines, read the device) at least this often, also under load.")
     shutdown_grace_s: float = Field(default=25.0, gt=0, description="On SIGTERM, let the "
@@ -184,6 +189,16 @@ class LeaseSettings(BaseModel):
                                 "sees them: Events on engine pods, their gpu.rota.dev/state "
                                 "label and the Awake/Ready conditions of their claims.")
     log_level: LogLevel = Field(default="info", description="debug | info | warning | error")
+
+    def awake_set_on(self, gpu: str) -> bool:
+        """Whether ``gpu`` of this node may have an awake set (``--awake-set``, narrowed by
+        ``--awake-set-gpus``)."""
+        if not self.awake_set:
+            return False
+        patterns = [p.strip() for p in self.awake_set_gpus.split(",") if p.strip()]
+        return not patterns or any(
+            fnmatch.fnmatchcase(self.node_name, p) or
+            fnmatch.fnmatchcase(f"{self.node_name}/{gpu}", p) for p in patterns)
 
     def model_policy(self) -> ModelPolicy:
         """The node's default switch policy per model (a claim's EngineConfig overrides
