@@ -241,9 +241,11 @@ class GpuWorker:
             return Activation(False, claimant, switched=False, fence=0,
                               reason=state.closed[0], message=state.closed[1])
         lease = state.lease
-        if (lease is not None and lease.holder == claimant.ref and not state.dirty
-                and lease.state == naming.STATE_AWAKE and not state.switching):
-            # The holder serves now, even while a switch away waits for its residency.
+        if lease is not None and not state.dirty and not state.switching and (
+                (lease.holder == claimant.ref and lease.state == naming.STATE_AWAKE)
+                or any(m.uid == claimant.claim_uid for m in lease.companions)):
+            # The holder (or an engine awake beside it) serves now, even while a switch
+            # away waits for its residency.
             return Activation(True, claimant, switched=False, fence=lease.fence)
         return await self.queue.wait(claimant)
 

@@ -123,3 +123,16 @@ async def test_an_engine_that_spans_gpus_keeps_its_gpus_to_one_awake() -> None:
     assert not gpu.worker.sets.in_effect()
     gpu.claimants.pop()
     assert gpu.worker.sets.in_effect()
+
+
+async def test_a_member_is_answered_without_queueing_but_not_while_a_switch_runs() -> None:
+    gpu = _Gpu(companions=(claimant("b"),))
+    answer = await gpu.worker.activate(gpu.b)
+    assert answer.ok
+    assert not answer.switched
+    assert not gpu.worker.queue
+    gpu.worker.state.switching = True  # the Lease in hand may still name one it displaces
+    task = await caller_queued(gpu.worker.queue, gpu.b, gpu.worker.activate(gpu.b))
+    assert not task.done()
+    gpu.worker.close("stopping", "the test is over")
+    assert (await task).reason == "stopping"
