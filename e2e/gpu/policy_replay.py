@@ -218,11 +218,12 @@ async def read_stream(session: aiohttp.ClientSession, url: str, body: dict[str, 
 
 
 def _moved_on(port: MemoryLeasePort, claimant: Claimant) -> bool:
-    """The GPU's Lease has settled with another holder, or none: an engine put to sleep
-    holds the requests it had not begun (the gateway's step 3 sends them back)."""
+    """The GPU's Lease has settled without naming the engine awake (another holder, or
+    none, and not beside it in an awake set): an engine put to sleep holds the requests it
+    had not begun (the gateway's step 3 sends them back)."""
     lease = port.current
-    return lease.holder != claimant.ref and lease.state in (naming.STATE_AWAKE,
-                                                           naming.STATE_IDLE)
+    return not lease.names_awake(claimant.claim_uid) and lease.state in (
+        naming.STATE_AWAKE, naming.STATE_IDLE)
 
 
 async def _first_token(stream: asyncio.Task[None], first: asyncio.Event,
@@ -250,9 +251,9 @@ async def _client(arrival: Arrival, out: Outcome, *, worker: GpuWorker, port: Me
                   claimant: Claimant, session: aiohttp.ClientSession, url: str,
                   client: ClientSettings, t0: float) -> None:
     """One request as the gateway carries it (controller/gateway/dispatch.py): ask for the
-    model, forward once the Lease names it awake (with no lag: this gateway's view of the
-    Lease is the Lease itself), and send it back to the activation when the Lease settles
-    with another holder before its first token."""
+    model, forward once the Lease names it awake (its holder, or a member of its awake set;
+    with no lag: this gateway's view of the Lease is the Lease itself), and send it back to
+    the activation when the Lease settles without it before its first token."""
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, t0 + arrival.at - loop.time()))
     began = loop.time()
@@ -268,7 +269,7 @@ async def _client(arrival: Arrival, out: Outcome, *, worker: GpuWorker, port: Me
                     out.error = answer.reason or "refused"
                     return
                 lease = port.current
-                if lease.holder != claimant.ref or lease.state != naming.STATE_AWAKE:
+                if not lease.names_awake(claimant.claim_uid):
                     await asyncio.sleep(0.005)
                     continue
                 out.fence = lease.fence
@@ -348,10 +349,12 @@ def _rules_now() -> dict[str, float]:
 async def replay(*, mode: PolicyMode, arrivals: Sequence[Arrival], claimants: Sequence[Claimant],
                  gpu: str, port: MemoryLeasePort, switcher: RecordingSwitcher,
                  engine: Callable[[Claimant], EngineAdapter], session: aiohttp.ClientSession,
-                 client: ClientSettings, window_s: float) -> PolicyRun:
+                 client: ClientSettings, window_s: float, awake_set: bool = False
+                 ) -> PolicyRun:
     """Replay ``arrivals`` (model index into ``claimants``) through a fresh GPU worker whose
     node-wide policy mode is ``mode`` and whose objectives are the ones measured (the
-    client's bounds); every engine asleep and ``port`` idle at the start."""
+    client's bounds); every engine asleep and ``port`` idle at the start. ``awake_set``:
+    the worker runs with ``--awake-set`` (engines awake together where they fit)."""
     settings = LeaseSettings(node_name="policy-run", policy_mode=mode,
                              first_token_objective_s=client.bounds.first_token_s,
                              longest_freeze_s=client.bounds.longest_freeze_s)
@@ -365,7 +368,7 @@ async def replay(*, mode: PolicyMode, arrivals: Sequence[Arrival], claimants: Se
                       coalesce_window_s=settings.coalesce_window_s, resync_s=settings.resync_s,
                       tolerance_bytes=settings.resident_tolerance_bytes,
                       models=settings.model_policy(), home_model=settings.home_model,
-                      home_idle_s=settings.home_idle_s))
+                      home_idle_s=settings.home_idle_s, awake_set=awake_set))
     stop = asyncio.Event()
     rules_before = _rules_now()
     worker.open()

@@ -103,8 +103,12 @@ from rota.kit.logs import configure
 from rota.kit.sockets import UnixServer
 
 POLICIES = ("all-awake", "first-come", "drain", "rota")
-"""The policies of a run, in the order they run (all-awake first: its answers are the
-references the others' frozen streams are checked against)."""
+"""The policies of a run by default, in the order they run (all-awake first: its answers
+are the references the others' frozen streams are checked against)."""
+AWAKE_SET = "awake-set"
+"""The ``rota`` policy with the lease controller's ``--awake-set``: engines awake together
+where their awake budgets fit the GPU (asked for with ``--policies``)."""
+KNOWN_POLICIES = (*POLICIES, AWAKE_SET)
 AWAKE = "all-awake"
 SIM_NAMES = {"all-awake": "all-awake", "first-come": "on-demand", "drain": "drain",
              "rota": "rota"}
@@ -120,6 +124,8 @@ def mode_of(policy: str) -> PolicyMode:
     """The lease controller's ``--policy-mode`` for a policy of the comparison. Where
     the controller has no ``drain`` mode yet, its ``rota`` mode is the drain-based one."""
     values = {m.value: m for m in PolicyMode}
+    if policy == AWAKE_SET:
+        return PolicyMode.ROTA
     if policy == "drain":
         return values.get("drain", PolicyMode.ROTA)
     return values[policy]
@@ -151,7 +157,8 @@ def parser() -> argparse.ArgumentParser:
         help="seconds of the compressed trace from one window's start to the next's")
     add("--window-s", type=float, default=15.0,
         help="seconds of the (compressed) trace each policy replays per window")
-    add("--policies", default=",".join(POLICIES), help=f"of {', '.join(POLICIES)}")
+    add("--policies", default=",".join(POLICIES),
+        help=f"of {', '.join(KNOWN_POLICIES)} ({AWAKE_SET}: rota with --awake-set)")
     add("--first-token-s", "--ttft-slo-s", dest="ttft_slo_s", type=float, default=2.0,
         help="the first-token objective of the SLO")
     add("--longest-freeze-s", type=float, default=3.0,
@@ -427,13 +434,20 @@ async def _one_policy(bench: Bench, name: str, arrivals: list[Arrival], window_s
     run = await replay(mode=mode_of(name), arrivals=arrivals, claimants=claimants,
                        gpu=bench.gpu.name, port=port, switcher=switcher,
                        engine=bench.adapter_for, session=bench.session, client=client,
-                       window_s=window_s)
+                       window_s=window_s, awake_set=name == AWAKE_SET)
     run.name = name
-    lease = port.current
-    holder = next((c for c in claimants if c.ref == lease.holder), None)
-    if holder is not None and lease.state == naming.STATE_AWAKE:  # every engine asleep again
+    slept_after = []
+    for _ in claimants:  # every engine asleep again (an awake set: one member at a time)
+        lease = port.current
+        holder = next((c for c in claimants if c.ref == lease.holder), None)
+        if holder is None or lease.state != naming.STATE_AWAKE:
+            break
         slept = await switcher.sleep_holder(lease, holder, reason="the policy's window is over")
-        run.extra["slept_after"] = {"holder": holder.ref, "ok": slept.ok}
+        slept_after.append({"holder": holder.ref, "ok": slept.ok})
+        if not slept.ok:
+            break
+    if slept_after:
+        run.extra["slept_after"] = slept_after
     return run
 
 
@@ -648,8 +662,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.launcher == "simulator" and not args.fake_nvml:
         p.error("--launcher simulator needs --fake-nvml")
-    if not args.policies or any(x not in POLICIES for x in args.policies.split(",")):
-        p.error(f"--policies: of {', '.join(POLICIES)}")
+    if not args.policies or any(x not in KNOWN_POLICIES for x in args.policies.split(",")):
+        p.error(f"--policies: of {', '.join(KNOWN_POLICIES)}")
     windows = windows_of(args)
     if args.simulate_only:
         config = args.models / args.model / "config.json"
