@@ -51,7 +51,8 @@ class _FakeSwitcher:
 
 class _Gpu:
     def __init__(self, *, awake_set: bool = True, claimants: list[Claimant] | None = None,
-                 companions: tuple[Claimant, ...] = ()) -> None:
+                 companions: tuple[Claimant, ...] = (),
+                 in_flight: dict[str, int] | None = None) -> None:
         self.now = 1000.0
         self.claimants = claimants or [claimant("a"), claimant("b"), claimant("c")]
         self.a, self.b, self.c = self.claimants[:3]
@@ -62,7 +63,8 @@ class _Gpu:
         unused: Any = self.switcher
         self.worker = GpuWorker(gpu="gpu-0", lease_port=self.port,  # type: ignore[arg-type]
                                 switcher=unused, claimants=lambda: list(self.claimants),
-                                engine=lambda c: FakeEngine(),  # type: ignore[arg-type,return-value]
+                                engine=lambda c: FakeEngine(  # type: ignore[arg-type,return-value]
+                                    (in_flight or {}).get(c.claim_name, 0)),
                                 policy=Policy(awake_set=awake_set), clock=lambda: self.now)
         self.worker.state.lease = lease
         self.worker.state.accepting = True
@@ -136,3 +138,18 @@ async def test_a_member_is_answered_without_queueing_but_not_while_a_switch_runs
     assert not task.done()
     gpu.worker.close("stopping", "the test is over")
     assert (await task).reason == "stopping"
+
+
+async def test_the_policy_weighs_the_member_displaced_not_a_busy_holder_that_stays() -> None:
+    # a (the holder) is busy, b (awake beside it) idle: c displaces b at once; the policy
+    # does not hold c for a's quantum, as it would if it weighed the holder
+    gpu = _Gpu(companions=(claimant("b"),), in_flight={"a": 3})
+    task = await gpu.ask(gpu.c)
+    gpu.worker.state.dirty = False
+    picked = await gpu.worker.turns.pick(asyncio.Event())
+    assert picked is not None
+    assert picked[1] is not None
+    assert picked[1].rule == "holder_idle"
+    await gpu.worker.turns.serve_next(asyncio.Event())
+    assert (await task).switched
+    assert gpu.switcher.seen == [("ns/b", "ns/c", ("ns/a",), ())]

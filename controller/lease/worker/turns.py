@@ -98,6 +98,7 @@ class TurnLoop:
         if joining is not None:
             return joining, None  # an awake set has room for it: nobody is displaced
         holder = next((c for c in self.worker.on_gpu() if c.ref == holder_ref), None)
+        holder = await self._displaced(serving) or holder
         in_flight = await self._holder_load(holder)
         decision = self.view.decide(holder, in_flight)
         if decision.action is switch_policy.Action.SWITCH:
@@ -124,6 +125,21 @@ class TurnLoop:
                     await self.worker.sets.plan(claimant, lease, on_gpu)).sleep:
                 return uid
         return None
+
+    async def _displaced(self, serving: set[str]) -> Claimant | None:
+        """With an awake set in effect, the member the first queued claim would put to
+        sleep (the one its switch drains or preempts): the policy weighs that member's
+        work, not the Lease holder's, which may stay awake beside the newcomer. None:
+        no set, or nobody displaced."""
+        lease, on_gpu = self.state.lease, self.worker.on_gpu()
+        if lease is None or not self.worker.sets.in_effect(on_gpu):
+            return None
+        first = next((w.claimant for uid, w in self.queue.entries.items() if uid in serving),
+                     None)
+        if first is None:
+            return None
+        planned = await self.worker.sets.plan(first, lease, on_gpu)
+        return planned.sleep[-1] if planned.sleep else None
 
     def _queue_frozen(self) -> None:
         """Engines of this GPU asleep with requests kept wait for their wake as callers
@@ -295,10 +311,8 @@ class TurnLoop:
         result: SwitchResult | None = None
         try:
             # preemptive only where the policy decided so (a holder that keeps requests;
-            # in an awake set, only where the member put to sleep is the one it weighed)
-            preempt = bool(turn.decision and turn.decision.preempt) and (
-                not turn.in_set or (turn.holder is not None
-                                    and turn.holder.ref == turn.lease.holder))
+            # in an awake set, the policy weighed the member put to sleep: _displaced)
+            preempt = bool(turn.decision and turn.decision.preempt)
             if turn.in_set:
                 result = await worker.switcher.switch(
                     turn.lease, holder=turn.awake_holder, target=target,
