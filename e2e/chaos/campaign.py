@@ -1,5 +1,6 @@
 """One campaign: bring the rig up, drive switches with client load while faults come and
-go, then let everything settle and check that every GPU has one owner."""
+go, then let everything settle and check that every GPU has one owner (in awake-set mode:
+that the engines awake on each GPU are exactly the ones its Lease names)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ from e2e.chaos.faults import CATALOGUE, Fault
 from e2e.chaos.load import client_loop, into_tally
 from e2e.chaos.observe import LeaseObserver, Transition
 from e2e.chaos.rig import NodeRig, Rig, RigOptions, namespace_for
-from e2e.chaos.tally import Tally
+from e2e.chaos.tally import AWAKE_SET, Tally
 from e2e.cluster import LocalCluster
 from e2e.harness.objects import ROTA_NAMESPACE, read_gpu_lease
 from e2e.harness.scenario import AwakeMonitor, sim_state
 from rota.api import naming
+from rota.api.gpu_lease import GpuLease
 
-__all__ = ["CampaignOptions", "run_campaign"]
+__all__ = ["CampaignOptions", "owner_problem", "run_campaign"]
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +112,28 @@ class _Faults:
         await asyncio.gather(*self.undos, return_exceptions=True)
 
 
+def owner_problem(lease: GpuLease, awake: list[str], *, awake_set: bool) -> str | None:
+    """None when a settled GPU has its true owner: the Lease's holder is the only engine
+    awake, or nobody is awake and the Lease says idle. ``awake_set``: the engines awake
+    (``awake``, claims as ``namespace/name``) are exactly the Lease's awake set, with no
+    switch in progress or failed."""
+    if awake_set:
+        named = sorted(m.claim for m in lease.awake_set)
+        if lease.state in (naming.LeaseState.AWAKE, naming.LeaseState.IDLE) \
+                and sorted(awake) == named:
+            return None
+        return (f"lease {lease.state} names awake {named} (holder {lease.holder or '-'}"
+                f"{'; last error ' + lease.last_error[:120] if lease.last_error else ''}); "
+                f"awake {sorted(awake)}")
+    if lease.state == naming.LeaseState.AWAKE and awake == [lease.holder]:
+        return None
+    if lease.state == naming.LeaseState.IDLE and not awake and not lease.holder:
+        return None
+    return f"lease {lease.state} holder {lease.holder or '-'}; awake {awake}"
+
+
 async def _owner_problem(rig: Rig, node: NodeRig, session: aiohttp.ClientSession) -> str | None:
-    """None when the node's GPU has one owner: the Lease's holder is the only awake engine,
-    or nobody is awake and the Lease says idle."""
+    """:func:`owner_problem` of the node's GPU, as its Lease and its engines say now."""
     try:
         lease = await asyncio.to_thread(read_gpu_lease, rig.api, node.node.name, "gpu-0",
                                         timeout_s=5)
@@ -121,12 +142,8 @@ async def _owner_problem(rig: Rig, node: NodeRig, session: aiohttp.ClientSession
         return f"{node.node.name}: an engine or the Lease cannot be read: {exc!r}"[:300]
     awake = [naming.claim_ref(e.namespace, e.spec.name)
              for e, s in zip(node.engines, states, strict=True) if not s.get("sleeping")]
-    if lease.state == naming.LeaseState.AWAKE and awake == [lease.holder]:
-        return None
-    if lease.state == naming.LeaseState.IDLE and not awake and not lease.holder:
-        return None
-    return (f"{node.node.name}: lease {lease.state} holder {lease.holder or '-'}; "
-            f"awake {awake}")
+    problem = owner_problem(lease, awake, awake_set=rig.options.awake_set)
+    return None if problem is None else f"{node.node.name}: {problem}"
 
 
 async def _settle(rig: Rig, session: aiohttp.ClientSession, deadline_s: float) -> list[str]:
@@ -143,7 +160,7 @@ async def _settle(rig: Rig, session: aiohttp.ClientSession, deadline_s: float) -
 async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
                        options: CampaignOptions) -> Tally:
     rng = random.Random(options.seed)
-    tally = Tally()
+    tally = Tally(mode=options.rig.mode)
     loop = asyncio.get_running_loop()
 
     def on_transition(found: Transition) -> None:
@@ -163,11 +180,13 @@ async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
                 node.monitor = AwakeMonitor(node.node.dirs.inspect_socket, node.engines,
                                             registry=node.node.dirs.procs,
                                             fixture=node.node.fixture_file,
-                                            separate_process=True)
+                                            separate_process=True,
+                                            awake_set=options.rig.awake_set)
                 node.monitor.__enter__()
             observer.start()
-            _say(f"rig up: {len(rig.nodes)} GPUs, {len(rig.engines)} engines, "
-                 f"{len(rig.gateways)} gateways; target {options.switches} switches")
+            _say(f"rig up ({options.rig.mode}): {len(rig.nodes)} GPUs, "
+                 f"{len(rig.engines)} engines, {len(rig.gateways)} gateways; target "
+                 f"{options.switches} switches")
             tally = await _drive(rig, options, rng, tally)
             async with aiohttp.ClientSession() as session:
                 tally.unowned_gpus = await _settle(rig, session, options.settle_s)
@@ -181,14 +200,29 @@ async def run_campaign(cluster: LocalCluster, api: client.ApiClient,
             tally.sample_gaps = summary_ms(gaps) if gaps else {}
             for node in rig.nodes:
                 if node.monitor is not None:
-                    tally.gpu_samples += node.monitor.samples
-                    tally.double_awake += len(node.monitor.violations)
-                    tally.double_awake_samples += [f"{node.node.name} {v}" for v in
-                                                   node.monitor.violations[:5]]
+                    _count_samples(tally, node.node.name, node.monitor)
             if not tally.clean():  # before the logs go: what the unreachable engines say
                 tally.unreachable = await _unreachable(rig)
             await rig.close(options.keep_logs)
     return tally
+
+
+def _count_samples(tally: Tally, node: str, monitor: AwakeMonitor) -> None:
+    """Add what a node's monitor counted (once it stopped) to the tally."""
+    tally.gpu_samples += monitor.samples
+    tally.above_resident.update(monitor.above_resident)
+    if monitor.peak_used_bytes > tally.peak_used_bytes:
+        tally.peak_used_bytes = monitor.peak_used_bytes
+        tally.peak_total_bytes = monitor.peak_total_bytes
+    examples = [f"{node} {v}" for v in monitor.violations[:5]]
+    if tally.mode == AWAKE_SET:
+        tally.over_gpu += len(monitor.violations)
+        tally.over_gpu_samples += examples
+        tally.crowded += len(monitor.crowded)
+        tally.crowded_samples += [f"{node} {c}" for c in monitor.crowded[:5]]
+    else:
+        tally.double_awake += len(monitor.violations)
+        tally.double_awake_samples += examples
 
 
 async def _unreachable(rig: Rig) -> list[dict[str, Any]]:

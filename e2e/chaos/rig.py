@@ -1,7 +1,11 @@
 """What a campaign runs on: the local cluster, GPU nodes (driver and node agent as real
 processes, a fake H200 each, whose memory runs out), engine simulators deployed as pods
 through claims, a lease controller per node reaching the API server through a
-:class:`~e2e.chaos.proxy.FlakyRelay`, and gateways."""
+:class:`~e2e.chaos.proxy.FlakyRelay`, and gateways.
+
+Two modes: one engine awake per GPU (the default), or an awake set
+(:meth:`RigOptions.for_awake_set`: controllers started with ``--awake-set``, three engines
+per GPU whose awake budgets let any two be awake together, never three)."""
 
 from __future__ import annotations
 
@@ -10,12 +14,14 @@ import shutil
 import signal
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from kubernetes import client
 
 from e2e.chaos.proxy import FlakyRelay
+from e2e.chaos.tally import AWAKE_SET, ONE_AWAKE
 from e2e.cluster import LocalCluster, pki
 from e2e.cluster.local import free_port
 from e2e.cluster.processes import ManagedProcess
@@ -54,6 +60,28 @@ class RigOptions:
         '--timeouts={"drain_s": 2, "sleep_s": 10, "wake_s": 10, "probe_s": 5, '
         '"inspect_s": 2, "lease_s": 5}')
     gateway_args: tuple[str, ...] = ("--max-wait-s=45", "--stream-keepalive-s=5")
+    awake_set: bool = False
+    """Start the lease controllers with ``--awake-set``: several engines of a GPU may be
+    awake at once where their awake budgets fit it together."""
+    engine_gpu_limit: str = ""
+    """The GPU size the engine simulators' own capacity check assumes ("": the fake GPU's,
+    so that an allocation that does not fit fails as on a real GPU). Set far above it in
+    awake-set mode: a set the controller overcommits then shows as memory in use over the
+    GPU's total, which the campaign's monitor counts, instead of as a wake that ran out of
+    memory, which it would count only as a failed switch."""
+
+    @classmethod
+    def for_awake_set(cls, **changes: Any) -> RigOptions:
+        """The awake-set mode: three engines per GPU, 60Gi awake each (the slow starter
+        40Gi): any two fit an H200 awake together (with the third at its resident
+        budget), no three do, so every third model asked for displaces one."""
+        return replace(cls(awake_set=True, engines_per_gpu=3, awake="60Gi",
+                           slow_awake="40Gi", engine_gpu_limit="1024Gi"), **changes)
+
+    @property
+    def mode(self) -> str:
+        """:data:`~e2e.chaos.tally.AWAKE_SET` or :data:`~e2e.chaos.tally.ONE_AWAKE`."""
+        return AWAKE_SET if self.awake_set else ONE_AWAKE
 
 
 @dataclass
@@ -68,8 +96,8 @@ class NodeRig:
     def start_controller(self, options: RigOptions, *, identity: str = "controller-0"
                          ) -> ManagedProcess:
         proc = self.node.start_controller(identity=identity, extra=[
-            *options.controller_args, f"--kubeconfig={self.kubeconfig}",
-            f"--listen=127.0.0.1:{free_port()}"])
+            *options.controller_args, *(["--awake-set=true"] if options.awake_set else []),
+            f"--kubeconfig={self.kubeconfig}", f"--listen=127.0.0.1:{free_port()}"])
         self.controllers.append(proc)
         return proc
 
@@ -134,6 +162,8 @@ class Rig:
                 and k == self.options.engines_per_gpu - 1)
         args = (*FAST_ENGINE, f"{SLOW_START}={self.options.slow_start_s}") if slow \
             else FAST_ENGINE
+        if self.options.engine_gpu_limit:
+            args = (*args, f"--gpu-memory-bytes={self.options.engine_gpu_limit}")
         return EngineSpec(f"e{index}-{k}", f"chaos/gpu{index}-m{k}",
                           resident=self.options.resident,
                           awake=self.options.slow_awake if slow else self.options.awake,

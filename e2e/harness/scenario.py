@@ -1,5 +1,6 @@
 """Scenarios shared by the controller tests, the demo and the benchmarks: simulated engines
-deployed as pods with claims, an activation client, and a checker of the one-awake rule."""
+deployed as pods with claims, an activation client, and a checker of the one-awake rule (or,
+for an awake set, of the rule that the GPU's memory is never overcommitted)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from kubernetes import client
@@ -25,7 +26,7 @@ from driver.inspection import process_environment
 from driver.nvml.fake import FakeNvml
 from e2e.harness.objects import claim, create_claim, engine_config, engine_pod
 from e2e.harness.waiting import eventually
-from rota.api.quantity import parse_quantity
+from rota.api.quantity import format_bytes, parse_quantity
 
 PROC = Path("/proc")
 
@@ -158,8 +159,31 @@ async def ask_seven(session: aiohttp.ClientSession, base_url: str, model: str) -
     return (await stream_chat(session, base_url, model)).content
 
 
-GpuView = tuple[str, list[tuple[str, int]]]
-"""One GPU in a sample: its device name, and (claim uid, bytes held) per process."""
+class GpuView(NamedTuple):
+    """One GPU in a sample."""
+
+    device: str
+    total_bytes: int
+    used_bytes: int
+    """What NVML says is in use: every process's memory and what the driver holds itself."""
+    processes: list[tuple[str, int]]
+    """(claim uid, bytes held) per process."""
+
+
+def awake_set_capacity(engines: Sequence[Engine], total_bytes: int) -> int:
+    """The most of ``engines`` (the engines of one GPU) that their budgets let be awake
+    together on a GPU of ``total_bytes``: the awake budgets of those awake and the resident
+    budgets of the rest fit it. Reached by waking those whose awake budget exceeds their
+    resident one the least."""
+    growth = sorted(parse_quantity(e.spec.awake) - e.resident_bytes for e in engines)
+    needed = sum(e.resident_bytes for e in engines)
+    fitting = 0
+    for extra in growth:
+        needed += extra
+        if needed > total_bytes:
+            break
+        fitting += 1
+    return fitting
 
 
 def _registry_reader(registry: Path, fixture: Path) -> Callable[[], list[GpuView]]:
@@ -177,8 +201,9 @@ def _registry_reader(registry: Path, fixture: Path) -> Callable[[], list[GpuView
     def read() -> list[GpuView]:
         views: list[GpuView] = []
         for index, name in enumerate(names):
-            _, processes = backend.memory_and_processes(index)
-            views.append((name, [(claim_of(p.pid), p.used_bytes or 0) for p in processes]))
+            memory, processes = backend.memory_and_processes(index)
+            views.append(GpuView(name, memory.total, memory.used,
+                                 [(claim_of(p.pid), p.used_bytes or 0) for p in processes]))
         return views
 
     return read
@@ -188,6 +213,12 @@ def _registry_reader(registry: Path, fixture: Path) -> Callable[[], list[GpuView
 class AwakeMonitor:
     """Samples the node's GPU in a thread and counts every snapshot in which more than
     one claimant holds more than its resident memory.
+
+    With ``awake_set`` (a controller that may keep several engines awake where their
+    budgets fit) the rule checked is the set's: a violation is a snapshot in which the
+    GPU's memory in use exceeds its total, and a snapshot in which more engines hold more
+    than their resident memory than any set of them fits by their budgets
+    (:func:`awake_set_capacity`) is counted in ``crowded``.
 
     It reads through the driver's inspection API, or, given ``registry`` and ``fixture``,
     the fake GPU's process registry directly (claims told apart by the ``ROTA_CLAIM_UID``
@@ -209,8 +240,21 @@ class AwakeMonitor:
     """Sample in a child process, with its own interpreter and GIL: in the chaos campaign
     the clients, the API relays and the Lease observer share the parent's, and a monitor
     thread among them slowed them down and was slowed down by them."""
+    awake_set: bool = False
+    """Check the awake set's rule (memory in use never over the GPU's total) instead of
+    one awake."""
     samples: int = field(default=0, init=False)
     violations: list[str] = field(default_factory=list, init=False)
+    """Snapshots that broke the rule: two engines above resident (one awake), the GPU's
+    memory over its total (``awake_set``); when, and what each engine held."""
+    crowded: list[str] = field(default_factory=list, init=False)
+    """``awake_set``: snapshots with more engines above resident than their budgets let be
+    awake together."""
+    above_resident: dict[int, int] = field(default_factory=dict, init=False)
+    """Snapshots of a GPU by how many engines held more than their resident memory."""
+    peak_used_bytes: int = field(default=0, init=False)
+    """The most memory in use any snapshot of a GPU showed, and that GPU's total."""
+    peak_total_bytes: int = field(default=0, init=False)
     gaps: array.array[float] = field(default_factory=lambda: array.array("d"), init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _sampled: threading.Condition = field(default_factory=threading.Condition, init=False)
@@ -220,6 +264,8 @@ class AwakeMonitor:
     samples, shared with this process."""
     _pipe: Connection | None = field(default=None, init=False)
     _shared_samples: Any = field(default=None, init=False)
+    _capacity: dict[int, int] = field(default_factory=dict, init=False)
+    """:func:`awake_set_capacity` by the GPU's total."""
 
     def _run(self) -> None:
         asyncio.run(self._loop())
@@ -236,7 +282,8 @@ class AwakeMonitor:
         reader = DeviceReader(self.socket)
 
         async def inspect() -> list[GpuView]:
-            return [(gpu.device, [(p.claim_uid, p.used_bytes) for p in gpu.processes])
+            return [GpuView(gpu.device, gpu.total_bytes, gpu.used_bytes,
+                            [(p.claim_uid, p.used_bytes) for p in gpu.processes])
                     for gpu in (await reader.read()).values()]
 
         try:
@@ -261,17 +308,34 @@ class AwakeMonitor:
                 await asyncio.sleep(0.01)
                 last = None
                 continue
-            for device, processes in gpus:
-                held = {claim: used for claim, used in processes if claim in resident
-                        and used > resident[claim] + self.tolerance_bytes}
-                if len(held) > 1:  # when, and how much each held: to find it in logs
-                    self.violations.append(f"{time.time():.3f} {device}: {held}")
+            for gpu in gpus:
+                self._check(gpu, resident)
             with self._sampled:
                 self.samples += 1
                 self._sampled.notify_all()
             if self._shared_samples is not None:
                 self._shared_samples.value = self.samples
             await asyncio.sleep(max(0.0, due - loop.time()))
+
+    def _check(self, gpu: GpuView, resident: dict[str, int]) -> None:
+        held = {claim: used for claim, used in gpu.processes if claim in resident
+                and used > resident[claim] + self.tolerance_bytes}
+        self.above_resident[len(held)] = self.above_resident.get(len(held), 0) + 1
+        if gpu.used_bytes > self.peak_used_bytes:
+            self.peak_used_bytes, self.peak_total_bytes = gpu.used_bytes, gpu.total_bytes
+        # Each one kept says when, and how much each engine held: to find it in logs.
+        if not self.awake_set:
+            if len(held) > 1:
+                self.violations.append(f"{time.time():.3f} {gpu.device}: {held}")
+            return
+        if gpu.used_bytes > gpu.total_bytes:
+            self.violations.append(
+                f"{time.time():.3f} {gpu.device}: {format_bytes(gpu.used_bytes)} in use of "
+                f"{format_bytes(gpu.total_bytes)}: {dict(gpu.processes)}")
+        if gpu.total_bytes not in self._capacity:
+            self._capacity[gpu.total_bytes] = awake_set_capacity(self.engines, gpu.total_bytes)
+        if len(held) > self._capacity[gpu.total_bytes]:
+            self.crowded.append(f"{time.time():.3f} {gpu.device}: {held}")
 
     def wait_next(self, timeout: float = 10.0) -> None:
         """Block until the monitor has taken a sample that started after this call."""
@@ -304,7 +368,7 @@ class AwakeMonitor:
         self._pipe, child_end = context.Pipe()
         self._shared_samples = context.Value("q", 0, lock=False)
         settings = (self.socket, list(self.engines), self.tolerance_bytes, self.interval_s,
-                    self.registry, self.fixture)
+                    self.registry, self.fixture, self.awake_set)
         self._child = context.Process(target=_sample_in_child, name="awake-monitor",
                                       args=(settings, child_end, self._shared_samples),
                                       daemon=True)
@@ -329,7 +393,8 @@ class AwakeMonitor:
             pipe.send("stop")
             if not pipe.poll(30):
                 raise RuntimeError("the awake monitor's process did not answer its stop")
-            samples, violations, gaps = pipe.recv()
+            (samples, violations, gaps, self.crowded, self.above_resident,
+             self.peak_used_bytes, self.peak_total_bytes) = pipe.recv()
         except (EOFError, BrokenPipeError) as exc:
             raise RuntimeError(f"the awake monitor's process died (exit code "
                                f"{child.exitcode})") from exc
@@ -346,13 +411,16 @@ class AwakeMonitor:
 def _sample_in_child(settings: tuple[Any, ...], pipe: Connection, shared_samples: Any
                      ) -> None:
     """A separate-process monitor's child: sample until the parent says stop (or goes
-    away), then send back the samples' count, the violations and the gaps."""
-    socket, engines, tolerance, interval, registry, fixture = settings
-    monitor = AwakeMonitor(socket, engines, tolerance, interval, registry, fixture)
+    away), then send back the samples' count, the violations, the gaps and the rest it
+    counted."""
+    socket, engines, tolerance, interval, registry, fixture, awake_set = settings
+    monitor = AwakeMonitor(socket, engines, tolerance, interval, registry, fixture,
+                           awake_set=awake_set)
     monitor._shared_samples = shared_samples
     with monitor:
         try:
             pipe.recv()
         except EOFError:
             return
-    pipe.send((monitor.samples, monitor.violations, monitor.gaps.tobytes()))
+    pipe.send((monitor.samples, monitor.violations, monitor.gaps.tobytes(), monitor.crowded,
+               monitor.above_resident, monitor.peak_used_bytes, monitor.peak_total_bytes))
