@@ -1,7 +1,8 @@
 """``kubectl rota``: rota's state where kubectl users look, and a switch on request.
 
 - ``kubectl rota status``: per node and GPU, the awake holder, its model, the fencing
-  number, the Lease's state and last error, and which controller instance holds the node's
+  number, the Lease's state and last error, the engines awake beside the holder (an awake
+  set, on a line of their own), and which controller instance holds the node's
   controller Lease, with its last renewal as the node's clock stamped it (from the GPU
   Leases and the controllers' Leases). It says nothing of whether that controller is
   alive: one read cannot tell (:data:`LIVENESS_NOTE`). With the activation token (the
@@ -237,8 +238,9 @@ def _queue(live: Mapping[str, Any] | None) -> str:
 
 def render_status(rows: Sequence[GpuRow], now: dt.datetime,
                   unread: Mapping[str, str] | None = None) -> str:
-    """A table, one line per GPU, the last error and last switch on indented lines; then,
-    per node in ``unread``, why its controller's live data is missing."""
+    """A table, one line per GPU; the engines awake beside its holder, the last error and
+    the last switch on indented lines; then, per node in ``unread``, why its controller's
+    live data is missing."""
     notes = "".join(f"live data of node {node} not read: {why}\n"
                     for node, why in sorted((unread or {}).items()))
     if not rows:
@@ -256,6 +258,8 @@ def render_status(rows: Sequence[GpuRow], now: dt.datetime,
                       str(lease.fence), acting, _renewal(ctl, now), _age(lease.renewed, now),
                       _queue(row.live)))
         extra = []
+        if lease.companions:
+            extra.append(f"awake with: {_members(lease)}")
         if row.live is not None:
             extra.append(f"last switch: {_last_switch(row.live)}")
         if lease.last_error:
@@ -272,6 +276,12 @@ def render_status(rows: Sequence[GpuRow], now: dt.datetime,
     return "\n".join(out) + "\n" + notes
 
 
+def _members(lease: GpuLease) -> str:
+    """The engines awake beside the holder (:attr:`GpuLease.companions`), in wake order:
+    ``<namespace>/<claim> (<model>)`` each."""
+    return ", ".join(f"{m.claim} ({m.model or '?'})" for m in lease.companions)
+
+
 def _controller_json(ctl: ControllerInfo, now: dt.datetime) -> dict[str, Any]:
     """No ``alive``: one read cannot tell (see :data:`LIVENESS_NOTE`)."""
     renewed = ctl.lease.renew_time
@@ -285,6 +295,8 @@ def status_json(rows: Sequence[GpuRow], now: dt.datetime,
     return [{"node": r.lease.node, "gpu": r.gpu, "state": r.lease.state,
              "holder": r.lease.holder, "model": r.lease.holder_model, "fence": r.lease.fence,
              "target_model": r.lease.target_model, "last_error": r.lease.last_error,
+             "awake_with": [{"claim": m.claim, "uid": m.uid, "model": m.model}
+                            for m in r.lease.companions],
              "gpu_uuid": r.lease.gpu_uuid,
              "controller": None if r.controller is None else _controller_json(r.controller, now),
              "last_switch": (r.live or {}).get("last_switch"),
@@ -664,7 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", parents=[common], help="GPU -> holder, fence, state, "
                                                              "last switch, per node.",
                             description="Per node and GPU: the awake holder, its model, the "
-                            "fencing number, the Lease's state and last error, the controller "
+                            "fencing number, the Lease's state and last error, the engines "
+                            "awake beside the holder (an awake set), the controller "
                             "instance that holds the node's controller Lease and its last "
                             "renewal. " + LIVENESS_NOTE)
     status.add_argument("--node", default=None, help="Only this node's GPUs.")

@@ -14,9 +14,10 @@
    reason; a controller that cannot be reached is lost: the request waits for its Lease
    to change (a gone pod's Lease, taken over by the next controller).
 3. Forward (:mod:`~controller.gateway.proxy`), while watching the Lease. If, before the
-   engine's first byte, the GPU's Lease settles with another holder (the engine was put to
-   sleep, and holds the request), or the engine refused with 503 or could not be reached,
-   the request goes back to step 2, which may trigger the next activation. Attempts are
+   engine's first byte, the GPU's Lease settles without naming the engine awake (another
+   holder, or an awake set without it: the engine was put to sleep, and holds the
+   request), or the engine refused with 503 or could not be reached, the request goes
+   back to step 2, which may trigger the next activation. Attempts are
    bounded, and so is every wait, by one deadline per request.
 
 A streamed request that waits gets its answer started early and kept alive with SSE
@@ -29,11 +30,12 @@ engine passed on, even a defect of the gateway's — is its last events, an erro
 Frozen answers: an engine whose claim keeps its requests across a sleep (the switch
 freezes them while another model holds the GPU) leaves a started answer silent for
 seconds. Such an answer is watched through this gateway's view of the GPU Lease
-(:class:`_EngineWatch`: frozen while the Lease, past the fence it was sent under, names
-another holder or none; ended at once when the engine's claim or pod goes, or its pod is
-deleted while frozen) and paced by :class:`~controller.gateway.proxy.Pacing`: heartbeats,
-the ``X-Rota-Progress: 1`` comment when a freeze begins, and a read timeout that a freeze
-never runs out (:meth:`Dispatcher.silence_s`).
+(:class:`_EngineWatch`: frozen while the Lease, past the fence it was sent under, has
+settled without naming the engine in its awake set; ended at once when the engine's claim
+or pod goes, or its pod is deleted while frozen) and paced by
+:class:`~controller.gateway.proxy.Pacing`: heartbeats, the ``X-Rota-Progress: 1`` comment
+when a freeze begins, and a read timeout that a freeze never runs out
+(:meth:`Dispatcher.silence_s`).
 
 Honest waiting: a request held for a switch carries, in its answer's headers, what the
 node's lease controller expected of that switch when the gateway asked (its place in the
@@ -463,8 +465,8 @@ class _EngineWatch:
 
     def view(self) -> proxy.EngineView:
         """Gone when the claim or the pod the answer was sent to is; frozen while the GPU
-        Lease, past the answer's fence, has settled with another holder or none (the
-        engine was put to sleep with the answer kept), and gone then too when the pod is
+        Lease, past the answer's fence, has settled without naming the engine in its awake
+        set (the engine was put to sleep with the answer kept), and gone then too when the pod is
         being deleted (it will not be woken again)."""
         claimant = _claimant_of(self._state, self._decision)
         if claimant is None:

@@ -11,9 +11,10 @@ Until then the request may still be routed again, and :class:`Refused` says why:
 - the engine could not be reached, or dropped the connection before answering
   (``unreachable``);
 - it answered 503 (``http_503``: an engine that refuses while asleep);
-- ``lost`` returned first (``lost_gpu``): the GPU's Lease settled with another holder, so
-  the engine was put to sleep, and an engine that is asleep **holds** requests (vLLM sends
-  200 headers and then nothing until woken). The engine connection is dropped, which is how
+- ``lost`` returned first (``lost_gpu``): the GPU's Lease settled without naming the
+  engine awake (another holder, or an awake set without it), so the engine was put to
+  sleep, and an engine that is asleep **holds** requests (vLLM sends 200 headers and then
+  nothing until woken). The engine connection is dropped, which is how
   vLLM learns to abort a request.
 
 An engine that took the request and then stays silent longer than the read timeout is not
@@ -37,8 +38,8 @@ that the answer stays open and well-formed through that:
 - While the engine sends nothing, a **heartbeat** (``: rota heartbeat``, an SSE comment,
   skipped by every SSE client) every ``heartbeat_s``, so that proxies and load balancers
   with idle timeouts keep the connection.
-- When the GPU Lease shows the engine put to sleep while the answer is open (its holder
-  changed away from the answer's claim), the answer is **frozen** until the engine's next
+- When the GPU Lease shows the engine put to sleep while the answer is open (its awake
+  set no longer names the answer's claim), the answer is **frozen** until the engine's next
   bytes; a client that asked (``X-Rota-Progress: 1``) is told with a comment
   ``: rota paused model=<m> for=<other model> expected_s=<x>``.
 - The engine's **silence** is bounded by the read timeout the dispatcher gives (the

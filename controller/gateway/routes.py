@@ -275,6 +275,8 @@ def _model_object(info: ModelInfo, activator: Activator) -> dict[str, Any]:
     expected = 0.0 if info.state == "awake" else activator.expected_wake_s(info.model)
     rota: dict[str, Any] = {"state": info.state, "gpus": list(info.gpus),
                             "nodes": sorted({gpu.partition("/")[0] for gpu in info.gpus}),
+                            "awake_on": list(info.awake_on),
+                            "awake_with": list(info.awake_with),
                             "expected_wake_s": expected}
     if info.last_error:
         rota["last_error"] = info.last_error
@@ -292,6 +294,9 @@ async def list_models(request: web.Request) -> web.Response:
       ``switching`` (a switch to or from it runs), ``failed`` (its last switch failed);
     - ``gpus``: ``<node>/<gpu>`` of every GPU where one of its engines runs; ``nodes``: those
       nodes;
+    - ``awake_on``: the GPUs where an engine of it is awake now (empty unless ``awake``);
+      ``awake_with``: the other models awake on those GPUs, the rest of their awake sets
+      (empty where one engine is awake per GPU, rota's default);
     - ``expected_wake_s``: seconds a request should expect to wait for it to be switched in,
       from the switch costs its node's controller measured (0 when awake; null when no
       controller has said yet);

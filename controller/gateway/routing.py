@@ -11,7 +11,10 @@ by the request path. What each kind of object may decide:
 - GPU Leases (:class:`rota.api.gpu_lease.GpuLease`, one per physical GPU, named after
   ``(node, Claimant.gpu)`` so the shares of one GPU meet in one Lease) say **who** holds
   each GPU — the holder's claim ref and uid under a fencing number — and whether a switch
-  is under way. Never where to send traffic.
+  is under way; where the admin allows an awake set, also the engines awake beside the
+  holder (ref and uid each, :attr:`~rota.api.gpu_lease.GpuLease.companions`), which are
+  routed to like the holder, and still while a switch on their GPU runs (it does not
+  touch them). Never where to send traffic.
 - Controller Leases say which node controllers are alive and where their activation API
   listens. Alive means: this gateway saw the Lease's record change within the Lease's
   duration, on the gateway's own monotonic clock
@@ -98,7 +101,8 @@ Clock = Callable[[], float]
 """The gateway's monotonic clock (seconds), by which controller Leases are judged."""
 
 _TERMINAL = frozenset({naming.STATE_AWAKE, naming.STATE_IDLE, naming.STATE_FAILED})
-"""Lease states in which no switch runs: the holder (if any) is the one awake engine."""
+"""Lease states in which no switch runs: the holder (if any) is awake, beside the Lease's
+companions (an awake set)."""
 
 
 class Action(StrEnum):
@@ -145,6 +149,12 @@ class ModelInfo:
     """``<node>/<gpu>`` of every GPU where a claimant serves it."""
     last_error: str | None = None
     """The reason of the last failed switch (``gpu_oom``), never its message."""
+    awake_on: tuple[str, ...] = ()
+    """``<node>/<gpu>`` of every GPU where an engine of it is awake now (requests for it
+    are sent there), every GPU of a tensor-parallel one."""
+    awake_with: tuple[str, ...] = ()
+    """The other models awake on those GPUs now: the rest of their awake sets (none where
+    one engine is awake per GPU)."""
 
 
 # Which GPU to wake a sleeping model on when it has claimants on several: one nobody
@@ -183,6 +193,20 @@ def _holds(lease: GpuLease, claimant: Claimant) -> bool:
     """``lease`` names ``claimant`` (ref and uid: not a namesake created again) as holder."""
     return (lease.holder == claimant.ref and bool(lease.holder_claim_uid)
             and lease.holder_claim_uid == claimant.claim_uid)
+
+
+def _beside(lease: GpuLease, claimant: Claimant) -> bool:
+    """``lease`` names ``claimant`` (ref and uid) among the engines awake beside its holder
+    (:attr:`GpuLease.companions`): awake whatever the Lease's state."""
+    return bool(claimant.claim_uid) and any(
+        m.claim == claimant.ref and m.uid == claimant.claim_uid for m in lease.companions)
+
+
+def _names_awake(lease: GpuLease, claimant: Claimant) -> bool:
+    """``lease`` names ``claimant`` in its awake set: the holder of an ``awake`` Lease, or
+    an engine awake beside the holder (in any state)."""
+    return (lease.state == naming.STATE_AWAKE and _holds(lease, claimant)) or _beside(
+        lease, claimant)
 
 
 class RoutingState:
@@ -676,11 +700,13 @@ class RoutingState:
 
     def _awake(self, claimant: Claimant, now: float) -> GpuLease | None:
         """The Lease under which ``claimant`` may get traffic now, if it may: the Lease of
-        its first GPU, and only while the Lease of every GPU it holds names it awake (a
-        tensor-parallel engine is awake only as the holder of all of them)."""
+        its first GPU, and only while the Lease of every GPU it holds names it in its awake
+        set (:func:`_names_awake`: the holder of an ``awake`` Lease, or an engine awake
+        beside it, whatever the Lease's state; a tensor-parallel engine is awake only
+        where all of them name it)."""
         for gpu in claimant.gpus:
             held = self._gpus.get(naming.gpu_lease_name(claimant.node, gpu))
-            if held is None or held.state != naming.STATE_AWAKE or not _holds(held, claimant):
+            if held is None or not _names_awake(held, claimant):
                 return None
         if not claimant.serving or not self._alive(claimant, now):
             return None
@@ -757,13 +783,16 @@ class RoutingState:
                         key_secret=secret_ref(claimant.config))
 
     def still_holds(self, decision: Decision) -> bool:
-        """Does the claimant of a FORWARD ``decision`` still hold its GPU under the same
-        fence, as far as this gateway sees now? (Checked at forward time.)"""
+        """Is the claimant of a FORWARD ``decision`` still awake on its GPU under the same
+        fence, as far as this gateway sees now? (Checked at forward time.) An engine awake
+        beside the holder still is under a later fence: every switch on its GPU raises the
+        fence, and one that leaves it awake names it again."""
         claimant = self._by_uid.get(decision.claim_uid or "")
         if claimant is None:
             return False
         lease = self._awake(claimant, self._clock())
-        return lease is not None and lease.fence == decision.fence
+        return lease is not None and (lease.fence == decision.fence
+                                      or _beside(lease, claimant))
 
     def fence_of(self, claim: str) -> int | None:
         """The fencing number of the GPU Lease of the claimant ``<namespace>/<name>``."""
@@ -776,16 +805,19 @@ class RoutingState:
     def lost(self, decision: Decision) -> str | None:
         """Why a request forwarded under ``decision`` can no longer be served by its engine
         (None while it may): the GPU's Lease moved past the fence it was sent under and
-        settled with another holder, or none, so the engine has been put to sleep (an
-        engine that is asleep holds requests until it is woken; it does not refuse them)."""
+        settled (no switch runs) without naming the engine in its awake set, so the engine
+        has been put to sleep (an engine that is asleep holds requests until it is woken;
+        it does not refuse them). A switch that leaves the engine awake beside another
+        (an awake set) does not."""
         claimant = self._by_uid.get(decision.claim_uid or "")
         if claimant is None:
             return "claim_gone"
         lease = self.lease_of(claimant)
         if lease is None or decision.fence is None or lease.fence <= decision.fence:
             return None
-        if lease.state in _TERMINAL and not (lease.state != naming.STATE_IDLE
-                                             and _holds(lease, claimant)):
+        if lease.state in _TERMINAL and not ((lease.state != naming.STATE_IDLE
+                                              and _holds(lease, claimant))
+                                             or _beside(lease, claimant)):
             return "put_to_sleep"
         return None
 
@@ -800,15 +832,25 @@ class RoutingState:
             await self._model_changed.setdefault(decision.model, asyncio.Event()).wait()
 
     def model_infos(self) -> list[ModelInfo]:
-        """Every known model with its state, for ``/v1/models``."""
+        """Every known model with its state, for ``/v1/models``: where it is awake, and
+        which models are awake beside it there (an awake set), by the rule requests are
+        routed by."""
         now = self._clock()
+        awake_on: dict[str, tuple[str, ...]] = {}
+        on_gpu: dict[str, set[str]] = {}
+        for model in self._by_model:
+            serving = {f"{c.node}/{gpu}" for c in self._of_model(model)
+                       if self._awake(c, now) for gpu in c.gpus}
+            awake_on[model] = tuple(sorted(serving))
+            for gpu in serving:
+                on_gpu.setdefault(gpu, set()).add(model)
         infos = []
         for model in sorted(self._by_model):
             claimants = self._of_model(model)
             gpus = tuple(sorted({f"{c.node}/{c.gpu}" for c in claimants}))
             state: ModelState = "asleep"
             last_error = None
-            if any(self._awake(c, now) for c in claimants):
+            if awake_on[model]:
                 state = "awake"
             elif any((lease := self.lease_of(c)) is not None
                      and lease.state == naming.STATE_STARTING and lease.target_model == model
@@ -824,7 +866,9 @@ class RoutingState:
                         state = "failed"
                         last_error = lease.last_error.partition(":")[0].strip() or None
                         break
-            infos.append(ModelInfo(model, state, gpus, last_error))
+            beside = {m for gpu in awake_on[model] for m in on_gpu[gpu]} - {model}
+            infos.append(ModelInfo(model, state, gpus, last_error,
+                                   awake_on=awake_on[model], awake_with=tuple(sorted(beside))))
         return infos
 
 

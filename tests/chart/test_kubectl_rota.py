@@ -21,6 +21,7 @@ from controller.kubectl_rota import (
     main,
     render_status,
     render_switch,
+    status_json,
     status_rows,
 )
 from e2e.cluster import LocalCluster
@@ -31,7 +32,7 @@ from e2e.harness.waiting import eventually
 from rota.api import naming
 from rota.api.activation import TOKEN_HEADER, ActivateAnswer
 from rota.api.controller_lease import ControllerLease
-from rota.api.gpu_lease import GpuLease, lease_body
+from rota.api.gpu_lease import AwakeMember, GpuLease, lease_body
 from tests.chart.activation_simulator import ActivationApiSimulator, proxyable_address, serving
 from tests.engines_on_cluster import MODEL_A, MODEL_B
 
@@ -100,6 +101,40 @@ def test_status_rows_and_table() -> None:
     assert "One read cannot tell whether a controller is alive" in " ".join(lines)
     assert [r.gpu for r in status_rows(_leases("x", NOW), node="gpu-node-2")] == ["gpu-0"]
     assert "No GPU Leases" in render_status([], NOW)
+
+
+def test_status_shows_every_member_of_an_awake_set() -> None:
+    """The holder in its columns, the engines beside it on a line of their own (also during
+    a switch, which they stay awake through), every member in ``-o json``; a one-awake
+    GPU's lines are as they were."""
+    beside = (AwakeMember("prod/embed", "uid-embed", "org/embed"),
+              AwakeMember("prod/rerank", "uid-rerank", "org/rerank"))
+    leases = [
+        _gpu("x", "gpu-node-1", "gpu-0", holder="prod/chat", fence=7,
+             holder_claim_uid="uid-chat", state=naming.STATE_AWAKE,
+             holder_model="org/chat", companions=beside),
+        _gpu("x", "gpu-node-1", "gpu-1", holder="prod/code", fence=4,
+             holder_claim_uid="uid-code", state=naming.STATE_SWITCHING,
+             holder_model="org/code", draining_model="org/code",
+             target_model="org/chat-small", companions=beside[:1]),
+        _gpu("x", "gpu-node-1", "gpu-2", holder="prod/solo", fence=2,
+             holder_claim_uid="uid-solo", state=naming.STATE_AWAKE, holder_model="org/solo"),
+    ]
+    rows = status_rows(leases)
+    lines = render_status(rows, NOW).splitlines()
+    assert lines[1].split()[:6] == ["gpu-node-1", "gpu-0", "awake", "prod/chat", "org/chat",
+                                    "7"]
+    assert lines[2].strip() == "awake with: prod/embed (org/embed), prod/rerank (org/rerank)"
+    assert lines[3].split()[:4] == ["gpu-node-1", "gpu-1", "switching", "prod/code"]
+    assert lines[4].strip() == "awake with: prod/embed (org/embed)"
+    assert lines[5].split()[:4] == ["gpu-node-1", "gpu-2", "awake", "prod/solo"]
+    assert not any("awake with" in line for line in lines[6:]), "one awake: no such line"
+    shown = {r["gpu"]: r for r in status_json(rows, NOW)}
+    assert [m["claim"] for m in shown["gpu-0"]["awake_with"]] == ["prod/embed", "prod/rerank"]
+    assert shown["gpu-0"]["awake_with"][0] == {"claim": "prod/embed", "uid": "uid-embed",
+                                               "model": "org/embed"}
+    assert shown["gpu-2"]["awake_with"] == []
+    assert shown["gpu-2"]["holder"] == "prod/solo"
 
 
 def test_activation_answers_are_read_through_the_contract() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,15 +81,21 @@ def gpu_lease(*, holder: str | None, state: str, model: str | None = None,
               endpoint: str | None = None, target: str | None = None,
               draining: str | None = None, last_error: str | None = None,
               fence: int = 0, node: str = NODE, device: str = DEVICE,
-              holder_uid: str | None = None) -> dict[str, Any]:
+              holder_uid: str | None = None,
+              awake_with: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
     """A GPU Lease as the lease controller writes it. ``holder_uid`` defaults to the uid
     :func:`claim_obj` gives the holder's claim; ``endpoint`` is the deprecated
-    ``holder-endpoint`` annotation, which the gateway must never route by."""
+    ``holder-endpoint`` annotation, which the gateway must never route by;
+    ``awake_with``: ``(claim ref, model)`` of each engine awake beside the holder (an
+    awake set), with the uid :func:`claim_obj` gives its claim."""
     if holder and holder_uid is None:
         holder_uid = f"uid-{holder.partition('/')[2]}"
+    members = json.dumps([{"claim": ref, "uid": f"uid-{ref.partition('/')[2]}", "model": m}
+                          for ref, m in awake_with]) if awake_with else None
     notes = {naming.STATE: state, naming.HOLDER_MODEL: model, naming.HOLDER_ENDPOINT: endpoint,
              naming.HOLDER_CLAIM_UID: holder_uid, naming.TARGET_MODEL: target,
-             naming.DRAINING_MODEL: draining, naming.LAST_ERROR: last_error}
+             naming.DRAINING_MODEL: draining, naming.LAST_ERROR: last_error,
+             naming.AWAKE_WITH: members}
     return {
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": {"name": naming.gpu_lease_name(node, device), "namespace": "rota-system",

@@ -128,6 +128,7 @@ async def test_models_say_state_place_and_expected_wake(make_rig: RigFactory) ->
     body = await (await rig.gateway.get("/v1/models")).json()
     rota = {m["id"]: m["rota"] for m in body["data"]}
     assert rota[MODEL_A] == {"state": "awake", "gpus": [f"{NODE}/{DEVICE}"], "nodes": [NODE],
+                             "awake_on": [f"{NODE}/{DEVICE}"], "awake_with": [],
                              "expected_wake_s": 0.0}
     assert rota[MODEL_B]["state"] == "asleep"
     assert rota[MODEL_B]["expected_wake_s"] is None, "no controller has said yet"

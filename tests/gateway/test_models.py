@@ -42,9 +42,29 @@ async def test_models_list_every_model_with_its_state(make_rig: RigFactory) -> N
     one = await (await rig.gateway.get(f"/v1/models/{MODEL_B}")).json()
     # The reason only: the message names other tenants' claims.
     assert one["rota"] == {"state": "failed", "gpus": ["node-1/gpu-0"], "nodes": ["node-1"],
-                           "expected_wake_s": None, "last_error": "gpu_oom"}
+                           "awake_on": [], "awake_with": [], "expected_wake_s": None,
+                           "last_error": "gpu_oom"}
     missing = await rig.gateway.get("/v1/models/none/such")
     assert missing.status == 404
+
+
+async def test_models_show_the_awake_set(make_rig: RigFactory) -> None:
+    """Both engines awake on one GPU (B beside the holder A): each is ``awake`` there, with
+    the other beside it; requests for either are served without asking the controller."""
+    rig = await make_rig()
+    async with rig.b.client.post("/wake_up") as resp:
+        assert resp.status == 200
+    rig.apply("lease", "MODIFIED", rig.controller.lease_now(
+        awake_with=[(rig.b.claim, MODEL_B)]))
+    body = await (await rig.gateway.get("/v1/models")).json()
+    rota = {m["id"]: m["rota"] for m in body["data"]}
+    assert {m: (r["state"], r["awake_on"], r["awake_with"]) for m, r in rota.items()} == {
+        MODEL_A: ("awake", ["node-1/gpu-0"], [MODEL_B]),
+        MODEL_B: ("awake", ["node-1/gpu-0"], [MODEL_A])}
+    assert rota[MODEL_B]["expected_wake_s"] == 0.0
+    assert await rig.answer(MODEL_B)
+    assert await rig.answer(MODEL_A)
+    assert rig.controller.calls == 0, "no activation for an engine already awake"
 
 
 class _NeverSyncs:
