@@ -4,7 +4,7 @@ on the claims and pods."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from controller.claimants import Claimant
 from controller.lease.switch import SwitchResult
@@ -25,7 +25,9 @@ class Outcomes:
         self.on_gpu = on_gpu
 
     def switched(self, result: SwitchResult, holder: Claimant | None, target: Claimant,
-                 *, start: bool = False) -> None:
+                 *, start: bool = False, also_slept: Sequence[Claimant] = ()) -> None:
+        """``also_slept``: the further members of an awake set the switch put to sleep
+        (beside ``holder``)."""
         state = self.state
         state.lease = result.lease
         state.last_switch = {
@@ -38,6 +40,8 @@ class Outcomes:
             state.found_unsettled(result.unsettled)
         if self.visibility is not None:
             self.visibility.switched(result, holder, target, start=start, rule=state.rule)
+            if also_slept:
+                self.visibility.displaced(result, also_slept, target, rule=state.rule)
             self.visibility.settled(self.on_gpu(), result.lease,
                                     unknown=state.unsettled.keys())
         state.rule = ""

@@ -195,6 +195,7 @@ class StartGate:
         state.switching, state.switching_to = True, uid
         if worker.visibility is not None:
             worker.visibility.switching(holder, newcomer, starting=True)
+            worker.visibility.displacing(also)
         result: SwitchResult | None = None
         try:
             result = await worker.starter.start(
@@ -203,7 +204,7 @@ class StartGate:
         finally:
             state.switching = False
             self.ended(uid, ticket, refused=result is None)
-        worker.outcomes.switched(result, holder, newcomer, start=True)
+        worker.outcomes.switched(result, holder, newcomer, start=True, also_slept=also)
         self.done(newcomer, ok=result.ok, reason=result.reason,
                   came_up="start" in result.timings)
 

@@ -308,6 +308,7 @@ class TurnLoop:
         state.switching, state.switching_to = True, target.claim_uid
         if worker.visibility is not None:
             worker.visibility.switching(turn.awake_holder, target)
+            worker.visibility.displacing(turn.also_sleep)
         result: SwitchResult | None = None
         try:
             # preemptive only where the policy decided so (a holder that keeps requests;
@@ -330,7 +331,7 @@ class TurnLoop:
             state.switching = False
             if result is None:  # fenced, failed or cancelled: reconcile, then again
                 self.fenced_off(turn.waiting, target, turn.lease.fence)
-        worker.outcomes.switched(result, turn.holder, target)
+        worker.outcomes.switched(result, turn.holder, target, also_slept=turn.also_sleep)
         self.queue.resolve(turn.waiting, Activation(
             result.ok, target, switched=result.ok, fence=result.lease.fence,
             reason=result.reason, message=result.message, timings=result.timings))
