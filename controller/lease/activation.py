@@ -140,6 +140,7 @@ def state_of(node: NodeController) -> StateAnswer:
         leader=node.election.is_leader(),
         leases={device: LeaseState(
                     holder=w.lease.holder, state=w.lease.state, fence=w.lease.fence,
+                    awake_with=[m.claim for m in w.lease.companions],
                     last_error=w.lease.last_error,
                     last_switch=LastSwitch.model_validate(w.last_switch)
                     if w.last_switch else None)

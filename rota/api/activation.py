@@ -247,6 +247,10 @@ class LeaseState(BaseModel):
     holder: str
     state: str
     fence: int
+    awake_with: list[str] = Field(default_factory=list)
+    """An awake set: the claims (``<namespace>/<name>``) awake beside the holder, in wake
+    order (absent from the JSON with one awake, and from a controller of an earlier
+    release)."""
     last_error: str = ""
     last_switch: LastSwitch | None = None
     """None (``{}`` in JSON): no switch of this GPU since this instance started."""
@@ -259,6 +263,13 @@ class LeaseState(BaseModel):
     @field_serializer("last_switch")
     def _none_is_empty(self, value: LastSwitch | None) -> dict[str, Any]:
         return {} if value is None else value.model_dump(by_alias=True)
+
+    @model_serializer(mode="wrap")
+    def _without_an_empty_set(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = dump(self)
+        if not out.get("awake_with"):
+            out.pop("awake_with", None)  # one awake: the answer reads as it always did
+        return out
 
 
 class ClaimantState(BaseModel):

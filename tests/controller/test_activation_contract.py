@@ -213,3 +213,14 @@ async def test_a_gang_switch_in_the_state(api: TestClient[Any, Any], node: Routi
     switch = StateAnswer.model_validate(raw).leases["gpu-0"].last_switch
     assert switch is not None
     assert (switch.from_, switch.gang) == (["ns/x", "ns/y"], ["gpu-0", "gpu-1"])
+
+
+def test_a_state_with_an_awake_set_names_the_engines_beside_the_holder() -> None:
+    raw = {"node": "n", "identity": "i", "leader": True,
+           "leases": {"gpu-0": {"holder": "ns/b", "state": "awake", "fence": 3,
+                                "awake_with": ["ns/a"], "last_error": "",
+                                "last_switch": {}}},
+           "claimants": []}
+    state = StateAnswer.model_validate(raw)
+    assert state.leases["gpu-0"].awake_with == ["ns/a"]
+    assert state.model_dump(mode="json") == raw
