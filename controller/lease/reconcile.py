@@ -1,4 +1,5 @@
-"""Reconciliation of one GPU: before anything else, at most one engine awake.
+"""Reconciliation of one GPU: before anything else, at most one engine awake (in an awake
+set, only the engines the Lease names, as far as their budgets fit).
 
 A controller that starts, takes over a node, finds a holder's pod gone, or sees a
 claimant change does not trust the Lease alone: it asks every claimant on the GPU whether

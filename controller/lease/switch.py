@@ -43,6 +43,13 @@ fails takes the paths every failed sleep takes: known, the old holder is restore
 unknown, it is unsettled. A holder that cannot keep (a gang, level 2, vLLM-Omni, an engine
 without the calls) is drained as before.
 
+**An awake set** (``--awake-set``, :mod:`controller.lease.awake_set`): the members that
+stay awake beside the target (``stay``) are named in the Lease from the write that opens
+the switch, and every GPU read measures them against their awake budgets instead of their
+resident footprints; the holder put to sleep is the member the newcomer displaces (none:
+it fits beside them all), further displaced members are drained and put to sleep first
+(``also_sleep``). Whatever the outcome, the members that stay are still named.
+
 Pure protocol over injected ports (:class:`Ports`), so it is tested without Kubernetes.
 """
 
