@@ -51,7 +51,7 @@ class _Switcher:
         self.switches: list[tuple[str | None, str]] = []
 
     async def switch(self, lease: GpuLease, *, holder: Claimant | None, target: Claimant,
-                     claimants: Any) -> SwitchResult:
+                     claimants: Any, **_: Any) -> SwitchResult:
         self.switches.append((holder.ref if holder else None, target.ref))
         self.port.lease = Switcher.serving(lease.with_(fence=lease.fence + 1), target)
         return SwitchResult(True, self.port.lease, timings={

@@ -33,7 +33,7 @@ class _FakeSwitcher:
         self.ports = SimpleNamespace(freezes=Freezes())
 
     async def switch(self, lease: GpuLease, *, holder: Claimant | None, target: Claimant,
-                     claimants: Any, preempt: bool = False) -> SwitchResult:
+                     claimants: Any, preempt: bool = False, **_: Any) -> SwitchResult:
         self.preempts.append(preempt)
         self.port.lease = Switcher.serving(lease.with_(fence=lease.fence + 1), target)
         freezes: Freezes = self.ports.freezes

@@ -28,7 +28,7 @@ class _FakeSwitcher:
         self.seen: list[tuple[str | None, str, bool, str]] = []
 
     async def switch(self, lease: GpuLease, *, holder: Claimant | None, target: Claimant,
-                     claimants: Any) -> SwitchResult:
+                     claimants: Any, **_: Any) -> SwitchResult:
         assert self.worker is not None
         state = self.worker.state
         self.seen.append((holder.ref if holder else None, target.ref, state.switching,

@@ -314,18 +314,9 @@ class TurnLoop:
             # preemptive only where the policy decided so (a holder that keeps requests;
             # in an awake set, the policy weighed the member put to sleep: _displaced)
             preempt = bool(turn.decision and turn.decision.preempt)
-            if turn.in_set:
-                result = await worker.switcher.switch(
-                    turn.lease, holder=turn.awake_holder, target=target,
-                    claimants=turn.on_gpu, preempt=preempt, stay=turn.stay,
-                    also_sleep=turn.also_sleep)
-            elif preempt:
-                result = await worker.switcher.switch(turn.lease, holder=turn.awake_holder,
-                                                      target=target, claimants=turn.on_gpu,
-                                                      preempt=True)
-            else:
-                result = await worker.switcher.switch(turn.lease, holder=turn.awake_holder,
-                                                      target=target, claimants=turn.on_gpu)
+            result = await worker.switcher.switch(
+                turn.lease, holder=turn.awake_holder, target=target, claimants=turn.on_gpu,
+                preempt=preempt, stay=turn.stay, also_sleep=turn.also_sleep)
             worker.work.measured(result, turn.awake_holder, target)
         finally:
             state.switching = False
