@@ -248,10 +248,11 @@ def _watched(engine: Engine, watch: OneAwakeWatch) -> None:
 async def gang_node(factory: SimFactory, session: aiohttp.ClientSession,
                     specs: Sequence[tuple[str, Sequence[str], int]], *, gpus: int,
                     awake: Sequence[str] = (), timeouts: StepTimeouts | None = None,
-                    observer: SwitchObserver | None = None) -> GangNode:
+                    observer: SwitchObserver | None = None,
+                    awake_set: bool = False) -> GangNode:
     """Simulators for ``specs`` (name, GPUs, awake GiB across all its GPUs; each starts
     asleep unless named in ``awake``, whose Leases then name it), and the node's workers,
-    opened and running."""
+    opened and running (``awake_set``: with the controller's ``--awake-set``)."""
     engines: list[Engine] = []
     for name, on, gib in specs:
         sim = await factory(model=f"m-{name}", awake_memory_bytes=gib * GIB,
@@ -261,7 +262,8 @@ async def gang_node(factory: SimFactory, session: aiohttp.ClientSession,
     names = tuple(f"gpu-{i}" for i in range(gpus))
     leases = {g: MemoryLeasePort(GpuLease(name=naming.gpu_lease_name(NODE, g), node=NODE,
                                           device=g)) for g in names}
-    node = node_of(engines, session, leases, timeouts=timeouts, observer=observer)
+    node = node_of(engines, session, leases, timeouts=timeouts, observer=observer,
+                   awake_set=awake_set)
     for engine in engines:  # simulators start awake, as vLLM does
         if engine.claimant.claim_name not in awake:
             await node.adapter(engine.claimant).sleep(1)
@@ -285,7 +287,7 @@ def _domain(joined: dict[str, tuple[str, ...]], gpu: str) -> tuple[str, ...]:
 
 def node_of(engines: list[Engine], session: aiohttp.ClientSession,
             leases: dict[str, MemoryLeasePort], *, timeouts: StepTimeouts | None = None,
-            observer: SwitchObserver | None = None) -> GangNode:
+            observer: SwitchObserver | None = None, awake_set: bool = False) -> GangNode:
     """A controller instance's workers for ``engines`` on ``leases`` (not yet running);
     ``observer`` is told of every switch's measurements (default: the Prometheus series)."""
     names = tuple(leases)
@@ -314,7 +316,7 @@ def node_of(engines: list[Engine], session: aiohttp.ClientSession,
         workers[gpu] = GpuWorker(
             gpu=gpu, lease_port=leases[gpu], switcher=switcher,  # type: ignore[arg-type]
             claimants=lambda: [e.claimant for e in engines], engine=adapter,
-            policy=Policy(resync_s=3600.0, tolerance_bytes=TOLERANCE),
+            policy=Policy(resync_s=3600.0, tolerance_bytes=TOLERANCE, awake_set=awake_set),
             clock=asyncio.get_running_loop().time, identity="controller-a",
             starter=StartSwitch(switcher, limits=StartLimits(start_s=10.0, grant_s=5.0),
                                 claimant_of=lambda uid: by_uid[uid].claimant
