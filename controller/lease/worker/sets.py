@@ -55,6 +55,15 @@ class AwakeSets:
             self._total_bytes = snapshot.total_bytes
         return self._total_bytes
 
+    async def fits_beside(self, target: Claimant, lease: GpuLease,
+                          on_gpu: Sequence[Claimant]) -> bool:
+        """Whether ``target`` fits awake beside every member (budgets only: no engine is
+        read, so the turn loop may ask for every queued claim on each look)."""
+        members = [c for c in self.members(lease, on_gpu) if c.claim_uid != target.claim_uid]
+        return room(self.worker.gpu, await self.total_bytes(), awake=[*members, target],
+                    claimants=on_gpu,
+                    reserve_bytes=self.worker.switcher.limits.unknown_limit_bytes).fits
+
     async def plan(self, target: Claimant, lease: GpuLease, on_gpu: Sequence[Claimant]
                    ) -> Displacement:
         """Whom a wake of ``target`` puts to sleep: the fewest members by

@@ -121,8 +121,8 @@ class TurnLoop:
         serving = {c.claim_uid: c for c in on_gpu if c.serving}
         for uid in self.queue.entries:
             claimant = serving.get(uid)
-            if claimant is not None and not (
-                    await self.worker.sets.plan(claimant, lease, on_gpu)).sleep:
+            if claimant is not None and await self.worker.sets.fits_beside(claimant, lease,
+                                                                            on_gpu):
                 return uid
         return None
 
