@@ -33,6 +33,30 @@ async def _three(factory: EngineSimFactory, session: aiohttp.ClientSession) -> G
                            awake_set=True)
 
 
+async def _a_and_b_then_gone(factory: EngineSimFactory, session: aiohttp.ClientSession
+                             ) -> GangNode:
+    """A and B asked in turn (both awake, the Lease names both), then the controller's
+    workers stopped, as a crashed instance's."""
+    node = await _three(factory, session)
+    a, b, _ = node.engines
+    try:
+        assert (await node.activate(a)).ok
+        assert (await node.activate(b)).ok
+    finally:
+        await node.close()
+    return node
+
+
+def _taking_over(node: GangNode, session: aiohttp.ClientSession, *, awake_set: bool
+                 ) -> GangNode:
+    """A new instance's workers on the same engines and Leases, in a new term, running."""
+    new = node_of(node.engines, session, node.leases, awake_set=awake_set)
+    for worker in new.workers.values():
+        worker.state.new_term = True
+    new.start()
+    return new
+
+
 async def test_the_set_grows_to_what_fits_and_a_newcomer_displaces_one(
         engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
     node = await _three(engine_sim_factory, engine_session)
@@ -60,20 +84,12 @@ async def test_the_set_grows_to_what_fits_and_a_newcomer_displaces_one(
 
 async def test_a_controller_taking_over_keeps_the_named_set_and_sleeps_a_stranger_to_it(
         engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
-    node = await _three(engine_sim_factory, engine_session)
-    a, b, c = node.engines
-    try:
-        assert (await node.activate(a)).ok
-        assert (await node.activate(b)).ok
-    finally:
-        await node.close()
+    node = await _a_and_b_then_gone(engine_sim_factory, engine_session)
+    c = node.engines[2]
     # C woken behind the controllers' backs (as a wake a crashed instance sent may land)
     await node.adapter(c.claimant).wake(1)
     assert _awake(node) == {"a", "b", "c"}
-    taken_over = node_of(node.engines, engine_session, node.leases, awake_set=True)
-    for worker in taken_over.workers.values():
-        worker.state.new_term = True
-    taken_over.start()
+    taken_over = _taking_over(node, engine_session, awake_set=True)
     try:
         await taken_over.until(lambda: _awake(taken_over) == {"a", "b"},
                                what="the stranger to the set put to sleep")
@@ -86,17 +102,8 @@ async def test_a_controller_taking_over_keeps_the_named_set_and_sleeps_a_strange
 
 async def test_with_the_set_off_a_controller_taking_over_keeps_one(
         engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
-    node = await _three(engine_sim_factory, engine_session)
-    a, b, _ = node.engines
-    try:
-        assert (await node.activate(a)).ok
-        assert (await node.activate(b)).ok
-    finally:
-        await node.close()
-    one = node_of(node.engines, engine_session, node.leases)
-    for worker in one.workers.values():
-        worker.state.new_term = True
-    one.start()
+    node = await _a_and_b_then_gone(engine_sim_factory, engine_session)
+    one = _taking_over(node, engine_session, awake_set=False)
     try:
         await one.until(lambda: len(_awake(one)) == 1, what="one awake")
         await one.until(lambda: _named(one) == _awake(one), what="the Lease naming it")

@@ -27,6 +27,18 @@ async def _three(factory: EngineSimFactory, session: aiohttp.ClientSession
     return kit, sims
 
 
+async def _a_and_b_awake(factory: EngineSimFactory, session: aiohttp.ClientSession
+                         ) -> tuple[Kit, list[EngineSim]]:
+    """:func:`_three` with A woken, then B beside it (the Lease names both)."""
+    kit, sims = await _three(factory, session)
+    a, b, _ = kit.claimants
+    await kit.switcher.switch(kit.holding(None), holder=None, target=a,
+                              claimants=kit.claimants)
+    await kit.switcher.switch(kit.lease.current, holder=None, target=b,
+                              claimants=kit.claimants, stay=(a,))
+    return kit, sims
+
+
 def _awake(sims: list[EngineSim]) -> list[str]:
     return [sim.settings.model for sim in sims if not sim.engine.is_sleeping]
 
@@ -64,12 +76,8 @@ async def test_a_newcomer_that_fits_joins_and_one_that_does_not_displaces_one(
 
 async def test_members_displaced_together_sleep_before_the_newcomer_wakes(
         engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
-    kit, sims = await _three(engine_sim_factory, engine_session)
+    kit, sims = await _a_and_b_awake(engine_sim_factory, engine_session)
     a, b, c = kit.claimants
-    await kit.switcher.switch(kit.holding(None), holder=None, target=a,
-                              claimants=kit.claimants)
-    await kit.switcher.switch(kit.lease.current, holder=None, target=b,
-                              claimants=kit.claimants, stay=(a,))
     big = dataclasses.replace(c, config=c.config.model_copy(
         update={"awake_memory": 120 * GIB}))
     claimants = [a, b, big]
@@ -82,12 +90,8 @@ async def test_members_displaced_together_sleep_before_the_newcomer_wakes(
 
 async def test_a_member_grown_past_its_awake_budget_stops_the_next_wake(
         engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
-    kit, sims = await _three(engine_sim_factory, engine_session)
+    kit, sims = await _a_and_b_awake(engine_sim_factory, engine_session)
     a, b, c = kit.claimants
-    await kit.switcher.switch(kit.holding(None), holder=None, target=a,
-                              claimants=kit.claimants)
-    await kit.switcher.switch(kit.lease.current, holder=None, target=b,
-                              claimants=kit.claimants, stay=(a,))
     # A's claim says 50 GiB awake; its engine holds 60: it grew past its budget + tolerance
     shrunk: Claimant = dataclasses.replace(a, config=a.config.model_copy(
         update={"awake_memory": 50 * GIB}))
