@@ -5,7 +5,9 @@ as NVML shows a tensor-parallel engine (one worker process per GPU, each holding
 shard), and the controller's own GPU workers and locks.
 
 :class:`OneAwakeWatch` checks the promise at every memory change of every simulator, not
-by sampling: no instant with two engines awake on one GPU goes unseen.
+by sampling: no instant with two engines awake on one GPU goes unseen. With the controller's
+awake sets on, :class:`AwakeSetWatch` checks theirs instead: no instant with a GPU's
+processes over its memory, none with more engines awake than their budgets fit.
 """
 
 from __future__ import annotations
@@ -129,6 +131,41 @@ class OneAwakeWatch:
             awake = [e.claimant.ref for e in self.engines if e.awake_on(gpu)]
             if len(awake) > 1:
                 self.violations.append(f"{gpu}: {', '.join(awake)}")
+
+
+@dataclass
+class AwakeSetWatch(OneAwakeWatch):
+    """The awake set's promise, at every memory change: a GPU's processes (engines and
+    strangers) never hold more than its memory; the engines awake on it never more than
+    their awake budgets, with every other engine's resident footprint, can fit; and a GPU
+    with an engine that spans GPUs (where sets are off) never has two awake."""
+
+    strangers: dict[str, int] = field(default_factory=dict)
+    """The device's bytes of processes in no claimant's pod, per GPU (shared with it)."""
+    together: int = 0
+    """Checks that found two or more engines awake on some GPU (the sets that formed)."""
+    peak_used: int = 0
+
+    def check(self) -> None:
+        self.checks += 1
+        grouped = False
+        for gpu in self.gpus:
+            on = [e for e in self.engines if gpu in e.claimant.gpus and gpu not in e.gone_from]
+            awake = [e for e in on if e.awake_on(gpu)]
+            grouped = grouped or len(awake) > 1
+            used = sum(e.shard() for e in on) + self.strangers.get(gpu, 0)
+            self.peak_used = max(self.peak_used, used)
+            names = ", ".join(e.claimant.ref for e in awake)
+            if used > GPU_TOTAL:
+                self.violations.append(f"{gpu}: {used} bytes in use of {GPU_TOTAL} ({names})")
+            budgets = sum(e.claimant.config.awake_memory if e in awake
+                          else e.claimant.resident_on(gpu) for e in on)
+            if budgets > GPU_TOTAL:
+                self.violations.append(f"{gpu}: awake {names}, budgets {budgets} bytes "
+                                       f"over {GPU_TOTAL}")
+            if len(awake) > 1 and any(e.claimant.spans_gpus for e in on):
+                self.violations.append(f"{gpu}: {names} awake beside an engine that spans GPUs")
+        self.together += grouped
 
 
 class GangDevice:
@@ -291,8 +328,9 @@ def node_of(engines: list[Engine], session: aiohttp.ClientSession,
     """A controller instance's workers for ``engines`` on ``leases`` (not yet running);
     ``observer`` is told of every switch's measurements (default: the Prometheus series)."""
     names = tuple(leases)
-    watch = OneAwakeWatch(engines, names)
     device = GangDevice(engines)
+    watch = (AwakeSetWatch(engines, names, strangers=device.strangers) if awake_set
+             else OneAwakeWatch(engines, names))
     engine_timeouts = (timeouts.engine_calls() if timeouts is not None
                        else Timeouts(sleep_s=10.0, wake_level1_s=10.0, wake_level2_s=10.0,
                                      probe_total_s=10.0))

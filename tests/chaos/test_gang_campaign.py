@@ -42,7 +42,8 @@ async def test_the_campaign_sees_a_controller_without_gang_switches(
 
     async def first_gpu_only(self: Switcher, target: Claimant,
                              claimants: Sequence[Claimant], timings: dict[str, float], *,
-                             starting: bool = False) -> HandbackProblem | None:
+                             starting: bool = False, awake: Sequence[Claimant] = ()
+                             ) -> HandbackProblem | None:
         snapshot = await self.snapshot(target.gpu, timings)
         return check_before_wake(snapshot, target=target, claimants=claimants,
                                  tolerance_bytes=self.limits.tolerance_bytes,
@@ -52,4 +53,41 @@ async def test_the_campaign_sees_a_controller_without_gang_switches(
     monkeypatch.setattr(Switcher, "check_device", first_gpu_only)
     report = await gangs.run(switches=300, seed=7, max_seconds=120)
     assert report.violations, "\n".join(report.lines())
+    assert not report.passed()
+
+
+async def test_a_short_awake_set_campaign_keeps_the_sets_promise(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """With awake sets on: sets form (two engines awake on a GPU at most checks), and no
+    instant has a GPU's memory over its total, more awake than the budgets fit, or two
+    awake beside the TP=2 engine; every GPU ends awake exactly as its Lease says."""
+    caplog.set_level(logging.CRITICAL)
+    report = await gangs.run(switches=600, seed=7, max_seconds=300, awake_set=True)
+    print("\n".join(report.lines()))
+    assert report.switches >= 600
+    assert report.together > report.checks // 2, "the sets never formed"
+    assert report.put_to_sleep > 0, "no newcomer displaced a member"
+    assert report.violations == []
+    assert report.unowned == []
+    assert report.passed(), "\n".join(report.lines())
+
+
+@pytest.mark.sampled
+async def test_the_awake_set_campaign_sees_a_set_that_does_not_fit(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard can fail: with every newcomer let join the set (the fit rule answering
+    yes) and the NVML check before the wake skipped, three engines wake together on a
+    GPU they overfill, and the campaign says so."""
+    caplog.set_level(logging.CRITICAL)
+
+    async def always_fits(*args: object, **kwargs: object) -> bool:
+        return True
+
+    async def no_check(*args: object, **kwargs: object) -> None:
+        return None
+
+    monkeypatch.setattr("controller.lease.worker.sets.AwakeSets.fits_beside", always_fits)
+    monkeypatch.setattr(Switcher, "check_device", no_check)
+    report = await gangs.run(switches=300, seed=7, max_seconds=120, awake_set=True)
+    assert any("in use of" in v for v in report.violations), "\n".join(report.lines())
     assert not report.passed()
