@@ -538,7 +538,14 @@ async def _window(bench: Bench, args: argparse.Namespace, start_s: float,
     for name in args.policies.split(","):
         say(f"== window {start_s:g} s, policy {name}: {len(todo)} arrivals over "
             f"{window_s:.0f} s ({bench.remaining():.0f} s left)")
+        label = f"window {start_s:g} s, {name}"
+        together = name in (AWAKE, AWAKE_SET)
+        bench.sampler.phase(label, allowed_above=len(bench.live()) if together else 1,
+                            set_budget_bytes=bench.gpu.memory_bytes if together else None)
         done = await _run_policy(bench, name, todo, window_s, client, fit)
+        bench.sampler.phase(f"window {start_s:g} s, between policies")
+        if isinstance(done, PolicyRun):
+            done.extra["nvml"] = bench.sampler.phase_stats(label)
         slots.append(done)
         if isinstance(done, dict):
             entry["runs"].append(done)
@@ -551,7 +558,7 @@ async def _window(bench: Bench, args: argparse.Namespace, start_s: float,
         t = policy_totals(rows(done))
         say(f"   TTFT goodput {t['goodput']}, SLO goodput {t['slo_goodput']} of "
             f"{t['requests']}, frozen {t['frozen']}, rules {done.rules}, "
-            f"{len(done.switches)} switches, {done.wall_s:.0f} s")
+            f"{len(done.switches)} switches, {done.wall_s:.0f} s; {nvml_line(done.extra['nvml'])}")
     awake = next((r for r in runs if r.name == AWAKE), None)
     refs: dict[RefKey, Reference]
     how: dict[str, Any]
@@ -575,10 +582,26 @@ async def _window(bench: Bench, args: argparse.Namespace, start_s: float,
     return entry, runs
 
 
+def nvml_line(stats: dict[str, Any] | None) -> str:
+    """One phase of the NVML watch, in words."""
+    if not stats:
+        return "NVML: not sampled"
+    return (f"NVML: {stats['samples']} samples, at most {stats['max_engines_above_resident']} "
+            f"engines above resident, peak {stats['peak_used_mib']:.0f} MiB used, "
+            f"{stats['violations']} violations")
+
+
 async def _compare(bench: Bench, args: argparse.Namespace,
                    windows: list[tuple[float, list[Arrival]]], result: dict[str, Any],
                    out: Path) -> None:
+    bench.sampler.phase("engines start", allowed_above=args.engines)
+    bench.sampler.start()
     result["engines"] = await _start_engines(bench, _specs(args), args.start)
+    for key in bench.live():  # awake, and over budget, as the controller's claimants say
+        claimant = bench.claimant(key)
+        bench.sampler.watch(key, bench.record(key).claim_uid,
+                            bench.resident_budget(key) + args.resident_tolerance,
+                            awake_limit_bytes=claimant.config.awake_memory)
     write_json(out, result)
     bounds = Bounds(first_token_s=args.ttft_slo_s, longest_freeze_s=args.longest_freeze_s,
                     frozen_gap_s=args.frozen_gap_s)
@@ -637,7 +660,8 @@ async def _main(args: argparse.Namespace, launcher: Launcher,
                               out_file=args.out / "policy-engines.json", backend=backend,
                               gpu=gpu, launcher=launcher, session=session,
                               device=ReaderDevice(reader),
-                              sampler=NvmlSampler(backend, gpu.index), trace=HttpTrace(),
+                              sampler=NvmlSampler(backend, gpu.index, interval_s=0.01),
+                              trace=HttpTrace(),
                               deadline=deadline)
                 await _compare(bench, args, windows, result, out)
         finally:
@@ -645,6 +669,15 @@ async def _main(args: argparse.Namespace, launcher: Launcher,
             await server.stop(1.0)
     finally:
         if bench is not None:
+            bench.sampler.stop()
+            watched = bench.sampler.report()
+            write_json(args.out / "policy-nvml.json",
+                       {k: watched.pop(k) for k in ("timeline_columns", "timeline")})
+            # the engines' start is no turn of the controller's (started in parallel, all
+            # are awake at once): what is judged are the windows' phases
+            watched["violations_in_windows"] = sum(
+                ph["violations"] for ph in watched["phases"] if ph["label"].startswith("window"))
+            result["nvml"] = watched
             result["engine_records"] = {k: {"cold_start_s": r.ready_s, "awake_mib":
                                             (r.awake_bytes or 0) // MIB, "asleep_mib":
                                             (r.resident_bytes or 0) // MIB,
@@ -755,6 +788,7 @@ def closing(result: dict[str, Any]) -> str:
                     for w in result.get("windows", []) for r in w["runs"]),
         "altered": sum((r.get("correctness") or {}).get("altered", 0)
                        for w in result.get("windows", []) for r in w["runs"]),
+        "nvml_violations": (result.get("nvml") or {}).get("violations_in_windows"),
         "ranking": [w.get("ranking") for w in result.get("windows", [])],
         "simulated_ranking_agrees": [w.get("simulated_ranking_agrees")
                                      for w in result.get("windows", [])],

@@ -6,9 +6,12 @@ each process to an engine by the ``ROTA_CLAIM_UID`` in its environment, as the i
 service does, and counts the engines above their resident limit (resident budget plus the
 controller's tolerance). A sample with more of them than the current phase allows is a
 violation: in a switch, one; while an engine starts beside an awake one because both fit,
-two. Scenarios name their phases; the report says per phase how many samples were taken,
-the most engines seen above resident at once, and the first violations, and it keeps a
-thinned timeline (a point whenever an engine's memory moved by 256 MiB, or every second).
+two. A phase of an awake set (``set_budget_bytes``) also checks the set itself: the awake
+budgets of the engines above resident together within the set's budget (the GPU's memory),
+and no engine above its own awake budget. Scenarios name their phases; the report says per
+phase how many samples were taken, the most engines seen above resident at once, and the
+first violations, and it keeps a thinned timeline (a point whenever an engine's memory moved
+by 256 MiB, or every second).
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class PhaseStats:
     violations: int = 0
     first_violations: list[dict[str, Any]] = field(default_factory=list)
     peak_used_bytes: int = 0
+    set_budget_bytes: int | None = None
+    """Where several may be awake: what their awake budgets may add up to."""
+    peak_set_budget_bytes: int = 0
     ended: float | None = None
 
     def as_dict(self, origin: float) -> dict[str, Any]:
@@ -48,7 +54,10 @@ class PhaseStats:
                 "end_s": None if self.ended is None else round(self.ended - origin, 3),
                 "samples": self.samples, "max_engines_above_resident": self.max_above,
                 "violations": self.violations, "first_violations": self.first_violations,
-                "peak_used_mib": round(self.peak_used_bytes / MIB, 1)}
+                "peak_used_mib": round(self.peak_used_bytes / MIB, 1),
+                "set_budget_mib": None if self.set_budget_bytes is None
+                else round(self.set_budget_bytes / MIB, 1),
+                "peak_set_budgets_mib": round(self.peak_set_budget_bytes / MIB, 1)}
 
 
 class NvmlSampler:
@@ -65,6 +74,7 @@ class NvmlSampler:
         self.origin = clock()
         self._lock = threading.Lock()
         self._limits: dict[str, tuple[str, int]] = {}  # key -> (claim uid, resident limit)
+        self._awake_limits: dict[str, int] = {}         # key -> awake budget
         self._claims: dict[int, str] = {}              # pid -> claim uid (environ cache)
         self._phases: list[PhaseStats] = [PhaseStats("idle", 1, self.origin)]
         self._timeline: list[list[Any]] = []
@@ -77,20 +87,29 @@ class NvmlSampler:
 
     # -- configuration ---------------------------------------------------------------
 
-    def watch(self, key: str, claim_uid: str, resident_limit_bytes: int) -> None:
+    def watch(self, key: str, claim_uid: str, resident_limit_bytes: int,
+              awake_limit_bytes: int | None = None) -> None:
+        """Attribute ``claim_uid``'s processes to ``key``; above ``resident_limit_bytes`` it
+        counts as awake, above ``awake_limit_bytes`` (where given) it is over its budget."""
         with self._lock:
             self._limits[key] = (claim_uid, resident_limit_bytes)
+            if awake_limit_bytes is not None:
+                self._awake_limits[key] = awake_limit_bytes
 
     def unwatch(self, key: str) -> None:
         with self._lock:
             self._limits.pop(key, None)
+            self._awake_limits.pop(key, None)
 
-    def phase(self, label: str, *, allowed_above: int = 1) -> None:
-        """Start a new phase: samples from now on are checked against ``allowed_above``."""
+    def phase(self, label: str, *, allowed_above: int = 1,
+              set_budget_bytes: int | None = None) -> None:
+        """Start a new phase: samples from now on are checked against ``allowed_above``
+        and, for an awake set, ``set_budget_bytes``."""
         now = self.clock()
         with self._lock:
             self._phases[-1].ended = now
-            self._phases.append(PhaseStats(label, allowed_above, now))
+            self._phases.append(PhaseStats(label, allowed_above, now,
+                                           set_budget_bytes=set_budget_bytes))
 
     # -- the thread --------------------------------------------------------------------
 
@@ -146,14 +165,32 @@ class NvmlSampler:
             stats.samples += 1
             stats.max_above = max(stats.max_above, len(above))
             stats.peak_used_bytes = max(stats.peak_used_bytes, memory.used)
+            wrong = self._set_faults(stats, above, usage)
             if len(above) > stats.allowed_above:
+                wrong.insert(0, f"{len(above)} above resident, {stats.allowed_above} allowed")
+            if wrong:
                 stats.violations += 1
                 if len(stats.first_violations) < 10:
                     stats.first_violations.append({
-                        "t_s": round(now - self.origin, 4), "above": above,
+                        "t_s": round(now - self.origin, 4), "above": above, "why": wrong,
                         "mib": {k: round(usage[k] / MIB, 1) for k in above}})
             self._thin(now, usage, unknown, memory.used, stats.label)
         return usage
+
+    def _set_faults(self, stats: PhaseStats, above: list[str], usage: dict[str, int]
+                    ) -> list[str]:
+        """What is wrong with the awake set of one sample (nothing outside a set's phase)."""
+        if stats.set_budget_bytes is None:
+            return []
+        budgets = sum(self._awake_limits.get(k, usage[k]) for k in above)
+        stats.peak_set_budget_bytes = max(stats.peak_set_budget_bytes, budgets)
+        wrong = [f"{k} holds {usage[k] / MIB:.0f} MiB over its awake budget of "
+                 f"{self._awake_limits[k] / MIB:.0f} MiB" for k in above
+                 if k in self._awake_limits and usage[k] > self._awake_limits[k]]
+        if budgets > stats.set_budget_bytes:
+            wrong.append(f"the awake budgets add up to {budgets / MIB:.0f} MiB, over the "
+                         f"set's {stats.set_budget_bytes / MIB:.0f} MiB")
+        return wrong
 
     def _thin(self, now: float, usage: dict[str, int], unknown: int, used: int,
               label: str) -> None:

@@ -193,6 +193,32 @@ def test_the_sampler_counts_engines_above_resident_per_phase(
         {"a": 30720, "b": 800}, {"a": 30720, "b": 6144}]  # thinned: the third repeats
 
 
+def test_an_awake_set_phase_checks_the_budgets_not_only_the_count(
+        two_processes: tuple[FakeNvml, Path, list[int]], tmp_path: Path) -> None:
+    backend, proc_root, pids = two_processes
+    uuid = backend.uuid(0)
+    sampler = NvmlSampler(backend, 0, proc_root=proc_root)
+    sampler.watch("a", "uid-0", GIB, awake_limit_bytes=40 * GIB)
+    sampler.watch("b", "uid-1", GIB, awake_limit_bytes=40 * GIB)
+    register_process(tmp_path / "nvml", pids[0], uuid, 30 * GIB)
+    register_process(tmp_path / "nvml", pids[1], uuid, 30 * GIB)
+    sampler.phase("set that fits", allowed_above=2, set_budget_bytes=80 * GIB)
+    sampler.sample_once()  # two awake, 80 GiB of budgets: the set fits
+    sampler.phase("set too big", allowed_above=2, set_budget_bytes=70 * GIB)
+    sampler.sample_once()  # the same two, but their budgets exceed the set's
+    sampler.phase("one over its budget", allowed_above=2, set_budget_bytes=80 * GIB)
+    register_process(tmp_path / "nvml", pids[1], uuid, 41 * GIB)
+    sampler.sample_once()
+    phases = {p["label"]: p for p in sampler.phases()}
+    assert phases["set that fits"]["violations"] == 0
+    assert phases["set that fits"]["peak_set_budgets_mib"] == 80 * 1024
+    assert phases["set too big"]["violations"] == 1
+    assert "over the set's 71680 MiB" in phases["set too big"]["first_violations"][0]["why"][0]
+    assert phases["one over its budget"]["violations"] == 1
+    assert phases["one over its budget"]["first_violations"][0]["why"] == [
+        "b holds 41984 MiB over its awake budget of 40960 MiB"]
+
+
 def test_memory_of_no_watched_engine_is_unknown(
         two_processes: tuple[FakeNvml, Path, list[int]], tmp_path: Path) -> None:
     backend, proc_root, pids = two_processes

@@ -82,6 +82,14 @@ def test_a_window_is_replayed_through_the_controller_by_every_policy(tmp: Path) 
         assert checked["frozen"] == sum(checked[v] for v in ("identical", "altered", "lost",
                                                               "unchecked"))
         assert checked["altered"] == 0  # the simulator's greedy output, kept or not
+    for name, run in runs.items():  # NVML watched every run: never more awake than allowed
+        assert run["nvml"]["samples"] > 0, name
+        assert run["nvml"]["violations"] == 0, run["nvml"]
+    assert runs["all-awake"]["nvml"]["max_engines_above_resident"] == 3
+    assert runs["rota"]["nvml"]["max_engines_above_resident"] == 1
+    timeline = json.loads((tmp / "out" / "policy-nvml.json").read_text())
+    assert "window 0 s, rota" in {row[-1] for row in timeline["timeline"]}
+    assert result["nvml"]["violations_in_windows"] == 0
     assert runs["all-awake"]["switches"] == []
     assert runs["all-awake"]["rules"] == {}
     assert runs["all-awake"]["policy_mode"] is None
@@ -115,7 +123,7 @@ def test_engines_that_do_not_fit_awake_together_have_no_all_awake_bound(tmp: Pat
     # every stream counted frozen (any gap), so each is checked against a reference taken
     # from each engine woken alone
     done, result = _run(tmp, "--kv", "60Gi", "--start", "sequential",
-                        "--policies", "all-awake,first-come", "--frozen-gap-s", "0")
+                        "--policies", "all-awake,first-come,awake-set", "--frozen-gap-s", "0")
     assert not result["all_awake"]["fits"]
     [window] = result["windows"]
     runs = {r["mode"]: r for r in window["runs"]}
@@ -128,6 +136,12 @@ def test_engines_that_do_not_fit_awake_together_have_no_all_awake_bound(tmp: Pat
     checked = runs["first-come"]["correctness"]
     assert checked["frozen"] == checked["identical"] == 18
     assert "| 0 s | all-awake |  | does not fit" in done.stdout
+    # two of three fit awake: the set grew to two, its budgets within the GPU's memory
+    watched = runs["awake-set"]["nvml"]
+    assert watched["violations"] == 0, watched
+    assert watched["max_engines_above_resident"] == 2
+    assert watched["set_budget_mib"] is not None
+    assert 0 < watched["peak_set_budgets_mib"] <= watched["set_budget_mib"]
 
 
 def test_the_azure_windows_are_cut_into_a_csv_that_replays_them(tmp_path: Path) -> None:
