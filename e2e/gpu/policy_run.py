@@ -138,8 +138,10 @@ def parser() -> argparse.ArgumentParser:
                          kv_help="each engine's fixed KV cache")
     add = p.add_argument
     add("--engines", type=int, default=3)
-    add("--start", choices=("parallel", "sequential"), default="parallel",
-        help="start the engines at once (one after the other if that fails) or in turn")
+    add("--start", type=start_mode, default="parallel", metavar="parallel|sequential|N",
+        help="start the engines at once (one after the other if that fails), in turn, or "
+        "N at a time (as many as fit awake together: each group is put to sleep before "
+        "the next starts)")
     add("--trace", type=Path, default=None, help="CSV of timestamp (s), model, context "
         "tokens, generated tokens, replayed as written")
     add("--write-trace", type=Path, default=None,
@@ -378,10 +380,26 @@ def _specs(args: argparse.Namespace) -> list[EngineSpec]:
             for i in range(args.engines)]
 
 
+def start_mode(text: str) -> str:
+    """``--start``: ``parallel``, ``sequential`` or a count of engines started at once."""
+    if text in ("parallel", "sequential") or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: parallel, sequential or a count >= 1")
+
+
 async def _start_engines(bench: Bench, specs: list[EngineSpec], mode: str) -> dict[str, Any]:
     began = time.monotonic()
     started: dict[str, Any] = {"mode": mode}
-    if mode == "parallel":
+    if mode.isdigit():  # N at a time, each group asleep before the next starts
+        at_once = int(mode)
+        for first in range(0, len(specs), at_once):
+            group = specs[first:first + at_once]
+            say(f"starting {', '.join(s.key for s in group)} at once")
+            await asyncio.gather(*(bench.start_engine(s) for s in group))
+            for spec in group:
+                say(f"engine {spec.key}: admission (probe, first sleep)")
+                started[spec.key] = await admit(bench, spec, stay_awake=False)
+    elif mode == "parallel":
         try:
             await asyncio.gather(*(bench.start_engine(s) for s in specs))
         except Exception as exc:  # one did not come up beside the others: in turn instead
@@ -395,8 +413,9 @@ async def _start_engines(bench: Bench, specs: list[EngineSpec], mode: str) -> di
                     bench.engines.pop(spec.key, None)
             started["mode"] = "sequential after a failed parallel start"
     for spec in specs:
-        say(f"engine {spec.key}: admission (probe, first sleep)")
-        started[spec.key] = await admit(bench, spec, stay_awake=False)
+        if spec.key not in started:
+            say(f"engine {spec.key}: admission (probe, first sleep)")
+            started[spec.key] = await admit(bench, spec, stay_awake=False)
     started["seconds"] = round(time.monotonic() - began, 2)
     started["cold_start_s"] = {s.key: bench.record(s.key).ready_s for s in specs}
     started["first_sleep_s"] = {s.key: bench.record(s.key).first_sleep_s for s in specs}

@@ -122,9 +122,11 @@ def test_engines_that_do_not_fit_awake_together_have_no_all_awake_bound(tmp: Pat
     # three engines of a 60 GiB KV cache on the fake H200's 141 GiB: one awake at a time;
     # every stream counted frozen (any gap), so each is checked against a reference taken
     # from each engine woken alone
-    done, result = _run(tmp, "--kv", "60Gi", "--start", "sequential",
+    done, result = _run(tmp, "--kv", "60Gi", "--start", "2",
                         "--policies", "all-awake,first-come,awake-set", "--frozen-gap-s", "0")
     assert not result["all_awake"]["fits"]
+    assert result["engines"]["mode"] == "2"  # two started at once, asleep before the third
+    assert {result["engines"][k].get("resumed") for k in ("m0", "m1", "m2")} == {True}
     [window] = result["windows"]
     runs = {r["mode"]: r for r in window["runs"]}
     assert runs["all-awake"]["fits"] is False
