@@ -14,8 +14,11 @@ benchmark runs them (:mod:`e2e.gpu.context`: the driver's inspection service on 
 real Switcher and vLLM adapter, an in-memory Lease). ``all-awake`` is the bound: every
 engine woken at once, no worker and no switch, where their awake footprints fit in the
 GPU's memory together (else it is reported as "does not fit"). The engines start once (in
-parallel, or one after the other), each is probed and put through its first sleep, then
-the policies run back to back on the same arrivals, every engine asleep at each start.
+parallel, one after the other, or ``--start N`` at a time), each is probed and put through
+its first sleep, then the policies run back to back on the same arrivals, every engine
+asleep at each start. NVML is read every 10 ms throughout: each policy's phase may show
+one engine above resident (the turns) or, for ``awake-set`` and ``all-awake``, the awake
+budgets of those above resident within the GPU's memory and none over its own budget.
 
 The windows, chosen by rule and not by result: ``--windows N`` windows of ``--window-s``
 seconds, one every ``--window-every`` seconds from ``--window-from``, of the Azure LLM
@@ -46,7 +49,8 @@ simulator's run (``--launcher simulator``) and the real one rank the policies al
 Results: ``--out``/policy.json (per window, policy and model: requests, served, goodput
 at the first-token objective, SLO goodput, TTFT p50/p90/p99, the longest gaps, frozen
 requests and their verdicts, wakes, wasted wakes, the rules that fired, every switch,
-every request), Markdown tables on stdout, the JSON headline as the last line.
+every request, the NVML watch of its phase), ``policy-nvml.json`` (the NVML timeline),
+Markdown tables on stdout, the JSON headline as the last line.
 """
 
 from __future__ import annotations
