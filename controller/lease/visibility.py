@@ -170,10 +170,12 @@ def _beside(lease: GpuLease, claimant: Claimant) -> bool:
 
 
 def _names_awake(lease: GpuLease, claimant: Claimant) -> bool:
-    """``lease`` names ``claimant`` in its awake set: the holder of an ``awake`` Lease, or
-    an engine beside it (in any state)."""
-    return (lease.state == naming.STATE_AWAKE and lease.holder == claimant.ref) or _beside(
-        lease, claimant)
+    """``lease`` names ``claimant`` in its awake set: the holder of an ``awake`` Lease (by
+    claim and, where the Lease records it, uid: a claim created again under the holder's
+    name is another engine), or an engine beside it (in any state)."""
+    holds = lease.state == naming.STATE_AWAKE and lease.holder == claimant.ref and (
+        not lease.holder_claim_uid or lease.holder_claim_uid == claimant.claim_uid)
+    return holds or _beside(lease, claimant)
 
 
 def _others(lease: GpuLease, claimant: Claimant) -> str:

@@ -5,7 +5,7 @@ same calls with a one-awake Lease show what they always did."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from controller.claimants import Claimant, claimants_from
 from controller.lease.switch import SwitchResult
@@ -178,3 +178,18 @@ def test_one_awake_switch_events_are_as_before() -> None:
     visibility.switched(SwitchResult(True, _lease(A, fence=10)), A, C, start=True)
     assert [(pod, reason) for pod, reason, _ in writer.events] == [
         ("pod-a", "SwitchedOut"), ("pod-c", "StartAdmitted")]
+
+
+def test_a_claim_created_again_under_the_holders_name_is_not_shown_awake() -> None:
+    """The Lease names claim ``a`` of uid ``uid-a`` awake; ``a`` is deleted and created
+    again (a new uid, a new pod, its engine asleep) before the Lease is rewritten: the new
+    engine is shown asleep, not awake under its predecessor's name. A Lease that records
+    no holder uid (written before the controller recorded one) still matches by name."""
+    again = replace(A, claim_uid="uid-a-again", pod_uid="p-a-again")
+    shown = _Recorded()
+    GpuVisibility(shown, GPU).settled([again, B], _lease(A))
+    assert shown.labels == {"a": EngineState.ASLEEP, "b": EngineState.ASLEEP}
+    assert not shown.conditions["a"].awake
+    legacy = _lease(A).with_(holder_claim_uid="")
+    GpuVisibility(shown, GPU).settled([A], legacy)
+    assert shown.labels["a"] is EngineState.AWAKE
