@@ -111,7 +111,9 @@ class GatewaySettings(BaseModel):
                                     "freeze of a started answer (its engine asleep with the "
                                     "request kept) for a claim whose config names none "
                                     "(longestFreezeSeconds); keep it equal to the lease "
-                                    "controllers' --longest-freeze-s. The claim's bound plus "
+                                    "controllers' --longest-freeze-s (the chart sets both "
+                                    "from controller.policy.longestFreezeSeconds). The "
+                                    "claim's bound plus "
                                     "its model's measured switch cost is added to "
                                     "--upstream-read-timeout-s.")
     upstream_attempts: int = Field(default=4, ge=1, le=10, description="Attempts of one request "

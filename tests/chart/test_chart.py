@@ -552,3 +552,16 @@ def test_the_switch_policy_and_the_gateways_places_are_chart_values(
                  "policy_share_weight", "home_model", "home_idle_s"):
         assert getattr(d, name) == LeaseSettings.model_fields[name].default, name
     assert d.policy_priority_ceilings.root == {}
+
+
+def test_the_gateway_allows_the_freeze_the_controllers_allow(chart_bin: Path) -> None:
+    """A claim that names no longestFreezeSeconds is frozen by the controllers up to the
+    chart's ``controller.policy.longestFreezeSeconds``; the gateway's read timeout and
+    the progress it reports of a frozen stream must allow the same freeze, so the chart
+    gives both the one value (the gateway used its own 3 s default)."""
+    rendered = render(set_values={**MINIMAL, "controller.policy.longestFreezeSeconds": "7"},
+                      bin_dir=chart_bin)
+    [controller] = _pod(rendered, "DaemonSet", "rota-controller")["containers"]
+    [gateway] = _pod(rendered, "Deployment", "rota-gateway")["containers"]
+    assert _env(controller)["ROTA_LONGEST_FREEZE_S"] == "7"
+    assert _env(gateway)["ROTA_GATEWAY_LONGEST_FREEZE_S"] == "7"
