@@ -271,9 +271,12 @@ class Bench:
         return view
 
     def watch(self, key: str) -> None:
+        """The sampler attributes the engine's processes: awake above its resident budget
+        (plus the tolerance), over budget above its claim's awake memory."""
         record = self.record(key)
         self.sampler.watch(key, record.claim_uid,
-                           self.resident_budget(key) + self.args.resident_tolerance)
+                           self.resident_budget(key) + self.args.resident_tolerance,
+                           awake_limit_bytes=self.claimant(key).config.awake_memory)
 
     # -- engine logs -------------------------------------------------------------------
 

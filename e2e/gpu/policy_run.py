@@ -620,11 +620,8 @@ async def _compare(bench: Bench, args: argparse.Namespace,
     bench.sampler.phase("engines start", allowed_above=args.engines)
     bench.sampler.start()
     result["engines"] = await _start_engines(bench, _specs(args), args.start)
-    for key in bench.live():  # awake, and over budget, as the controller's claimants say
-        claimant = bench.claimant(key)
-        bench.sampler.watch(key, bench.record(key).claim_uid,
-                            bench.resident_budget(key) + args.resident_tolerance,
-                            awake_limit_bytes=claimant.config.awake_memory)
+    for key in bench.live():  # their budgets are measured now
+        bench.watch(key)
     write_json(out, result)
     bounds = Bounds(first_token_s=args.ttft_slo_s, longest_freeze_s=args.longest_freeze_s,
                     frozen_gap_s=args.frozen_gap_s)
