@@ -241,6 +241,9 @@ class SwitchResult:
     kept: int = 0
     """Requests the old holder keeps asleep (a preemptive switch), by its gauges before
     its sleep; 0 when it was drained."""
+    resumed: int = 0
+    """Requests the target's wake brought back (kept by an earlier preemptive switch away
+    from it): its probe queued behind their recompute."""
 
     @property
     def holder(self) -> str:
@@ -616,6 +619,7 @@ class Switcher:
             return await self.unsettled(lease, exc, timings)
         except Exception as exc:
             return await self.restore(lease, holder, exc, timings, claimants)
+        frozen = self.ports.freezes.all().get(target.claim_uid)
         try:
             first_token_at = await self.wake_and_probe(target, fence, timings)
         except Fenced:
@@ -632,7 +636,8 @@ class Switcher:
         log.info("switch done", extra={"device": lease.device, "fence": fence,
                                        "holder": target.ref, "kept": kept,
                                        "timings": {k: round(v, 4) for k, v in timings.items()}})
-        return SwitchResult(True, lease, timings=timings, kept=kept or 0)
+        return SwitchResult(True, lease, timings=timings, kept=kept or 0,
+                            resumed=frozen.kept if frozen is not None else 0)
 
     async def sleep_also(self, lease: GpuLease, holder: Claimant | None,
                           members: Sequence[Claimant], timings: dict[str, float]

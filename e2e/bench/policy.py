@@ -72,6 +72,7 @@ from controller.lease.policy import (
     decide,
 )
 from controller.lease.settings import LeaseSettings
+from controller.lease.worker.accounting import COST_FIELDS, with_estimates
 from e2e.bench.stats import percentile
 
 ATTRIBUTION = (
@@ -483,8 +484,13 @@ class RotaPolicy:
         names = [m.name for m in sim.models]
         queues = tuple(ClaimQueue(names[k], len(q), q[0].arrival)
                        for k, q in enumerate(sim.queues) if q)
-        costs = {m.name: SwitchCost(m.sleep_s, m.wake_s, PROBE_S) for k, m in
-                 enumerate(sim.models) if k in g.woken}
+        # what the lease controller knows: the costs of the engines woken so far, as
+        # measured (their recompute at their prefill rate), the others' estimated from them
+        costs = with_estimates(
+            {m.name: SwitchCost(m.sleep_s, m.wake_s, PROBE_S, m.prefill_tok_s)
+             for k, m in enumerate(sim.models) if k in g.woken},
+            {names[k]: set(COST_FIELDS) for k in g.woken},
+            {m.name: round(m.weight_bytes) for m in sim.models})
         holder = names[g.holder] if g.holder is not None and pending is None else None
         view = GpuView(now=sim.now, holder=holder, awake_since=g.awake_since,
                        last_request=g.last_request, in_flight=g.in_flight(),

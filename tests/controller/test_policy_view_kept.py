@@ -1,9 +1,11 @@
 """What the GPU worker asks the switch policy (controller/lease/worker/policy_view.py):
 the sleeping claimants' kept requests, as the switches recorded them, and whether each
-claim keeps its requests (vLLM at level 1 does; a tensor-parallel gang never)."""
+claim keeps its requests (vLLM at level 1 does; a tensor-parallel gang never); the costs
+of a claim not woken yet, estimated from its measured peers."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -11,8 +13,9 @@ import pytest
 from controller.claimants import Claimant
 from controller.lease import policy as switch_policy
 from controller.lease.gpu import GpuWorker, Policy
-from controller.lease.switch import Freezes, Frozen, Ports, Switcher
+from controller.lease.switch import Freezes, Frozen, Ports, Switcher, SwitchResult
 from rota.api.engine_config import parse_engine_config
+from rota.api.gpu_lease import GpuLease
 
 pytestmark = pytest.mark.controller
 
@@ -47,8 +50,10 @@ def test_the_policy_is_told_of_kept_requests_and_who_keeps() -> None:
                                       since=999.0))
     worker = _worker([a, b, c], freezes)
     inp = worker.view.input(a, in_flight=2)
-    assert inp.kept == {b.ref: switch_policy.KeptWork(3, 997.5)}, \
-        "a freeze that kept nothing is no work"
+    per = switch_policy.HOLDER_TOKENS_PER_REQUEST
+    assert inp.kept == {b.ref: switch_policy.KeptWork(3, 997.5, 3 * per)}, \
+        "a freeze that kept nothing is no work; each kept request is counted at the size "\
+        "its recompute rate is measured at"
     assert inp.policies[a.ref].keeps_requests, "vLLM at level 1 keeps"
     assert not inp.policies[c.ref].keeps_requests, "level 2 drains"
 
@@ -60,3 +65,32 @@ def test_without_the_switchers_freezes_nothing_is_kept() -> None:
                        claimants=lambda: [a], engine=unused, policy=Policy(),
                        clock=lambda: 1000.0)
     assert worker.view.input(a, in_flight=0).kept == {}
+
+
+def test_a_model_not_woken_yet_is_fitted_between_frozen_peers_by_their_measured_costs(
+        ) -> None:
+    """Four models turn with their streams frozen by turns; a fifth, never woken by this
+    worker, has a request whose first token is due. Its peers' switches were measured
+    (0.15 s each way, a fast recompute), so its visit fits before the frozen streams come
+    back: it is served now. With the policy's default costs standing for it (a 1.2 s
+    switch) no plan fitted, and it waited for the 30 s bound while the four turned."""
+    a, b, c, d = (_claimant(n) for n in "abcd")
+    freezes = Freezes()
+    for who, since in ((b, 998.2), (c, 999.0)):
+        freezes.froze(who.claim_uid, Frozen(claim=who.ref, model=who.model, gpu="gpu-0",
+                                            kept=5, since=since))
+    worker = _worker([a, b, c, d], freezes)
+    lease = GpuLease(name="l", node="n", device="gpu-0")
+    timings = {"later_sleep": 0.02, "wake_call": 0.04, "probe_ttft": 0.09}
+    for holder, target in ((a, b), (b, c), (c, a)):
+        worker.work.measured(SwitchResult(True, lease, timings=timings), holder, target)
+        worker.work.measured(SwitchResult(True, lease, timings=timings | {
+            "probe_ttft": 0.13}, resumed=4), holder, target)
+    inp = worker.view.input(a, in_flight=5)
+    inp = dataclasses.replace(
+        inp, gpu=dataclasses.replace(inp.gpu, awake_since=999.5),
+        queues=(switch_policy.ClaimQueue(d.ref, 3, oldest_since=998.1),))
+    assert inp.costs[d.ref].wake_s == 0.04, "d's wake is estimated from its peers'"
+    decision = switch_policy.decide(inp)
+    assert (decision.action, decision.rule, decision.target, decision.preempt) == (
+        switch_policy.Action.SWITCH, "first_token_due", d.ref, True), decision.reason

@@ -126,6 +126,8 @@ async def test_a_preempted_holders_streams_finish_as_never_slept_ones_after_its_
                                      claimants=kit.claimants, preempt=True)
     assert back.ok, (back.reason, back.message)
     assert back.kept == 0
+    assert (result.resumed, back.resumed) == (0, len(prompts)), \
+        "the wake of a brought its kept requests back: its probe waited for their recompute"
     for first, stream, reference in zip(firsts, streams, references, strict=True):
         text, finishes = await _read(stream)
         assert (first + text, finishes) == reference

@@ -1,15 +1,26 @@
 """The holder's work accounting of one GPU's worker (controller/lease/worker/accounting.py):
 callers just answered count as the holder's work until its engine shows work or the grace
-passes; tenure and decaying usage; the measured switch costs."""
+passes; tenure and decaying usage; the measured switch costs, the recompute a probe
+after kept requests measures, and the costs of a claim not measured yet, estimated from
+its peers."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from controller.claimants import Claimant
+from controller.lease import policy as switch_policy
 from controller.lease.switch import SwitchResult
-from controller.lease.worker.accounting import ANSWERED_GRACE_S, USAGE_DECAY_S, HolderWork
+from controller.lease.worker.accounting import (
+    ANSWERED_GRACE_S,
+    USAGE_DECAY_S,
+    HolderWork,
+    with_estimates,
+)
+from rota.api.engine_config import parse_engine_config
 from rota.api.gpu_lease import GpuLease
 from tests.controller.worker_kit import FakeEngine, claimant
 
@@ -74,3 +85,63 @@ def test_measured_costs_per_claim() -> None:
     assert work.drains["ns/a"] == 0.2
     assert work.switch_cost("ns/a", "ns/b") == pytest.approx(0.5 + 0.2 + 0.6 + 0.1)
     assert work.switch_cost(None, "ns/b") == pytest.approx(0.6 + 0.1), "nobody to sleep"
+
+
+def _sized(name: str, awake: str) -> Claimant:
+    c = claimant(name)
+    config = parse_engine_config({"apiVersion": "gpu.rota.dev/v1alpha1",
+                                  "kind": "EngineConfig", "model": name, "awakeMemory": awake})
+    return dataclasses.replace(c, config=config)
+
+
+LEASE = GpuLease(name="l", node="n", device="gpu-0")
+MEASURED = {"later_sleep": 0.02, "wake_call": 0.04, "probe_ttft": 0.09}
+
+
+def test_a_probe_behind_kept_requests_measures_their_recompute_not_the_probe() -> None:
+    work = HolderWork(_Clock())
+    a, b = claimant("a"), claimant("b")
+    work.measured(SwitchResult(True, LEASE, timings=MEASURED), a, b)
+    # b's wake brings 4 kept requests back: its probe queued behind their recompute
+    slow = MEASURED | {"probe_ttft": 0.13}
+    work.measured(SwitchResult(True, LEASE, timings=slow, resumed=4), a, b)
+    assert work.costs["ns/b"].probe_s == 0.09, "the probe's own cost is not the recompute's"
+    per = switch_policy.HOLDER_TOKENS_PER_REQUEST
+    assert work.costs["ns/b"].recompute_tokens_per_s == pytest.approx(4 * per / 0.04)
+    # a resumed wake of a claimant whose plain probe was never measured cannot be split
+    work.measured(SwitchResult(True, LEASE, timings=slow, resumed=4), b, a)
+    assert work.costs["ns/a"].probe_s == switch_policy.SwitchCost().probe_s
+    assert work.costs["ns/a"].recompute_tokens_per_s == switch_policy.RECOMPUTE_TOKENS_PER_S
+
+
+def test_a_claim_not_measured_yet_is_estimated_from_its_measured_peers() -> None:
+    work = HolderWork(_Clock())
+    a, b = _sized("a", "8Gi"), _sized("b", "8Gi")
+    big, alone = _sized("big", "16Gi"), _sized("alone", "8Gi")
+    work.measured(SwitchResult(True, LEASE, timings=MEASURED), a, b)
+    work.measured(SwitchResult(True, LEASE, timings=MEASURED | {"probe_ttft": 0.14},
+                               resumed=2), a, b)
+    costs = work.costs_for([a, b, big])
+    assert costs["ns/b"] == dataclasses.replace(work.costs["ns/b"], sleep_s=0.02), \
+        "b's wake, probe and recompute stand as measured; its sleep, never measured, is a's"
+    assert costs["ns/a"].sleep_s == 0.02
+    assert (costs["ns/a"].wake_s, costs["ns/a"].probe_s) == (0.04, 0.09), \
+        "a's wake was never measured: b's stands in (the same awake memory)"
+    assert costs["ns/big"].wake_s == pytest.approx(0.08), "twice the memory, twice the wake"
+    assert costs["ns/big"].sleep_s == pytest.approx(0.04)
+    assert costs["ns/big"].recompute_tokens_per_s == pytest.approx(
+        costs["ns/b"].recompute_tokens_per_s / 2), "and half the recompute rate"
+    assert HolderWork(_Clock()).costs_for([alone]) == {}, \
+        "with nobody measured, the policy's defaults stand"
+
+
+def test_estimates_take_the_most_cautious_peer() -> None:
+    fast = switch_policy.SwitchCost(sleep_s=0.02, wake_s=0.04, probe_s=0.09,
+                                    recompute_tokens_per_s=200_000.0)
+    slow = dataclasses.replace(fast, wake_s=0.06, recompute_tokens_per_s=100_000.0)
+    fields = {"sleep_s", "wake_s", "probe_s", "recompute_tokens_per_s"}
+    out = with_estimates({"f": fast, "s": slow}, {"f": fields, "s": fields},
+                         {"f": 100, "s": 100, "new": 100, "nothing": 0})
+    assert out["new"].wake_s == 0.06
+    assert out["new"].recompute_tokens_per_s == 100_000.0
+    assert "nothing" not in out, "a claim of no known size is not estimated"

@@ -75,7 +75,7 @@ class PolicyView:
                 drain_estimate_s=work.drains.get(holder.ref, 0.0) if holder else 0.0),
             queues=self.queue.claim_queues(),
             policies={c.ref: self.model_policy(c, defaults) for c in self.claimants()},
-            costs=dict(work.costs), default_policy=defaults,
+            costs=work.costs_for(self.claimants()), default_policy=defaults,
             home=home.ref if home else None, home_idle_s=self.policy.home_idle_s,
             usage_s=work.usage_now(holder), kept=self.kept())
 
@@ -89,10 +89,13 @@ class PolicyView:
 
     def kept(self) -> dict[str, switch_policy.KeptWork]:
         """The sleeping claimants' frozen requests, by claim, as the switches recorded
-        them (counted from the engine's gauges before its sleep)."""
+        them (counted from the engine's gauges before its sleep), each counted at
+        :data:`~controller.lease.policy.HOLDER_TOKENS_PER_REQUEST` tokens to recompute:
+        the size :meth:`HolderWork.keep_costs` measures their recompute rate at."""
         if self.freezes is None:
             return {}
-        return {f.claim: switch_policy.KeptWork(f.kept, f.since)
+        per = switch_policy.HOLDER_TOKENS_PER_REQUEST
+        return {f.claim: switch_policy.KeptWork(f.kept, f.since, f.kept * per)
                 for f in self.freezes.all().values() if f.kept > 0}
 
     def decide(self, holder: Claimant | None, in_flight: int) -> switch_policy.Decision:
