@@ -619,7 +619,7 @@ class Switcher:
             return await self.unsettled(lease, exc, timings)
         except Exception as exc:
             return await self.restore(lease, holder, exc, timings, claimants)
-        frozen = self.ports.freezes.all().get(target.claim_uid)
+        frozen = self.ports.freezes.get(target.claim_uid)
         try:
             first_token_at = await self.wake_and_probe(target, fence, timings)
         except Fenced:
