@@ -485,7 +485,8 @@ class RotaPolicy:
         queues = tuple(ClaimQueue(names[k], len(q), q[0].arrival)
                        for k, q in enumerate(sim.queues) if q)
         # what the lease controller knows: the costs of the engines woken so far, as
-        # measured (their recompute at their prefill rate), the others' estimated from them
+        # measured (the recompute at the engine's prefill rate, which the probe after a
+        # wake with requests kept measures), the others' estimated from them
         costs = with_estimates(
             {m.name: SwitchCost(m.sleep_s, m.wake_s, PROBE_S, m.prefill_tok_s)
              for k, m in enumerate(sim.models) if k in g.woken},

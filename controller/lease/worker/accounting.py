@@ -23,12 +23,12 @@ from controller.lease.switch import SwitchResult
 USAGE_DECAY_S = 300.0
 """The fair share looks at roughly the last five minutes of who was awake."""
 ANSWERED_GRACE_S = 1.0
+"""How long the callers an activation answered count as the holder's work while its
+engine's metrics show none (their requests are on their way)."""
 MIN_RECOMPUTE_S = 0.005
 """The least time a measured recompute is taken to have cost (a probe that came back no
 slower than usual after a wake with requests kept measures a fast recompute, not a free
 one)."""
-"""How long the callers an activation answered count as the holder's work while its
-engine's metrics show none (their requests are on their way)."""
 
 
 class HolderWork:
