@@ -77,7 +77,13 @@ async def test_the_awake_set_campaign_sees_a_set_that_does_not_fit(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard can fail: with every newcomer let join the set (the fit rule answering
     yes) and the NVML check before the wake skipped, three engines wake together on a
-    GPU they overfill, and the campaign says so."""
+    GPU they overfill, and the campaign says so.
+
+    Whether a campaign gets there depends on its faults and its timing: the engine
+    simulator refuses a wake that finds no room (``gpu_oom``), so the GPU is overfilled
+    only where an engine's memory is not what its state says (an injected sleep that
+    lies). About half the campaigns of 300 switches do, on the old policy as on the new:
+    the test runs up to 12 seeds and stops at the first that does."""
     caplog.set_level(logging.CRITICAL)
 
     async def always_fits(*args: object, **kwargs: object) -> bool:
@@ -88,6 +94,11 @@ async def test_the_awake_set_campaign_sees_a_set_that_does_not_fit(
 
     monkeypatch.setattr("controller.lease.worker.sets.AwakeSets.fits_beside", always_fits)
     monkeypatch.setattr(Switcher, "check_device", no_check)
-    report = await gangs.run(switches=300, seed=7, max_seconds=120, awake_set=True)
-    assert any("in use of" in v for v in report.violations), "\n".join(report.lines())
-    assert not report.passed()
+    seen: list[str] = []
+    for seed in range(7, 19):
+        report = await gangs.run(switches=300, seed=seed, max_seconds=120, awake_set=True)
+        if any("in use of" in v for v in report.violations):
+            assert not report.passed()
+            return
+        seen.append(f"seed {seed}: " + " / ".join(report.lines()[:4]))
+    raise AssertionError("no campaign saw the overfilled GPU:\n" + "\n".join(seen))
