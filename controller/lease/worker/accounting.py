@@ -164,7 +164,8 @@ class HolderWork:
                               {c.ref: c.config.awake_memory for c in claimants})
 
 
-COST_FIELDS = ("sleep_s", "wake_s", "probe_s", "recompute_tokens_per_s")
+COST_FIELDS = tuple(f.name for f in dataclasses.fields(switch_policy.SwitchCost))
+"""Every field of a claimant's switch costs: each is measured, or estimated, alone."""
 
 
 def with_estimates(costs: Mapping[str, switch_policy.SwitchCost],
