@@ -16,8 +16,10 @@ that correctly and what a kept stream looks like to its client:
    ``abort``), ``/wake_up``, ``/resume``. ``B2``: as B with ``/sleep?level=1&mode=keep`` (what
    stays right if ``/sleep`` stops handling requests, vLLM RFC #51476);
 3. **cycles**: ``--cycles`` level-1 sleep/wake cycles with the first sequence of phase 2
-   that kept every stream intact (``--cycle-sequence``), every ``--stream-every``-th with a
-   short greedy stream frozen by the sleep; the awake and asleep footprints per cycle.
+   that kept every stream intact (``--cycle-sequence``), every ``--stream-every``-th
+   starting a short greedy stream that its sleep freezes (and every later sleep while it
+   still runs); the awake and asleep footprints, the cycle's seconds and the seconds of
+   its NVML reads per cycle.
 
 Every stream asks for ``logprobs`` and ``return_token_ids`` so each SSE chunk's tokens are
 counted (a chunk may carry several tokens: vLLM's output collector merges deltas when the
@@ -430,45 +432,75 @@ def cycle_sequence(args: argparse.Namespace, tried: Sequence[dict[str, Any]]) ->
 
 async def cycles(probe: Probe, seq: CallSequence, refs: dict[str, StreamRecord],
                  result: dict[str, Any], write: Callable[[], None]) -> None:
-    """Level-1 sleep/wake cycles, every ``--stream-every``-th freezing a short stream."""
+    """Level-1 sleep/wake cycles, every ``--stream-every``-th starting a short stream that
+    its sleep freezes mid-decode. A stream is not waited for within its cycle: it decodes
+    through the next cycles and is frozen again by every sleep it is still running at (one
+    stream at a time: the next one starts after it ended), so cycles go at the pace of the
+    calls and reads, and the stream is checked against its reference when it ends."""
     args = probe.args
     rows: list[list[Any]] = []
     frozen: list[dict[str, Any]] = []
     result["cycles"] = {"sequence": seq.name, "columns": [
-        "cycle", "sleep_s", "wake_s", "asleep_mib", "awake_mib", "stream_identical"],
-        "rows": rows, "frozen": frozen}
+        "cycle", "sleep_s", "wake_s", "asleep_mib", "awake_mib", "stream_identical",
+        "cycle_s", "read_s"], "rows": rows, "frozen": frozen}
     prompts = _cycle_prompts()
+    running: _CycleStream | None = None
+
+    async def collect() -> None:
+        nonlocal running
+        if running is None:
+            return
+        rec = await running.task
+        summary = rec.summary(refs.get(f"alone:{rec.prompt}:{args.cycle_max_tokens}"))
+        running.row[5] = bool(summary["identical"])
+        frozen.append({"cycle": running.row[0], "freezes": running.freezes} | summary)
+        running = None
+
     for i in range(args.cycles):
         if probe.remaining() < RESERVE_S + 10.0:
             result["cycles"]["stopped"] = f"budget: {i} of {args.cycles} cycles"
             break
-        task: asyncio.Task[StreamRecord] | None = None
-        rec: StreamRecord | None = None
+        began = time.monotonic()
+        row: list[Any] = [i, 0.0, 0.0, None, None, None, 0.0, 0.0]
         if args.stream_every and i % args.stream_every == 0:
+            await collect()
             prompt = prompts[(i // args.stream_every) % len(prompts)]
             (rec,), (task,) = probe.start_streams([prompt], args.cycle_max_tokens)
+            running = _CycleStream(task, row)
             first = min(8, max(1, args.cycle_max_tokens // 4))
             await probe.progress.wait_for(_has_tokens(rec, first), 30.0)
+        if running is not None and not running.task.done():
+            running.freezes += 1
         sleep_calls = [await probe.call(p) for p in seq.sleep]
+        read_began = time.monotonic()
         asleep = footprint(probe.memory())
+        read_s = time.monotonic() - read_began
         wake_calls = [await probe.call(p) for p in seq.wake + seq.resume]
+        read_began = time.monotonic()
         awake = footprint(probe.memory())
-        ok = all(c["status"] == 200 for c in sleep_calls + wake_calls)
-        identical: bool | None = None
-        if task is not None and rec is not None:
-            await task
-            summary = rec.summary(refs.get(f"alone:{rec.prompt}:{args.cycle_max_tokens}"))
-            identical = bool(summary["identical"])
-            frozen.append({"cycle": i} | summary)
-        rows.append([i, round(sum(c["seconds"] for c in sleep_calls), 4),
-                     round(sum(c["seconds"] for c in wake_calls), 4), asleep, awake, identical])
-        if not ok:
+        read_s += time.monotonic() - read_began
+        row[1:5] = [round(sum(c["seconds"] for c in sleep_calls), 4),
+                    round(sum(c["seconds"] for c in wake_calls), 4), asleep, awake]
+        row[6:8] = [round(time.monotonic() - began, 4), round(read_s, 4)]
+        rows.append(row)
+        if not all(c["status"] == 200 for c in sleep_calls + wake_calls):
             result["cycles"]["stopped"] = f"cycle {i}: {sleep_calls + wake_calls}"
             break
         if i % 50 == 49:
             result["cycles"]["summary"] = cycle_summary(rows, frozen)
             write()
+    await collect()
     result["cycles"]["summary"] = cycle_summary(rows, frozen)
+
+
+@dataclass
+class _CycleStream:
+    """The cycles' stream in flight: its task, the row of the cycle that started it, and
+    how many sleeps have frozen it so far."""
+
+    task: asyncio.Task[StreamRecord]
+    row: list[Any]
+    freezes: int = 0
 
 
 def _has_tokens(rec: StreamRecord, n: int) -> Callable[[], bool]:
@@ -494,6 +526,9 @@ def cycle_summary(rows: Sequence[Sequence[Any]], frozen: Sequence[dict[str, Any]
             "sleep_s_p50": _median(sleeps), "wake_s_p50": _median(wakes),
             "sleep_s_max": sleeps[-1] if sleeps else None,
             "wake_s_max": wakes[-1] if wakes else None,
+            "cycle_s_p50": _median(sorted(r[6] for r in rows if len(r) > 6)),
+            "read_s_p50": _median(sorted(r[7] for r in rows if len(r) > 7)),
+            "most_freezes_of_a_stream": max((f.get("freezes", 1) for f in frozen), default=0),
             "frozen_streams": len(frozen),
             "frozen_identical": sum(1 for f in frozen if f["identical"]),
             "frozen_with_all_chunks": sum(1 for f in frozen if f["chunks"] == f["tokens"]),

@@ -138,7 +138,9 @@ def mode_of(policy: str) -> PolicyMode:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m e2e.gpu.policy_run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_arguments(p, model_help="the folder under --models of every engine",
+    add_engine_arguments(p, model_help="the folder under --models of every engine, or a "
+                         "comma-separated list taken in turn (m0 the first, m1 the next, ...: "
+                         "model-14b,model-small,model-small mixes the 26.5 GB model in)",
                          kv_help="each engine's fixed KV cache")
     add = p.add_argument
     add("--engines", type=int, default=3)
@@ -280,10 +282,11 @@ def capped(arrivals: Sequence[Arrival], args: argparse.Namespace) -> list[Arriva
 
 # -- the simulation of the same arrivals -----------------------------------------------------
 
-def simulated(arrivals: Sequence[Arrival], weights_bytes: int, args: argparse.Namespace
-              ) -> dict[str, Any]:
-    """What ``e2e.bench.policy`` predicts for these arrivals and engines of this size."""
-    models = bench_policy.engine_models([weights_bytes / 1e9], args.engines, 400.0)
+def simulated(arrivals: Sequence[Arrival], weights_bytes: Sequence[int],
+              args: argparse.Namespace) -> dict[str, Any]:
+    """What ``e2e.bench.policy`` predicts for these arrivals and engines with these weights
+    (m0's first, taken in turn)."""
+    models = bench_policy.engine_models([b / 1e9 for b in weights_bytes], args.engines, 400.0)
     if args.sim_decode_step_s:
         models = [dataclasses.replace(m, decode_step_s=args.sim_decode_step_s) for m in models]
     sim_args = argparse.Namespace(step_s=0.02, max_seqs=args.max_seqs,
@@ -376,12 +379,18 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 # -- the run ---------------------------------------------------------------------------------
 
+def model_names(args: argparse.Namespace) -> list[str]:
+    """Each engine's model folder, m0 first: ``--model``'s list taken in turn."""
+    names = [n.strip() for n in args.model.split(",") if n.strip()]
+    return [names[i % len(names)] for i in range(args.engines)]
+
+
 def _specs(args: argparse.Namespace) -> list[EngineSpec]:
-    return [EngineSpec(key=f"m{i}", model_dir=args.models / args.model,
+    return [EngineSpec(key=f"m{i}", model_dir=args.models / name,
                        served_name=f"policy/m{i}", kv_cache_bytes=args.kv,
                        max_num_seqs=args.max_seqs, max_model_len=args.max_model_len,
                        gpu_memory_utilization=args.gpu_memory_utilization)
-            for i in range(args.engines)]
+            for i, name in enumerate(model_names(args))]
 
 
 def start_mode(text: str) -> str:
@@ -554,8 +563,7 @@ async def _window(bench: Bench, args: argparse.Namespace, start_s: float,
     entry: dict[str, Any] = {"start_s": start_s, "window_s": window_s, "arrivals": len(todo),
                              "runs": []}
     result["windows"].append(entry)
-    entry["simulated"] = simulated(
-        todo, bench.record(bench.live()[0]).spec.weights_bytes(), args)
+    entry["simulated"] = simulated(todo, [s.weights_bytes() for s in _specs(args)], args)
     runs: list[PolicyRun] = []
     slots: list[PolicyRun | dict[str, Any]] = []
     for name in args.policies.split(","):
@@ -718,10 +726,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.policies or any(x not in KNOWN_POLICIES for x in args.policies.split(",")):
         p.error(f"--policies: of {', '.join(KNOWN_POLICIES)}")
     windows = windows_of(args)
+    missing = [n for n in dict.fromkeys(model_names(args))
+               if not (args.models / n / "config.json").is_file()]
+    if missing:
+        p.error(f"--model: {', '.join(missing)} under {args.models} holds no config.json")
     if args.simulate_only:
-        config = args.models / args.model / "config.json"
-        weights = EngineSpec(key="m0", model_dir=config.parent, served_name="m",
-                             kv_cache_bytes=args.kv).weights_bytes()
+        weights = [s.weights_bytes() for s in _specs(args)]
         for start_s, arrivals in windows:
             print(f"Window from {start_s:g} s:")
             print(simulated(arrivals, weights, args)["table"])
@@ -757,7 +767,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "policy_on_engines", "launcher": args.launcher,
         "note": ("the lease controller's GpuWorker, policy and Switcher, the driver's "
                  f"inspection service on {'fake' if args.fake_nvml else 'real'} NVML, "
-                 f"{args.engines} engines of {args.model}, an in-memory Lease"),
+                 f"{args.engines} engines of {', '.join(model_names(args))}, an "
+                 "in-memory Lease"),
         "trace": str(args.trace) if args.trace else
         f"azure {args.mapping}, speed {args.speed:g}",
         "windows_rule": {"from_s": window_starts(args)[0], "every_s": args.window_every,

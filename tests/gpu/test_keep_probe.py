@@ -60,6 +60,14 @@ def test_the_probe_keeps_streams_across_sleeps_on_the_simulator(tmp: Path) -> No
     summary = result["cycles"]["summary"]
     assert summary["cycles"] == 4
     assert summary["frozen_streams"] == summary["frozen_identical"] == 2
+    # a stream is not waited for within its cycle: the next sleeps freeze it again
+    frozen = result["cycles"]["frozen"]
+    assert [f["cycle"] for f in frozen] == [0, 2]
+    assert all(f["freezes"] >= 1 for f in frozen)
+    assert summary["most_freezes_of_a_stream"] == max(f["freezes"] for f in frozen)
+    assert [r[5] for r in result["cycles"]["rows"]] == [True, None, True, None]
+    assert summary["cycle_s_p50"] > 0
+    assert summary["read_s_p50"] is not None
     assert summary["asleep_mib"]["first"] < summary["awake_mib"]["first"]
     assert "| A | 2/2 |" in done.stdout
     assert json.loads(done.stdout.strip().splitlines()[-1])["correct"] == {

@@ -171,3 +171,33 @@ def test_the_azure_windows_are_cut_into_a_csv_that_replays_them(tmp_path: Path) 
         for a, b in zip(mine, theirs, strict=True):
             assert (a.model, a.context, a.generated) == (b.model, b.context, b.generated)
             assert abs(a.at - b.at) < 1e-3  # written to a tenth of a millisecond
+
+
+def test_a_mix_of_models_is_taken_in_turn_by_the_engines_and_the_simulation(
+        tmp_path: Path) -> None:
+    from e2e.gpu.policy_run import _specs, model_names, simulated
+
+    models = write_models(tmp_path / "models")
+    args = parser().parse_args(["--models", str(models), "--engines", "4",
+                                "--model", "model-small, model-14b"])
+    assert model_names(args) == ["model-small", "model-14b", "model-small", "model-14b"]
+    specs = _specs(args)
+    assert [s.model_dir.name for s in specs] == model_names(args)
+    small, big = specs[0].weights_bytes(), specs[1].weights_bytes()
+    assert big > 20 * small
+    # the simulation sizes each engine by its own weights: the big ones decode slower
+    arrivals = [Arrival(0.1 * i, i % 4, 32, 8) for i in range(8)]
+    sim = simulated(arrivals, [s.weights_bytes() for s in specs], args)
+    assert "m1 (26.5" in sim["table"]
+    assert "m0 (1.0" in sim["table"]
+
+
+def test_a_model_folder_without_a_config_is_refused_before_anything_starts(
+        tmp_path: Path) -> None:
+    models = write_models(tmp_path / "models")
+    done = subprocess.run([sys.executable, "-m", "e2e.gpu.policy_run", "--simulate-only",
+                           "--models", str(models), "--model", "model-small,model-70b"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "model-70b" in done.stderr
+    assert "holds no config.json" in done.stderr
