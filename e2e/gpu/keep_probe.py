@@ -17,9 +17,10 @@ that correctly and what a kept stream looks like to its client:
    stays right if ``/sleep`` stops handling requests, vLLM RFC #51476);
 3. **cycles**: ``--cycles`` level-1 sleep/wake cycles with the first sequence of phase 2
    that kept every stream intact (``--cycle-sequence``), every ``--stream-every``-th
-   starting a short greedy stream that its sleep freezes (and every later sleep while it
-   still runs); the awake and asleep footprints, the cycle's seconds and the seconds of
-   its NVML reads per cycle.
+   starting a short greedy stream that its sleep freezes, or freezing the one still
+   running (every later sleep freezes it again until it ends: cycles never wait for it);
+   the awake and asleep footprints, the cycle's seconds and the seconds of its NVML reads
+   per cycle.
 
 Every stream asks for ``logprobs`` and ``return_token_ids`` so each SSE chunk's tokens are
 counted (a chunk may carry several tokens: vLLM's output collector merges deltas when the
@@ -124,7 +125,8 @@ def parser() -> argparse.ArgumentParser:
     add("--sequences", default="A,B,B2", help=f"of {', '.join(SEQUENCES)}, in this order")
     add("--cycles", type=int, default=1000)
     add("--stream-every", type=int, default=4,
-        help="every this many cycles, a short stream frozen by the sleep (0: none)")
+        help="every this many cycles, a short stream started and frozen by the sleep, or "
+             "the one still running frozen again (0: none)")
     add("--cycle-max-tokens", type=int, default=64)
     add("--cycle-sequence", default="auto",
         help="the cycles' sequence; auto: the first of B2, A, B that kept every stream")
@@ -433,16 +435,18 @@ def cycle_sequence(args: argparse.Namespace, tried: Sequence[dict[str, Any]]) ->
 async def cycles(probe: Probe, seq: CallSequence, refs: dict[str, StreamRecord],
                  result: dict[str, Any], write: Callable[[], None]) -> None:
     """Level-1 sleep/wake cycles, every ``--stream-every``-th starting a short stream that
-    its sleep freezes mid-decode. A stream is not waited for within its cycle: it decodes
-    through the next cycles and is frozen again by every sleep it is still running at (one
-    stream at a time: the next one starts after it ended), so cycles go at the pace of the
-    calls and reads, and the stream is checked against its reference when it ends."""
+    its sleep freezes mid-decode. A stream is never waited for: it decodes through the next
+    cycles and is frozen again by every sleep it is still running at, and a cycle due to
+    start one while the last still runs freezes that one instead (one stream at a time).
+    So cycles go at the pace of the calls and reads (a 64-token stream of an eager engine
+    outlasts several cycles), at least every ``--stream-every``-th freezes a stream, and
+    each stream is checked against its reference once it ended."""
     args = probe.args
     rows: list[list[Any]] = []
     frozen: list[dict[str, Any]] = []
     result["cycles"] = {"sequence": seq.name, "columns": [
         "cycle", "sleep_s", "wake_s", "asleep_mib", "awake_mib", "stream_identical",
-        "cycle_s", "read_s"], "rows": rows, "frozen": frozen}
+        "cycle_s", "read_s", "froze_a_stream"], "rows": rows, "frozen": frozen}
     prompts = _cycle_prompts()
     running: _CycleStream | None = None
 
@@ -461,9 +465,10 @@ async def cycles(probe: Probe, seq: CallSequence, refs: dict[str, StreamRecord],
             result["cycles"]["stopped"] = f"budget: {i} of {args.cycles} cycles"
             break
         began = time.monotonic()
-        row: list[Any] = [i, 0.0, 0.0, None, None, None, 0.0, 0.0]
-        if args.stream_every and i % args.stream_every == 0:
+        row: list[Any] = [i, 0.0, 0.0, None, None, None, 0.0, 0.0, False]
+        if running is not None and running.task.done():
             await collect()
+        if args.stream_every and i % args.stream_every == 0 and running is None:
             prompt = prompts[(i // args.stream_every) % len(prompts)]
             (rec,), (task,) = probe.start_streams([prompt], args.cycle_max_tokens)
             running = _CycleStream(task, row)
@@ -471,6 +476,7 @@ async def cycles(probe: Probe, seq: CallSequence, refs: dict[str, StreamRecord],
             await probe.progress.wait_for(_has_tokens(rec, first), 30.0)
         if running is not None and not running.task.done():
             running.freezes += 1
+            row[8] = True
         sleep_calls = [await probe.call(p) for p in seq.sleep]
         read_began = time.monotonic()
         asleep = footprint(probe.memory())
@@ -529,6 +535,7 @@ def cycle_summary(rows: Sequence[Sequence[Any]], frozen: Sequence[dict[str, Any]
             "cycle_s_p50": _median(sorted(r[6] for r in rows if len(r) > 6)),
             "read_s_p50": _median(sorted(r[7] for r in rows if len(r) > 7)),
             "most_freezes_of_a_stream": max((f.get("freezes", 1) for f in frozen), default=0),
+            "cycles_freezing_a_stream": sum(1 for r in rows if len(r) > 8 and r[8]),
             "frozen_streams": len(frozen),
             "frozen_identical": sum(1 for f in frozen if f["identical"]),
             "frozen_with_all_chunks": sum(1 for f in frozen if f["chunks"] == f["tokens"]),

@@ -59,13 +59,18 @@ def test_the_probe_keeps_streams_across_sleeps_on_the_simulator(tmp: Path) -> No
     assert result["cycle_sequence"]["name"] == "B2"
     summary = result["cycles"]["summary"]
     assert summary["cycles"] == 4
-    assert summary["frozen_streams"] == summary["frozen_identical"] == 2
-    # a stream is not waited for within its cycle: the next sleeps freeze it again
+    assert summary["frozen_streams"] == summary["frozen_identical"] >= 1
+    # a stream is never waited for: later sleeps freeze it again, and a cycle due to start
+    # one while it runs freezes it instead (at 50 tokens/s an 8-token stream outlasts the
+    # simulator's cycles)
     frozen = result["cycles"]["frozen"]
-    assert [f["cycle"] for f in frozen] == [0, 2]
-    assert all(f["freezes"] >= 1 for f in frozen)
+    assert frozen[0]["cycle"] == 0
+    assert all(f["cycle"] % 2 == 0 for f in frozen)
+    assert sum(f["freezes"] for f in frozen) == summary["cycles_freezing_a_stream"] >= 2
+    assert all(r[8] for r in result["cycles"]["rows"] if r[0] % 2 == 0)  # 0 and 2 froze one
     assert summary["most_freezes_of_a_stream"] == max(f["freezes"] for f in frozen)
-    assert [r[5] for r in result["cycles"]["rows"]] == [True, None, True, None]
+    rows = result["cycles"]["rows"]
+    assert [r[5] for r in rows if r[0] in {f["cycle"] for f in frozen}] == [True] * len(frozen)
     assert summary["cycle_s_p50"] > 0
     assert summary["read_s_p50"] is not None
     assert summary["asleep_mib"]["first"] < summary["awake_mib"]["first"]
