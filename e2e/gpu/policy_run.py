@@ -726,8 +726,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.policies or any(x not in KNOWN_POLICIES for x in args.policies.split(",")):
         p.error(f"--policies: of {', '.join(KNOWN_POLICIES)}")
     windows = windows_of(args)
-    missing = [n for n in dict.fromkeys(model_names(args))
-               if not (args.models / n / "config.json").is_file()]
+    missing = [] if args.write_trace is not None else [  # cutting a trace needs no model
+        n for n in dict.fromkeys(model_names(args))
+        if not (args.models / n / "config.json").is_file()]
     if missing:
         p.error(f"--model: {', '.join(missing)} under {args.models} holds no config.json")
     if args.simulate_only:
