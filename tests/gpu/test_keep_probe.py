@@ -80,10 +80,13 @@ def test_the_probe_keeps_streams_across_sleeps_on_the_simulator(tmp: Path) -> No
 
 
 def test_the_cycle_summary_reports_drift_from_the_first_cycle() -> None:
-    rows: list[list[Any]] = [[0, 0.1, 0.2, 800.0, 5000.0, True], [1, 0.1, 0.3, 808.0, 5000.0, None],
-            [2, 0.2, 0.2, 800.0, 4950.0, False]]
-    frozen = [{"identical": True, "chunks": 8, "tokens": 8, "reference_tokens": 8},
-              {"identical": False, "chunks": 5, "tokens": 8, "reference_tokens": 8}]
+    rows: list[list[Any]] = [[0, 0.1, 0.2, 800.0, 5000.0, True, 0.4, 0.01, True],
+                             [1, 0.1, 0.3, 808.0, 5000.0, None, 0.4, 0.01, True],
+                             [2, 0.2, 0.2, 800.0, 4950.0, False, 0.5, 0.01, True]]
+    frozen = [{"identical": True, "chunks": 8, "tokens": 8, "reference_tokens": 8,
+               "freezes": 2},
+              {"identical": False, "chunks": 5, "tokens": 8, "reference_tokens": 8,
+               "freezes": 1}]
     summary = cycle_summary(rows, frozen)
     assert summary["asleep_mib"] == {"first": 800.0, "last": 800.0, "max_drift_pct": 1.0}
     assert summary["awake_mib"]["max_drift_pct"] == 1.0
