@@ -103,7 +103,11 @@ after the holder has had three times what the switch costs; no rule preempts it 
 instead), and past it a preemptible holder gives way to a waiter at once (rule ``cost``).
 While streams stay frozen, visits alternate as the freeze bound asks and may spend more
 than the switch share switching (with 16 GB engines, about 0.8 s a switch, a visit of
-about 1.2 s); once a return no longer fits, the holder that returned keeps its whole turn.
+about 1.2 s); once a return no longer fits, the holder that returned keeps its whole turn,
+unless what is left of that turn alone outlasts a frozen claimant's bound and ending the
+visit breaks fewer streams than the turn would (its own counted): a 26.5 GB visitor
+among 1 GB engines (a 5.2 s turn) gives the GPU back to their frozen streams instead of
+keeping them frozen 7 s.
 A holder with nothing in flight gives way at once (``holder_idle``), so sequential traffic
 gets its first token within the switch's own cost. Where no claim keeps requests,
 ``rota`` decides exactly as ``drain``.
@@ -123,7 +127,7 @@ as in ``rota`` mode (the default keep-alive is forever: llama-swap's ``ttl: 0``)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -525,28 +529,51 @@ def _freeze_fits(inp: PolicyInput, holder: str | None, target: str, *,
     woken in order of their deadlines (earliest first) after the target's visit, each
     given a visit (:func:`_visit_s`), each woken ``DUE_MARGIN_S`` before its deadline.
     The text says which would overrun."""
-    now = inp.gpu.now
+    late = _late_after(inp, holder, target, preempted=preempted)
+    if not late:
+        return True, ""
+    claim, overrun, _ = late[0]
+    return False, (f"{claim}'s frozen streams would wait {overrun:.2f} s past their "
+                   f"{_policy(inp, claim).longest_freeze_s:g} s bound")
+
+
+def _late_after(inp: PolicyInput, holder: str | None, target: str, *,
+                preempted: bool = True) -> list[tuple[str, float, int]]:
+    """The plan of :func:`_freeze_fits`: the frozen claimants it brings back late."""
     holder_frozen: list[tuple[float, str, int | None]] = [] if holder is None or not (
-        preempted) else [(now + _policy(inp, holder).longest_freeze_s, holder,
+        preempted) else [(inp.gpu.now + _policy(inp, holder).longest_freeze_s, holder,
                           inp.gpu.in_flight * HOLDER_TOKENS_PER_REQUEST)]
+    drain = inp.gpu.drain_estimate_s if holder is not None and not preempted else 0.0
+    return _returns_late(inp, _visit_ends(inp, holder, target) + drain, target,
+                         (holder, target), holder_frozen)
+
+
+def _visit_ends(inp: PolicyInput, holder: str | None, target: str) -> float:
+    """When a visit of ``target`` that preempts ``holder`` now would end."""
+    return (inp.gpu.now + _cost(inp, holder, target) + _recompute_s(inp, target)
+            + _visit_s(inp, target, _measured_cost(inp, holder, target)))
+
+
+def _returns_late(inp: PolicyInput, t: float, previous: str | None,
+                  skip: tuple[str | None, ...],
+                  extra: Sequence[tuple[float, str, int | None]] = ()
+                  ) -> list[tuple[str, float, int]]:
+    """The frozen claimants (other than ``skip``, with ``extra`` returns) that would come
+    back past their bound when, from ``t`` on, the GPU turns from ``previous`` to each
+    in order of their deadlines, each given a visit: (claim, overrun s, kept streams)."""
     deadlines = sorted(
         [(k.frozen_since + _policy(inp, c).longest_freeze_s, c, None)
-         for c, k in inp.kept.items() if k.count > 0 and c not in (holder, target)]
-        + holder_frozen)
-    drain = inp.gpu.drain_estimate_s if holder is not None and not preempted else 0.0
-    switch_in = _cost(inp, holder, target) + _recompute_s(inp, target)
-    t = now + drain + switch_in + _visit_s(inp, target, _measured_cost(inp, holder, target))
-    previous: str | None = target
+         for c, k in inp.kept.items() if k.count > 0 and c not in skip] + list(extra))
+    late: list[tuple[str, float, int]] = []
     for deadline, claim, tokens in deadlines:
-        switch_in = _cost(inp, previous, claim) + _recompute_s(inp, claim, tokens)
-        t += switch_in
+        t += _cost(inp, previous, claim) + _recompute_s(inp, claim, tokens)
         if t + DUE_MARGIN_S > deadline:
-            return False, (f"{claim}'s frozen streams would wait "
-                           f"{t + DUE_MARGIN_S - deadline:.2f} s past their "
-                           f"{_policy(inp, claim).longest_freeze_s:g} s bound")
+            kept = inp.kept.get(claim)
+            count = kept.count if kept is not None and tokens is None else inp.gpu.in_flight
+            late.append((claim, t + DUE_MARGIN_S - deadline, count))
         t += _visit_s(inp, claim, _measured_cost(inp, previous, claim))
         previous = claim
-    return True, ""
+    return late
 
 
 def _visit_s(inp: PolicyInput, claim: str, switch_in_s: float = 0.0) -> float:
@@ -564,10 +591,25 @@ def _frozen_others(inp: PolicyInput, holder: str) -> bool:
 
 
 def _visited(inp: PolicyInput, holder: str) -> bool:
-    """Whether ``holder`` holds the GPU on a visit: some claimant's frozen streams can
-    still be brought back within their bound by preempting it."""
-    return any(k.count > 0 and c != holder and _freeze_fits(inp, holder, c)[0]
-               for c, k in inp.kept.items())
+    """Whether ``holder`` holds the GPU on a visit: preempting it now for some frozen
+    claimant brings every frozen stream, the holder's own included, back within its
+    bound. Or no plan does, but what is left of the holder's whole turn alone outlasts
+    the bound of streams it would keep frozen past it, and ending the visit breaks fewer
+    streams (the holder's own then counted) than the whole turn does: a visitor slow to
+    switch back, woken while engines quick to switch were frozen, would otherwise keep
+    them frozen for its whole turn once no plan keeps every bound to the letter."""
+    frozen = [c for c, k in inp.kept.items() if k.count > 0 and c != holder]
+    if not frozen:
+        return False
+    visit_ends = min(sum(n for _, _, n in _late_after(inp, holder, c)) for c in frozen)
+    if visit_ends == 0:
+        return True
+    turn_ends = inp.gpu.awake_since + _own_turn(
+        inp, holder, inp.gpu.switch_in_s or _cost(inp, holder, holder))
+    late = _returns_late(inp, max(inp.gpu.now, turn_ends), holder, (holder,))
+    outlasts = any(turn_ends - inp.gpu.now > _policy(inp, c).longest_freeze_s
+                   for c, _, _ in late)
+    return outlasts and visit_ends < sum(n for _, _, n in late)
 
 
 def _own_turn(inp: PolicyInput, claim: str, switch_in_s: float) -> float:

@@ -170,3 +170,40 @@ def test_measured_switches_too_slow_for_a_worthwhile_visit_decide_as_drain() -> 
     rota = decide(inp)
     assert not rota.preempt
     assert rota == decide(_in_mode(inp, PolicyMode.DRAIN))
+
+
+SMALL = SwitchCost(sleep_s=0.02, wake_s=0.023, probe_s=0.086, recompute_tokens_per_s=394_000)
+LARGE = SwitchCost(sleep_s=0.53, wake_s=0.59, probe_s=0.086, recompute_tokens_per_s=15_000)
+"""A 1 GB and a 26.5 GB engine, as the simulation of the mix calibrates them."""
+
+
+def _large_visitor(*, now: float, in_flight: int) -> PolicyInput:
+    """The busiest window of the mix (simulated): the large model m1 was woken at 14.46 s
+    on a visit while the small models' streams were frozen (m0's 5 since 13.38 s, m2's
+    16 since 13.74 s); its own 1.7 s switch makes its whole turn 5.2 s."""
+    return PolicyInput(gpu=GpuView(now=now, holder="m1", awake_since=14.46,
+                                   in_flight=in_flight, last_request=14.8),
+                       queues=(ClaimQueue("m0", 12, 13.5), ClaimQueue("m2", 2, 14.09)),
+                       costs={"m0": SMALL, "m1": LARGE, "m2": SMALL},
+                       default_policy=ModelPolicy(keeps_requests=True),
+                       kept={"m0": KeptWork(5, 13.38, recompute_tokens=8639),
+                             "m2": KeptWork(16, 13.74, recompute_tokens=15881)})
+
+
+def test_a_slow_visitor_is_preempted_when_its_whole_turn_would_break_more_streams() -> None:
+    """At 15.65 s m0's freeze bound is due. No plan keeps every bound any more (m2 would
+    come back 0.16 s late), and the old rule then counted m1 as holding a whole turn: it
+    stayed until 19.67 s (4 s more, longer than the 3 s bound) and all 21 frozen streams
+    overran their bound by 4 s. Ending the visit breaks fewer: m0 comes back at once, the
+    13 in flight are kept."""
+    d = decide(_large_visitor(now=15.65, in_flight=13))
+    assert (d.action, d.target, d.rule, d.preempt) == (
+        Action.SWITCH, "m0", "freeze_bound", True), d.reason
+
+
+def test_a_visitor_whose_own_streams_outnumber_the_frozen_keeps_its_whole_turn() -> None:
+    """The same moment with 40 of m1's requests in flight: preempting it would freeze
+    more streams past their bound (its own, recomputed after both small models) than its
+    whole turn keeps frozen (21), so it keeps the GPU, as before."""
+    d = decide(_large_visitor(now=15.65, in_flight=40))
+    assert (d.action, d.rule) == (Action.STAY, "quantum"), d.reason
