@@ -540,9 +540,9 @@ def _freeze_fits(inp: PolicyInput, holder: str | None, target: str, *,
 def _late_after(inp: PolicyInput, holder: str | None, target: str, *,
                 preempted: bool = True) -> list[tuple[str, float, int]]:
     """The plan of :func:`_freeze_fits`: the frozen claimants it brings back late."""
-    holder_frozen: list[tuple[float, str, int | None]] = [] if holder is None or not (
-        preempted) else [(inp.gpu.now + _policy(inp, holder).longest_freeze_s, holder,
-                          inp.gpu.in_flight * HOLDER_TOKENS_PER_REQUEST)]
+    holder_frozen: list[_Return] = [] if holder is None or not preempted else [
+        (inp.gpu.now + _policy(inp, holder).longest_freeze_s, holder,
+         inp.gpu.in_flight * HOLDER_TOKENS_PER_REQUEST, inp.gpu.in_flight)]
     drain = inp.gpu.drain_estimate_s if holder is not None and not preempted else 0.0
     return _returns_late(inp, _visit_ends(inp, holder, target) + drain, target,
                          (holder, target), holder_frozen)
@@ -554,23 +554,25 @@ def _visit_ends(inp: PolicyInput, holder: str | None, target: str) -> float:
             + _visit_s(inp, target, _measured_cost(inp, holder, target)))
 
 
+_Return = tuple[float, str, int | None, int]
+"""A frozen claimant's return in a plan: its deadline, the claim, the tokens it recomputes
+(None: its kept requests'), its frozen streams."""
+
+
 def _returns_late(inp: PolicyInput, t: float, previous: str | None,
-                  skip: tuple[str | None, ...],
-                  extra: Sequence[tuple[float, str, int | None]] = ()
+                  skip: tuple[str | None, ...], extra: Sequence[_Return] = ()
                   ) -> list[tuple[str, float, int]]:
     """The frozen claimants (other than ``skip``, with ``extra`` returns) that would come
     back past their bound when, from ``t`` on, the GPU turns from ``previous`` to each
-    in order of their deadlines, each given a visit: (claim, overrun s, kept streams)."""
-    deadlines = sorted(
-        [(k.frozen_since + _policy(inp, c).longest_freeze_s, c, None)
-         for c, k in inp.kept.items() if k.count > 0 and c not in skip] + list(extra))
+    in order of their deadlines, each given a visit: (claim, overrun s, frozen streams)."""
+    returns: list[_Return] = [
+        (k.frozen_since + _policy(inp, c).longest_freeze_s, c, None, k.count)
+        for c, k in inp.kept.items() if k.count > 0 and c not in skip]
     late: list[tuple[str, float, int]] = []
-    for deadline, claim, tokens in deadlines:
+    for deadline, claim, tokens, streams in sorted([*returns, *extra]):
         t += _cost(inp, previous, claim) + _recompute_s(inp, claim, tokens)
         if t + DUE_MARGIN_S > deadline:
-            kept = inp.kept.get(claim)
-            count = kept.count if kept is not None and tokens is None else inp.gpu.in_flight
-            late.append((claim, t + DUE_MARGIN_S - deadline, count))
+            late.append((claim, t + DUE_MARGIN_S - deadline, streams))
         t += _visit_s(inp, claim, _measured_cost(inp, previous, claim))
         previous = claim
     return late
@@ -598,18 +600,17 @@ def _visited(inp: PolicyInput, holder: str) -> bool:
     streams (the holder's own then counted) than the whole turn does: a visitor slow to
     switch back, woken while engines quick to switch were frozen, would otherwise keep
     them frozen for its whole turn once no plan keeps every bound to the letter."""
-    frozen = [c for c, k in inp.kept.items() if k.count > 0 and c != holder]
-    if not frozen:
-        return False
-    visit_ends = min(sum(n for _, _, n in _late_after(inp, holder, c)) for c in frozen)
-    if visit_ends == 0:
-        return True
+    plans = [_late_after(inp, holder, c) for c, k in inp.kept.items()
+             if k.count > 0 and c != holder]
+    if not plans or any(not late for late in plans):
+        return bool(plans)
     turn_ends = inp.gpu.awake_since + _own_turn(
         inp, holder, inp.gpu.switch_in_s or _cost(inp, holder, holder))
-    late = _returns_late(inp, max(inp.gpu.now, turn_ends), holder, (holder,))
+    after_turn = _returns_late(inp, max(inp.gpu.now, turn_ends), holder, (holder,))
     outlasts = any(turn_ends - inp.gpu.now > _policy(inp, c).longest_freeze_s
-                   for c, _, _ in late)
-    return outlasts and visit_ends < sum(n for _, _, n in late)
+                   for c, _, _ in after_turn)
+    broken_by_visit_end = min(sum(n for _, _, n in late) for late in plans)
+    return outlasts and broken_by_visit_end < sum(n for _, _, n in after_turn)
 
 
 def _own_turn(inp: PolicyInput, claim: str, switch_in_s: float) -> float:
