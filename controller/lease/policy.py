@@ -602,10 +602,11 @@ def _visited(inp: PolicyInput, holder: str) -> bool:
     them frozen for its whole turn once no plan keeps every bound to the letter."""
     plans = [_late_after(inp, holder, c) for c, k in inp.kept.items()
              if k.count > 0 and c != holder]
-    if not plans or any(not late for late in plans):
-        return bool(plans)
-    turn_ends = inp.gpu.awake_since + _own_turn(
-        inp, holder, inp.gpu.switch_in_s or _cost(inp, holder, holder))
+    if not plans:
+        return False
+    if any(not late for late in plans):
+        return True
+    turn_ends = _turn_ends(inp, holder)
     after_turn = _returns_late(inp, max(inp.gpu.now, turn_ends), holder, (holder,))
     outlasts = any(turn_ends - inp.gpu.now > _policy(inp, c).longest_freeze_s
                    for c, _, _ in after_turn)
@@ -629,6 +630,12 @@ def _tenure_ends(inp: PolicyInput, holder: str) -> float:
     :func:`_freeze_fits` give it that much before the frozen streams come back."""
     if _visited(inp, holder):
         return inp.gpu.awake_since + _visit_s(inp, holder)
+    return _turn_ends(inp, holder)
+
+
+def _turn_ends(inp: PolicyInput, holder: str) -> float:
+    """When the holder's whole turn (:func:`_own_turn`) ends: sized from the switch that
+    brought it in, or from its own sleep, wake and probe where that is not known."""
     switch_in = inp.gpu.switch_in_s or _cost(inp, holder, holder)
     return inp.gpu.awake_since + _own_turn(inp, holder, switch_in)
 

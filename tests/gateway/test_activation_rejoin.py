@@ -20,11 +20,13 @@ pytestmark = pytest.mark.gateway
 
 
 @pytest.fixture
-async def slow_controller() -> AsyncIterator[tuple[str, list[str]]]:
+async def slow_controller() -> AsyncIterator[tuple[str, list[str], asyncio.Event]]:
     calls: list[str] = []
+    asked = asyncio.Event()
 
     async def activate(request: web.Request) -> web.Response:
         calls.append("asked")
+        asked.set()
         await asyncio.sleep(0.3)
         body = await request.json()
         return web.json_response(ActivateAnswer(model=body["model"], claim=body["claim"],
@@ -35,21 +37,22 @@ async def slow_controller() -> AsyncIterator[tuple[str, list[str]]]:
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     try:
-        yield str(server.make_url("")).rstrip("/"), calls
+        yield str(server.make_url("")).rstrip("/"), calls, asked
     finally:
         await server.close()
 
 
 async def test_a_request_arriving_as_the_last_waiter_leaves_gets_its_answer(
-        slow_controller: tuple[str, list[str]]) -> None:
-    url, calls = slow_controller
+        slow_controller: tuple[str, list[str], asyncio.Event]) -> None:
+    url, calls, asked = slow_controller
     async with aiohttp.ClientSession() as session:
         activator = Activator(session, None, timeout_s=5, connect_timeout_s=1, attempts=1,
                               retry_after=1.0, metrics=GatewayMetrics(dict))
         deadline = asyncio.get_running_loop().time() + 10
         first = asyncio.create_task(activator.activate(url, "org/m", "prod/m",
                                                        deadline=deadline))
-        await asyncio.sleep(0.1)  # its call is at the controller
+        async with asyncio.timeout(5):
+            await asked.wait()  # its call is at the controller
         first.cancel()  # its client left: the call is cancelled ...
         await asyncio.sleep(0)  # ... and the cancellation has run, the call not finished
         async with asyncio.timeout(5):
