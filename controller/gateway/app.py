@@ -39,6 +39,7 @@ from controller.gateway.routes import error_middleware, routes
 from controller.gateway.routing import RoutingSource, RoutingState
 from controller.gateway.settings import GatewaySettings
 from rota.kit.aio import Backoff
+from rota.kit.engine_connections import engine_connector
 from rota.kit.kube import load_api_client
 from rota.kit.listen import start_site
 
@@ -130,7 +131,7 @@ def _clients(token: SecretFile | None, secrets: SecretReader | None, *, kube_sec
         # Engines' answers pass through byte for byte: no decompression, no pool limit
         # beyond the model's places (which bound connections per model).
         session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            connector=engine_connector(limit=0, enable_cleanup_closed=True),
             auto_decompress=False)
         activator = Activator(session, token, timeout_s=settings.activation_timeout_s,
                               connect_timeout_s=settings.activation_connect_timeout_s,

@@ -33,6 +33,7 @@ from controller.lease.settings import LeaseSettings
 from controller.lease.visible_state_writer import VisibleStateKube, VisibleStateWriter
 from controller.urls import advertised_url
 from rota.kit.aio import Backoff, retry
+from rota.kit.engine_connections import engine_connector
 from rota.kit.errors import KubeError
 from rota.kit.kube import load_api_client
 from rota.kit.listen import DUAL_STACK, split_host_port, start_site
@@ -76,7 +77,7 @@ async def run(settings: LeaseSettings, life: Lifecycle | None = None) -> None:
                       lease_namespace=settings.namespace)
     cache.start()
     timeout = aiohttp.ClientTimeout(total=None, connect=5)
-    connector = aiohttp.TCPConnector(limit=256)
+    connector = engine_connector()
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         host, port = split_host_port(settings.listen)
         runner: web.AppRunner | None = None

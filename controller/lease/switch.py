@@ -512,8 +512,11 @@ class Switcher:
                               timings: dict[str, float]) -> float:
         """Wake and prove it; returns the monotonic time of the first token. The wake's
         confirmation (``/is_sleeping``) runs beside the probe: a generation changes
-        nothing, and the switch counts the target awake only once both are in (a
-        confirmation that fails wins over the probe's error: it says why)."""
+        nothing, and the switch counts the target awake only once both are in. A
+        confirmation that fails wins over the probe's error (it says why) and ends the
+        probe at once: an engine still asleep after a wake it answered with success holds
+        the probe until ``probe_s`` (60 s by default), and the back-out that wakes the old
+        holder again must not wait for that."""
         engine = await self.fenced_engine(target, fence, timings)
         t = self.limits.timeouts
         outcome = await self._step("wake", engine.wake(target.sleep_level, confirm=False),
@@ -522,19 +525,15 @@ class Switcher:
         timings["wake_call"] = wake_s
         self.ports.observer.woke(target.model, target.sleep_level, wake_s)
         self.record_thaw(target)
-
-        async def confirm() -> None:
-            # made inside, so that a cancellation before it starts creates no call
+        probing = asyncio.ensure_future(self.probe(target, fence, timings, wake_s=wake_s))
+        try:
             await self._step("wake_confirm", engine.confirm_awake(), t.confirm_s, timings)
-
-        confirmed, first_token = await asyncio.gather(
-            confirm(), self.probe(target, fence, timings, wake_s=wake_s),
-            return_exceptions=True)
-        if isinstance(confirmed, BaseException):
-            raise confirmed
-        if isinstance(first_token, BaseException):
-            raise first_token
-        return first_token
+            return await probing
+        finally:
+            # ended, or its end collected: its error is the switch's only when the wake
+            # was confirmed
+            probing.cancel()
+            await asyncio.gather(probing, return_exceptions=True)
 
     async def probe(self, target: Claimant, fence: int, timings: dict[str, float], *,
                      wake_s: float = 0.0) -> float:

@@ -43,6 +43,7 @@ import aiohttp
 from controller.lease.metrics import SwitchMetrics
 from e2e.harness.gang_node import AwakeSetWatch, GangNode, gang_node, node_of, start_sim
 from rota.api import naming
+from rota.kit.engine_connections import engine_connector
 
 __all__ = ["GangCampaign", "Report", "run"]
 
@@ -265,7 +266,7 @@ async def run(*, switches: int, seed: int, clients: int = 6,
     rng = random.Random(seed)
     report = Report(awake_set=awake_set)
     begin = time.monotonic()
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=engine_connector()) as session:
         observer = SleepCount(report)
         node = await gang_node(start_sim, session, SET_MIX if awake_set else NODE_MIX, gpus=8,
                                observer=observer, awake_set=awake_set)

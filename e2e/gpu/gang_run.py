@@ -55,6 +55,7 @@ from e2e.gpu.switch_summary import common, values
 from e2e.harness.ports import MemoryLeasePort, ReaderDevice
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
+from rota.kit.engine_connections import engine_connector
 from rota.kit.sockets import UnixServer
 
 __all__ = ["gang_summary", "run_gang_protocol"]
@@ -124,7 +125,7 @@ async def run_gang_protocol(run: Run, args: argparse.Namespace, backend: NvmlBac
     reader = DeviceReader(socket, timeout_s=10.0)
     watch_reader = DeviceReader(socket, timeout_s=10.0)
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=engine_connector()) as session:
             await _gang_handoffs(run, args, TimedDevice(ReaderDevice(reader)), watch_reader,
                                  session, deadline)
     finally:

@@ -34,6 +34,7 @@ from e2e.gpu.switch_ports import claimant, engines, view, view_line, wait_attrib
 from e2e.harness.ports import MemoryLeasePort, ReaderDevice
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
+from rota.kit.engine_connections import engine_connector
 from rota.kit.sockets import UnixServer
 
 __all__ = ["Run", "remaining", "run_protocol", "say", "step_timeouts"]
@@ -112,7 +113,7 @@ async def run_protocol(run: Run, args: argparse.Namespace, backend: NvmlBackend,
     await server.start()
     reader = DeviceReader(socket, timeout_s=10.0)
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=engine_connector()) as session:
             await _handoffs(run, args, ReaderDevice(reader), session, deadline)
     finally:
         await reader.close()

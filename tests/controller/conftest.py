@@ -25,6 +25,7 @@ from e2e.engine_simulator.engine import Engine
 from e2e.engine_simulator.keys import ENGINE_KEY
 from e2e.engine_simulator.loopback import SimulatorServer
 from e2e.engine_simulator.settings import Faults, FaultsPatch
+from rota.kit.engine_connections import engine_connector
 
 ENGINE_SIM_MODEL = "sim/adapter-model"
 ENGINE_SIM_CLAIM = "default/claim-a"
@@ -70,7 +71,7 @@ EngineSimFactory = Callable[..., Awaitable[EngineSim]]
 
 @pytest.fixture
 async def engine_session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=engine_connector()) as session:
         yield session
 
 

@@ -35,9 +35,9 @@ class _SwitchRecorder(SwitchMetrics):
 
 
 async def _a_serving(factory: EngineSimFactory, session: aiohttp.ClientSession,
-                     recorder: _SwitchRecorder) -> GangNode:
+                     recorder: _SwitchRecorder, timeouts: StepTimeouts = SHORT) -> GangNode:
     node = await gang_node(factory, session, [("a", ("gpu-0",), 20), ("b", ("gpu-0",), 20)],
-                           gpus=1, awake=("a",), timeouts=SHORT, observer=recorder)
+                           gpus=1, awake=("a",), timeouts=timeouts, observer=recorder)
     worker = node.workers["gpu-0"]
     # Reconciled, every engine known (on a loaded machine an answer can come late).
     await node.until(lambda: worker.reconciliations > 0 and not worker.unsettled,
@@ -86,6 +86,31 @@ async def test_a_failed_switch_keeps_one_owner_and_says_why(
         assert node.holders() == {"gpu-0": a.claimant.ref}
         await faulty.sim.faults(**{fault: False})
         await _serves_again(node, b, a)
+        assert node.watch.violations == []
+    finally:
+        await node.close()
+
+
+async def test_a_wake_that_lied_is_backed_out_without_waiting_for_its_probe(
+        engine_sim_factory: EngineSimFactory, engine_session: aiohttp.ClientSession) -> None:
+    """An engine still asleep after a wake it answered with success holds the correctness
+    probe (its request waits for a wake that never comes) until the probe's first-token
+    bound (30 s). The failed confirmation ends the probe: the old holder serves again well
+    within that bound (which the switch once waited out)."""
+    recorder = _SwitchRecorder()
+    patient = SHORT.model_copy(update={"probe_s": 3600.0})
+    node = await _a_serving(engine_sim_factory, engine_session, recorder, patient)
+    a, b = node.engines
+    first_token_s = patient.engine_calls().probe_first_token_s
+    try:
+        await b.sim.faults(wake_ignored=True)
+        async with asyncio.timeout(first_token_s * 2 / 3):
+            failed = await node.activate(b)
+            assert failed.reason == "lied", failed.message
+            back = await node.activate(a)
+        assert back.ok, back.message
+        assert recorder.ends == ["lied"]
+        assert node.holders() == {"gpu-0": a.claimant.ref}
         assert node.watch.violations == []
     finally:
         await node.close()

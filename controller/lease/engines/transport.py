@@ -20,7 +20,9 @@ Retries, all through :func:`rota.kit.aio.retry` (bounded, jittered):
 - any other call (a control POST) is re-sent **once**, and only when the server closed
   the connection before answering anything: vLLM's uvicorn closes connections idle for
   5 s, and a pooled connection reused at that moment fails that way without the request
-  having been read.
+  having been read. The pool (:mod:`rota.kit.engine_connections`) lets go of idle
+  connections before that moment comes; the re-send is for an engine that closes them
+  sooner. A reset is not re-sent: it may come after the request was read.
 
 A call sent again always goes on a new connection of its own: the idle connections to an
 engine may all have been closed at the same moment.
