@@ -95,22 +95,22 @@ claimant with the earliest deadline.
 
 Turns bound the switching overhead. A holder on a visit (some frozen streams' return still
 fits its plan) gives the GPU back once it has had its visit. Any other preemptible holder
-has a turn first: the switch in (the previous holder's sleep, the wake, the probe, the kept
-requests' recompute at :attr:`SwitchCost.recompute_tokens_per_s`) and the sleep that ends
-it, times ``(1 - switch_share) / switch_share`` (3 x at 25 %), so a freeze is begun only
-after the holder has had three times what the switch costs; no rule preempts it before
-(the bounds that predate preemption, ``bounded_wait`` and ``priority_preempt``, drain it
-instead), and past it a preemptible holder gives way to a waiter at once (rule ``cost``).
-While streams stay frozen, visits alternate as the freeze bound asks and may spend more
-than the switch share switching (with 16 GB engines, about 0.8 s a switch, a visit of
-about 1.2 s); once a return no longer fits, the holder that returned keeps its whole turn,
-unless what is left of that turn alone outlasts a frozen claimant's bound and ending the
-visit breaks fewer streams than the turn would (its own counted): a 26.5 GB visitor
-among 1 GB engines (a 5.2 s turn) gives the GPU back to their frozen streams instead of
-keeping them frozen 7 s.
-A holder with nothing in flight gives way at once (``holder_idle``), so sequential traffic
-gets its first token within the switch's own cost. Where no claim keeps requests,
-``rota`` decides exactly as ``drain``.
+has a turn first: its wake to its first token (the wake, the probe and the kept requests'
+recompute, as the switch that woke it measured them; unmeasured, its usual wake and probe)
+and its own sleep on both sides of the turn, times ``(1 - switch_share) / switch_share``
+(3 x at 25 %), so a freeze is begun only after the holder has had three times what the
+switch costs; no rule preempts it before (the bounds that predate preemption,
+``bounded_wait`` and ``priority_preempt``, drain it instead), and past it a preemptible
+holder gives way to a waiter at once (rule ``cost``). While streams stay frozen, visits
+alternate as the freeze bound asks and may spend more than the switch share switching (with
+16 GB engines, about 0.8 s a switch, a visit of about 1.2 s); once a return no longer fits,
+the holder that returned keeps its whole turn, unless what is left of that turn alone
+outlasts a frozen claimant's bound and ending the visit breaks fewer streams than the turn
+would (its own counted): a 26.5 GB visitor among 1 GB engines (a 5.2 s turn) gives the GPU
+back to their frozen streams instead of keeping them frozen 7 s. A holder with nothing in
+flight gives way at once (``holder_idle``), so sequential traffic gets its first token
+within the switch's own cost. Where no claim keeps requests, ``rota`` decides exactly as
+``drain``.
 
 The node may run the policy in :attr:`PolicyMode.DRAIN` (``--policy-mode drain``): the
 rules above without preemption, every switch draining the holder (rota's policy before
@@ -294,10 +294,11 @@ class GpuView:
     """A switch decided earlier and not yet at its wake: its target."""
     idle_since: float = -math.inf
     """When the GPU last had work of anyone (for the home return of an idle GPU)."""
-    switch_in_s: float = 0.0
-    """What the switch that woke the holder cost, as measured: the previous holder's
-    sleep, the wake, the probe and the recompute of its kept requests (0: not known;
-    its own sleep, wake and probe stand in). Sizes its turn before it is preempted."""
+    woken_in_s: float = 0.0
+    """What the wake that brought the holder in took to its first token, as measured:
+    the wake call and the probe, which waited for the recompute of the requests the wake
+    brought back (0: not known; its own wake and probe stand in). With its own sleep it
+    sizes its turn before it is preempted."""
 
 
 @dataclass(frozen=True)
@@ -347,9 +348,9 @@ def quantum_of(inp: PolicyInput, holder: str, target: str | None) -> float:
     A holder that may be preempted (``rota`` mode, its requests kept, busy, and a
     preemption that can be planned: :func:`_preemptible`) has the
     quantum that keeps switching within its ``switch_share`` of GPU time: the switch's
-    cost, the target's recompute included (or the switch that brought the holder in and
-    its sleep, if more), times ``(1 - share) / share``; no drain is counted since none
-    happens. Any other holder: ``max(min_quantum_s, quantum_factor x
+    cost, the target's recompute included, times ``(1 - share) / share``, or what the
+    holder's own turn or visit gives it (:func:`_tenure_ends`), if longer; no drain is
+    counted since none happens. Any other holder: ``max(min_quantum_s, quantum_factor x
     (the switch's cost + the holder's measured drain))``."""
     policy = inp.policies.get(holder, inp.default_policy)
     if target is not None and _preemptible(inp, holder):
@@ -614,12 +615,14 @@ def _visited(inp: PolicyInput, holder: str) -> bool:
     return outlasts and broken_by_visit_end < sum(n for _, _, n in after_turn)
 
 
-def _own_turn(inp: PolicyInput, claim: str, switch_in_s: float) -> float:
-    """The least service a turn of ``claim`` gets: the switch that brought it in (the
-    previous holder's sleep, its wake, probe and kept requests' recompute) and the sleep
-    that ends it, stretched so that they are at most the switch share of the turn."""
+def _own_turn(inp: PolicyInput, claim: str, woken_in_s: float) -> float:
+    """The least service a turn of ``claim`` gets: its wake to the first token
+    (``woken_in_s``, its kept requests' recompute included) and its sleep, on both sides
+    of the turn (its own sleep stands in for the previous holder's: a quick engine woken
+    after a slow one is not held awake for the slow one's sleep), stretched so that they
+    are at most the switch share of the turn."""
     sleep = inp.costs.get(claim, inp.default_cost).sleep_s
-    return _turn_quantum(inp, _policy(inp, claim), switch_in_s + sleep)
+    return _turn_quantum(inp, _policy(inp, claim), sleep + woken_in_s + sleep)
 
 
 def _tenure_ends(inp: PolicyInput, holder: str) -> float:
@@ -634,10 +637,10 @@ def _tenure_ends(inp: PolicyInput, holder: str) -> float:
 
 
 def _turn_ends(inp: PolicyInput, holder: str) -> float:
-    """When the holder's whole turn (:func:`_own_turn`) ends: sized from the switch that
-    brought it in, or from its own sleep, wake and probe where that is not known."""
-    switch_in = inp.gpu.switch_in_s or _cost(inp, holder, holder)
-    return inp.gpu.awake_since + _own_turn(inp, holder, switch_in)
+    """When the holder's whole turn (:func:`_own_turn`) ends: sized from the wake that
+    brought it in, or from its own wake and probe where that is not known."""
+    woken_in = inp.gpu.woken_in_s or _wake_cost(inp, holder)
+    return inp.gpu.awake_since + _own_turn(inp, holder, woken_in)
 
 
 def _switch(inp: PolicyInput, rule: str, reason: str, target: str, holder: str | None,

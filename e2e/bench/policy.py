@@ -236,6 +236,9 @@ class Gpu:
     running: list[Request] = field(default_factory=list)
     drain_began: float = 0.0
     measured_drain: dict[int, float] = field(default_factory=dict)
+    woken_in_s: float = 0.0
+    """What the holder's wake took to its first token, as the lease controller measures
+    it: the wake and the probe, which waits for the recompute of its kept requests."""
     woken: set[int] = field(default_factory=set)
     kept: dict[int, tuple[float, list[Request]]] = field(default_factory=dict)
     """Per sleeping model, when it was preempted and the requests it keeps."""
@@ -293,6 +296,13 @@ class Sim:
             r.frozen_at = self.now
         g.kept[model] = (self.now, kept)
         g.running, g.engine_wait = [], deque()
+
+    def _recompute_s(self, model: int) -> float:
+        """How long ``model``'s engine recomputes the requests it kept, after its wake."""
+        _, kept = self.gpu.kept.get(model, (0.0, []))
+        tokens = sum(r.tokens_done() for r in kept
+                     if not r.left and math.isfinite(r.first_token))
+        return tokens / self.models[model].prefill_tok_s
 
     def _resume(self, model: int) -> None:
         """A woken engine takes back what it kept: its running requests are prefilled
@@ -405,6 +415,7 @@ class Sim:
             self.stats[g.holder].wakes += 1
             g.woken.add(g.holder)
             g.timeline.append((self.now, g.holder))
+            g.woken_in_s = self.models[g.holder].wake_s + PROBE_S + self._recompute_s(g.holder)
             self._resume(g.holder)
 
     def _cancel(self, target: int) -> bool:
@@ -498,7 +509,7 @@ class RotaPolicy:
                        drain_estimate_s=g.measured_drain.get(g.holder, 0.0)
                        if g.holder is not None else 0.0,
                        pending=names[pending] if pending is not None else None,
-                       idle_since=g.idle_since)
+                       idle_since=g.idle_since, woken_in_s=g.woken_in_s)
         kept = {names[k]: KeptWork(len(reqs), since, sum(r.tokens_done() for r in reqs))
                 for k, (since, reqs) in g.kept.items() if reqs}
         return PolicyInput(gpu=view, queues=queues, policies=self.policies, costs=costs,

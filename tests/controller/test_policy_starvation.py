@@ -72,8 +72,9 @@ class SwitchSimulator:
     holder: str | None = None
     awake_since: float = 0.0
     busy_until: float = 0.0
-    switch_in: float = 0.0
-    """What the switch that woke the holder cost (the worker measures it)."""
+    woken_in: float = 0.0
+    """What the holder's wake took to its first token, its recompute included (the worker
+    measures it)."""
     """The switch in progress ends then (nothing is served meanwhile)."""
     draining_for: str | None = None
     kept: dict[str, list[SimRequest]] = field(default_factory=dict)
@@ -108,7 +109,7 @@ class SwitchSimulator:
         busy = self.running()
         return PolicyInput(
             gpu=GpuView(now=self.now, holder=self.holder, awake_since=self.awake_since,
-                        in_flight=len(busy), switch_in_s=self.switch_in,
+                        in_flight=len(busy), woken_in_s=self.woken_in,
                         drain_estimate_s=max((r.work_s - r.done_s for r in busy),
                                              default=0.0)),
             queues=tuple(queues), policies=self.policies, costs=self.costs,
@@ -116,7 +117,8 @@ class SwitchSimulator:
 
     def switch(self, target: str, preempt: bool) -> None:
         holder = self.holder
-        cost = self.costs[target].wake_s + self.costs[target].probe_s
+        woken_in = self.costs[target].wake_s + self.costs[target].probe_s
+        cost = 0.0
         if holder is not None:
             cost += self.costs[holder].sleep_s
             if preempt:
@@ -129,9 +131,10 @@ class SwitchSimulator:
                 self.preempts += 1
         back = self.kept.pop(target, [])
         self.kept_since.pop(target, None)
-        cost += sum(r.tokens for r in back) / self.costs[target].recompute_tokens_per_s
+        woken_in += sum(r.tokens for r in back) / self.costs[target].recompute_tokens_per_s
+        cost += woken_in
         self.switching_s += cost
-        self.switch_in = cost
+        self.woken_in = woken_in
         self.busy_until = self.now + cost
         self.holder = target
         self.awake_since = self.busy_until

@@ -38,6 +38,10 @@ class HolderWork:
         self.clock = clock
         self.holder_since = clock()
         """When the GPU's current holder (or nobody) took it."""
+        self.woken_in_s = 0.0
+        """What the wake that brought the current holder in took to its first token, as
+        measured: the wake call and the probe, which waited for the recompute of the
+        requests the wake brought back (0: not measured, as after a start)."""
         self.last_busy = clock()
         """When the holder was last seen with work."""
         self.costs: dict[str, switch_policy.SwitchCost] = {}
@@ -82,11 +86,13 @@ class HolderWork:
 
     # -- tenure and usage --------------------------------------------------------------
 
-    def new_tenure(self, ended: str | None = None) -> None:
-        """The GPU changed hands now; ``ended`` (a claim ref) was awake until now."""
+    def new_tenure(self, ended: str | None = None, *, woken_in_s: float = 0.0) -> None:
+        """The GPU changed hands now; ``ended`` (a claim ref) was awake until now, and the
+        new holder's wake took ``woken_in_s`` to its first token (0: not measured)."""
         if ended is not None:
             self.used(ended, self.clock() - self.holder_since)
         self.holder_since = self.last_busy = self.clock()
+        self.woken_in_s = woken_in_s
 
     def used(self, ref: str, seconds: float) -> None:
         """Count ``seconds`` awake for ``ref``; everyone's count decays meanwhile."""

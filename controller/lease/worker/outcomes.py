@@ -35,7 +35,9 @@ class Outcomes:
             "reason": result.reason, "fence": result.lease.fence,
             "timings": {k: round(v, 6) for k, v in result.timings.items()}}
         if result.lease.holder != (holder.ref if holder else ""):
-            self.work.new_tenure(holder.ref if holder is not None else None)
+            woken_in = result.timings.get("recovery_to_first_token", 0.0)
+            self.work.new_tenure(holder.ref if holder is not None else None,
+                                 woken_in_s=woken_in if result.ok else 0.0)
         if result.unsettled:
             state.found_unsettled(result.unsettled)
         if self.visibility is not None:

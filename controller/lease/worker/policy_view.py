@@ -71,7 +71,7 @@ class PolicyView:
             gpu=switch_policy.GpuView(
                 now=self.clock(), holder=holder.ref if holder else None,
                 awake_since=work.holder_since, last_request=work.last_busy,
-                in_flight=in_flight, idle_since=work.last_busy,
+                in_flight=in_flight, idle_since=work.last_busy, woken_in_s=work.woken_in_s,
                 drain_estimate_s=work.drains.get(holder.ref, 0.0) if holder else 0.0),
             queues=self.queue.claim_queues(),
             policies={c.ref: self.model_policy(c, defaults) for c in self.claimants()},
