@@ -515,8 +515,8 @@ class Switcher:
         nothing, and the switch counts the target awake only once both are in. A
         confirmation that fails wins over the probe's error (it says why) and ends the
         probe at once: an engine still asleep after a wake it answered with success holds
-        the probe until ``probe_s`` (60 s by default), and the back-out that wakes the old
-        holder again must not wait for that."""
+        the probe's request until its first-token bound (30 s by default), and the
+        back-out that wakes the old holder again must not wait for that."""
         engine = await self.fenced_engine(target, fence, timings)
         t = self.limits.timeouts
         outcome = await self._step("wake", engine.wake(target.sleep_level, confirm=False),

@@ -60,6 +60,7 @@ from e2e.gpu.engines import (
 from e2e.gpu.instrument import HttpTrace
 from e2e.gpu.sampler import NvmlSampler
 from e2e.harness.ports import ReaderDevice
+from rota.kit.engine_connections import engine_connector
 from rota.kit.logs import configure
 from rota.kit.sockets import UnixServer
 
@@ -201,9 +202,7 @@ async def _run(args: argparse.Namespace, state: BenchState, state_file: Path,
     sampler = NvmlSampler(backend, gpu.index, interval_s=args.sample_interval_ms / 1e3)
     trace = HttpTrace()
     try:
-        # Idle connections are dropped before vLLM's 5 s keep-alive closes them under a call.
-        connector = aiohttp.TCPConnector(keepalive_timeout=3.0)
-        async with aiohttp.ClientSession(connector=connector,
+        async with aiohttp.ClientSession(connector=engine_connector(),
                                          trace_configs=[trace.config()]) as session:
             bench = Bench(args=args, state=state, state_file=state_file,
                           out_file=args.out / f"{args.stage}.json", backend=backend, gpu=gpu,

@@ -71,6 +71,7 @@ from e2e.gpu.engines import (
     VllmLauncher,
 )
 from e2e.gpu.steps import say
+from rota.kit.engine_connections import engine_connector
 
 __all__ = ["SEQUENCES", "CallSequence", "StreamRecord", "main", "parser"]
 
@@ -608,8 +609,7 @@ async def _run(args: argparse.Namespace, result: dict[str, Any], deadline: float
         engine = EngineProcess.start(spec, _launcher(args, gpu.uuid, gpu.index), args.state_dir)
         (args.state_dir / "state.json").write_text(json.dumps(
             {"engines": {spec.key: engine.record.model_dump(mode="json")}}), encoding="utf-8")
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        async with aiohttp.ClientSession(connector=engine_connector(limit=0)) as session:
             say(f"starting one engine of {args.model} ({args.launcher}) on {gpu.product_name}")
             ready = await engine.wait_ready(session, deadline=min(
                 deadline - RESERVE_S, time.monotonic() + args.start_timeout_s))

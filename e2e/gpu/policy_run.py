@@ -103,6 +103,7 @@ from e2e.gpu.steps import admit, say
 from e2e.harness.ports import MemoryLeasePort, ReaderDevice
 from rota.api import naming
 from rota.api.gpu_lease import GpuLease
+from rota.kit.engine_connections import engine_connector
 from rota.kit.logs import configure
 from rota.kit.sockets import UnixServer
 
@@ -681,8 +682,7 @@ async def _main(args: argparse.Namespace, launcher: Launcher,
         await server.start()
         reader = DeviceReader(socket, timeout_s=10.0)
         try:
-            connector = aiohttp.TCPConnector(keepalive_timeout=3.0, limit=0)
-            async with aiohttp.ClientSession(connector=connector) as session:
+            async with aiohttp.ClientSession(connector=engine_connector(limit=0)) as session:
                 bench = Bench(args=args, state=BenchState(boot_id=boot_id(), gpu_uuid=gpu.uuid),
                               state_file=args.state_dir / "state.json",
                               out_file=args.out / "policy-engines.json", backend=backend,
