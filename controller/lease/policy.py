@@ -538,8 +538,16 @@ def _freeze_fits(inp: PolicyInput, holder: str | None, target: str, *,
                    f"{_policy(inp, claim).longest_freeze_s:g} s bound")
 
 
+_Return = tuple[float, str, int | None, int]
+"""A frozen claimant's return in a plan: its deadline, the claim, the tokens it recomputes
+(None: its kept requests'), its frozen streams."""
+_Late = tuple[str, float, int]
+"""A frozen claimant a plan brings back past its bound: the claim, by how many seconds,
+its frozen streams."""
+
+
 def _late_after(inp: PolicyInput, holder: str | None, target: str, *,
-                preempted: bool = True) -> list[tuple[str, float, int]]:
+                preempted: bool = True) -> list[_Late]:
     """The plan of :func:`_freeze_fits`: the frozen claimants it brings back late."""
     holder_frozen: list[_Return] = [] if holder is None or not preempted else [
         (inp.gpu.now + _policy(inp, holder).longest_freeze_s, holder,
@@ -555,21 +563,16 @@ def _visit_ends(inp: PolicyInput, holder: str | None, target: str) -> float:
             + _visit_s(inp, target, _measured_cost(inp, holder, target)))
 
 
-_Return = tuple[float, str, int | None, int]
-"""A frozen claimant's return in a plan: its deadline, the claim, the tokens it recomputes
-(None: its kept requests'), its frozen streams."""
-
-
 def _returns_late(inp: PolicyInput, t: float, previous: str | None,
                   skip: tuple[str | None, ...], extra: Sequence[_Return] = ()
-                  ) -> list[tuple[str, float, int]]:
+                  ) -> list[_Late]:
     """The frozen claimants (other than ``skip``, with ``extra`` returns) that would come
     back past their bound when, from ``t`` on, the GPU turns from ``previous`` to each
     in order of their deadlines, each given a visit: (claim, overrun s, frozen streams)."""
     returns: list[_Return] = [
         (k.frozen_since + _policy(inp, c).longest_freeze_s, c, None, k.count)
         for c, k in inp.kept.items() if k.count > 0 and c not in skip]
-    late: list[tuple[str, float, int]] = []
+    late: list[_Late] = []
     for deadline, claim, tokens, streams in sorted([*returns, *extra]):
         t += _cost(inp, previous, claim) + _recompute_s(inp, claim, tokens)
         if t + DUE_MARGIN_S > deadline:
@@ -615,16 +618,6 @@ def _visited(inp: PolicyInput, holder: str) -> bool:
     return outlasts and broken_by_visit_end < sum(n for _, _, n in after_turn)
 
 
-def _own_turn(inp: PolicyInput, claim: str, woken_in_s: float) -> float:
-    """The least service a turn of ``claim`` gets: its wake to the first token
-    (``woken_in_s``, its kept requests' recompute included) and its sleep, on both sides
-    of the turn (its own sleep stands in for the previous holder's: a quick engine woken
-    after a slow one is not held awake for the slow one's sleep), stretched so that they
-    are at most the switch share of the turn."""
-    sleep = inp.costs.get(claim, inp.default_cost).sleep_s
-    return _turn_quantum(inp, _policy(inp, claim), sleep + woken_in_s + sleep)
-
-
 def _tenure_ends(inp: PolicyInput, holder: str) -> float:
     """When a preemptible holder has had the least service its turn buys: before, no
     rule preempts it, so every turn makes progress and the switching stays within the
@@ -637,10 +630,16 @@ def _tenure_ends(inp: PolicyInput, holder: str) -> float:
 
 
 def _turn_ends(inp: PolicyInput, holder: str) -> float:
-    """When the holder's whole turn (:func:`_own_turn`) ends: sized from the wake that
-    brought it in, or from its own wake and probe where that is not known."""
+    """When the holder's whole turn ends, the least service a turn gets: its wake to the
+    first token (as the wake that brought it in measured it, its kept requests' recompute
+    included; else its usual wake and probe) and its sleep on both sides of the turn (its
+    own sleep stands in for the previous holder's: a quick engine woken after a slow one
+    is not held awake for the slow one's sleep), stretched so that they are at most the
+    switch share of the turn."""
+    sleep = inp.costs.get(holder, inp.default_cost).sleep_s
     woken_in = inp.gpu.woken_in_s or _wake_cost(inp, holder)
-    return inp.gpu.awake_since + _own_turn(inp, holder, woken_in)
+    return inp.gpu.awake_since + _turn_quantum(inp, _policy(inp, holder),
+                                               sleep + woken_in + sleep)
 
 
 def _switch(inp: PolicyInput, rule: str, reason: str, target: str, holder: str | None,

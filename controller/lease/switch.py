@@ -525,6 +525,7 @@ class Switcher:
         timings["wake_call"] = wake_s
         self.ports.observer.woke(target.model, target.sleep_level, wake_s)
         self.record_thaw(target)
+        # not rota.kit.aio.both: a probe that fails first still waits for the confirmation
         probing = asyncio.ensure_future(self.probe(target, fence, timings, wake_s=wake_s))
         try:
             await self._step("wake_confirm", engine.confirm_awake(), t.confirm_s, timings)

@@ -297,26 +297,23 @@ class Sim:
         g.kept[model] = (self.now, kept)
         g.running, g.engine_wait = [], deque()
 
-    def _recompute_s(self, model: int) -> float:
-        """How long ``model``'s engine recomputes the requests it kept, after its wake."""
-        _, kept = self.gpu.kept.get(model, (0.0, []))
-        tokens = sum(r.tokens_done() for r in kept
-                     if not r.left and math.isfinite(r.first_token))
-        return tokens / self.models[model].prefill_tok_s
-
-    def _resume(self, model: int) -> None:
+    def _resume(self, model: int) -> float:
         """A woken engine takes back what it kept: its running requests are prefilled
-        again (prompt and generated tokens) before their next token."""
+        again (prompt and generated tokens) before their next token. Returns how many
+        tokens it recomputes."""
         g = self.gpu
         _, kept = g.kept.pop(model, (0.0, []))
+        tokens = 0.0
         for r in kept:
             if r.left:
                 continue
             if math.isfinite(r.first_token):
                 r.prefill_left, r.recomputing = float(r.tokens_done()), True
+                tokens += r.prefill_left
             g.engine_wait.append(r)
         if kept:
             g.served_in_tenure += 1
+        return tokens
 
     def begin_sleep(self) -> None:
         g = self.gpu
@@ -415,8 +412,8 @@ class Sim:
             self.stats[g.holder].wakes += 1
             g.woken.add(g.holder)
             g.timeline.append((self.now, g.holder))
-            g.woken_in_s = self.models[g.holder].wake_s + PROBE_S + self._recompute_s(g.holder)
-            self._resume(g.holder)
+            m = self.models[g.holder]
+            g.woken_in_s = m.wake_s + PROBE_S + self._resume(g.holder) / m.prefill_tok_s
 
     def _cancel(self, target: int) -> bool:
         return False
